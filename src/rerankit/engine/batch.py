@@ -1,0 +1,82 @@
+"""The packed micro-batch: what the planner produces and the model runner consumes.
+
+Tokens of several sequences lie end to end with no padding. Each sequence is either one
+(prefix + item + suffix) pair, or, under multi-item scoring (MIS), one shared prefix followed by
+several item spans (item + suffix). A token of an item span attends to the sequence's prefix and
+to the earlier tokens of its own span only; a prefix token attends causally within the prefix.
+With ``prefix_lens`` all zero and every ``span_starts`` equal to its sequence start, the mask is
+plain causal attention within each sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PackedBatch:
+    """One micro-batch of packed sequences, all tensors on the model's device.
+
+    input_ids:     [T] int64 token ids, sequences end to end.
+    position_ids:  [T] int64 rotary/absolute positions; MIS item spans restart at the prefix length.
+    cu_seqlens:    [B+1] int32 cumulative sequence lengths (sequence b is tokens cu[b]:cu[b+1]).
+    max_seqlen:    longest sequence in the batch (int, on the host).
+    prefix_lens:   [B] int32 shared-prefix length of each sequence (0 when MIS is off).
+    span_starts:   [T] int32 packed index where each token's own span starts (prefix tokens and
+                   non-MIS tokens: their sequence start).
+    read_positions:[N] int64 packed indices whose hidden state is scored (one per item).
+    item_indices:  [N] int64 request-level item index of each read position, in the same order.
+    request_ids:   [N] int64 which request of the engine call each read position belongs to.
+    causal:        True for decoders; False for bidirectional encoders (MIS is never used there).
+    token_type_ids:[T] int64 segment ids for BERT-style pair encoders, else None.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    prefix_lens: torch.Tensor
+    span_starts: torch.Tensor
+    read_positions: torch.Tensor
+    item_indices: torch.Tensor
+    request_ids: torch.Tensor
+    causal: bool = True
+    token_type_ids: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def is_multi_item(self) -> bool:
+        """True when some sequence shares a prefix among several item spans."""
+        return bool(self.prefix_lens.numel()) and bool((self.prefix_lens > 0).any())
+
+    def to(self, device: torch.device | str) -> "PackedBatch":
+        """The same batch with every tensor moved to ``device``."""
+        moved = {
+            name: (value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value)
+            for name, value in self.__dict__.items()
+        }
+        return PackedBatch(**moved)
+
+
+def attention_allowed(batch: PackedBatch) -> torch.Tensor:
+    """Dense [T, T] boolean mask of which key each query may see: the slow, obvious reference."""
+    total = batch.num_tokens
+    device = batch.input_ids.device
+    cu = batch.cu_seqlens.to(torch.int64)
+    lengths = cu[1:] - cu[:-1]
+    seq_of_token = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
+    seq_start = cu[:-1][seq_of_token]
+    prefix_end = seq_start + batch.prefix_lens.to(torch.int64)[seq_of_token]
+    span_start = batch.span_starts.to(torch.int64)
+    q = torch.arange(total, device=device)[:, None]
+    k = torch.arange(total, device=device)[None, :]
+    same_seq = seq_of_token[:, None] == seq_of_token[None, :]
+    if not batch.causal:
+        return same_seq
+    visible = (k < prefix_end[:, None]) | (k >= span_start[:, None])
+    return same_seq & (k <= q) & visible

@@ -1,0 +1,64 @@
+"""The one error hierarchy of rerankit. Every error a user should handle is a ``RerankitError``."""
+
+from __future__ import annotations
+
+
+class RerankitError(Exception):
+    """Base of every error rerankit raises on purpose."""
+
+    status_code: int = 500
+    error_type: str = "internal_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidRequest(RerankitError, ValueError):
+    """The request cannot be scored as given; ``field`` names the offending field."""
+
+    status_code = 400
+    error_type = "invalid_request"
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.reason = message
+
+
+class RequestTooLarge(InvalidRequest):
+    """A size limit (items, tokens, body) is exceeded; ``limit`` is the configured bound."""
+
+    status_code = 413
+    error_type = "request_too_large"
+
+    def __init__(self, field: str, message: str, limit: int) -> None:
+        super().__init__(field, message)
+        self.limit = limit
+
+
+class ModelLoadError(RerankitError):
+    """The model could not be found, loaded, or used in the asked mode."""
+
+    status_code = 500
+    error_type = "model_load_error"
+
+
+class RemoteError(RerankitError):
+    """A remote server answered with an error, or could not be reached after retries."""
+
+    error_type = "remote_error"
+
+    def __init__(self, message: str, status_code: int | None = None, url: str | None = None,
+                 body: str | None = None) -> None:
+        super().__init__(message if status_code is None else f"HTTP {status_code} from {url}: {message}")
+        self.status_code = status_code if status_code is not None else 502
+        self.url = url
+        self.body = body
+
+
+class Overloaded(RerankitError):
+    """The server's queue is full; try again later."""
+
+    status_code = 429
+    error_type = "overloaded"

@@ -1,0 +1,99 @@
+"""``Reranker``: the plain Python front. Picks an embedded engine or a remote client from ``model``."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Sequence
+
+from rerankit.backend import Backend
+from rerankit.errors import ModelLoadError
+from rerankit.schema import RankedDocument, ScoreRequest, ScoreResponse
+
+
+def is_url(model: Any) -> bool:
+    """True for an http(s) URL or a non-empty list of them."""
+    if isinstance(model, str):
+        return model.startswith(("http://", "https://"))
+    return isinstance(model, (list, tuple)) and bool(model) and all(is_url(entry) for entry in model)
+
+
+def make_backend(model: str | Sequence[str] | None = None, **options: Any) -> Backend:
+    """A backend for ``model``: a URL (or list) gives a remote client, anything else the embedded engine.
+
+    ``model=None`` is the embedded default, the packaged all-MiniLM-L6-v2 bi-encoder.
+    Options go to the backend (embedded: device, dtype, mode, template, ...; remote: dialect, api_key, ...).
+    """
+    if is_url(model):
+        from rerankit.remote import RemoteBackend
+
+        return RemoteBackend(model, **options)
+    try:
+        from rerankit.engine import EmbeddedBackend
+    except ImportError as exc:  # the engine extra is not installed
+        raise ModelLoadError(
+            f"the embedded engine needs torch and transformers ({exc}): pip install 'rerankit[engine]', "
+            "or pass a server URL as model"
+        ) from exc
+    if model is None:
+        from rerankit.defaults import default_model_path
+
+        model = default_model_path()
+    return EmbeddedBackend(str(model), **options)
+
+
+class Reranker:
+    """Reorders documents by relevance to a query, with a local model or a remote server.
+
+    >>> reranker = Reranker()                                  # packaged MiniLM, on CPU or GPU
+    >>> reranker = Reranker("Qwen/Qwen3-Reranker-0.6B", device="cuda")
+    >>> reranker = Reranker("http://localhost:8000", dialect="vllm-generative")
+    """
+
+    def __init__(self, model: str | Sequence[str] | None = None, *, backend: Backend | None = None,
+                 **options: Any) -> None:
+        self.backend: Backend = backend if backend is not None else make_backend(model, **options)
+
+    @property
+    def model_name(self) -> str:
+        """The model the backend scores with."""
+        return self.backend.model_name
+
+    def score(self, request: ScoreRequest) -> ScoreResponse:
+        """Score a full request; one result per item, in input order."""
+        return self.backend.score(request)
+
+    async def ascore(self, request: ScoreRequest) -> ScoreResponse:
+        """Async twin of ``score``."""
+        return await self.backend.ascore(request)
+
+    def rank(self, query: str, documents: Sequence[str], top_n: int | None = None,
+             **fields: Any) -> list[RankedDocument]:
+        """Documents sorted best first (ties by input order), the first ``top_n`` of them."""
+        response = self.score(ScoreRequest(query=query, items=list(documents), top_n=top_n, **fields))
+        return _ranked_documents(response, documents, top_n)
+
+    async def arank(self, query: str, documents: Sequence[str], top_n: int | None = None,
+                    **fields: Any) -> list[RankedDocument]:
+        """Async twin of ``rank``."""
+        response = await self.ascore(ScoreRequest(query=query, items=list(documents), top_n=top_n, **fields))
+        return _ranked_documents(response, documents, top_n)
+
+    def close(self) -> None:
+        """Release the backend's model or connections."""
+        self.backend.close()
+
+    def __enter__(self) -> "Reranker":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> "Reranker":
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await asyncio.to_thread(self.close)
+
+
+def _ranked_documents(response: ScoreResponse, documents: Sequence[str], top_n: int | None) -> list[RankedDocument]:
+    return [RankedDocument(index=r.index, score=r.score, text=documents[r.index]) for r in response.ranked(top_n)]

@@ -1,0 +1,201 @@
+"""The one request/response schema that every backend (embedded, remote, server) speaks.
+
+It imports nothing of rerankit but the error hierarchy, a leaf module, so that a bad request
+raises the same typed ``InvalidRequest`` wherever it is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from rerankit.errors import InvalidRequest
+
+Mode = Literal["generative", "cross-encoder", "bi-encoder", "late-interaction"]
+MODES: tuple[str, ...] = ("generative", "cross-encoder", "bi-encoder", "late-interaction")
+Truncation = Literal["end", "start", "none"]
+TokenIds = list[int]
+MAX_LABELS = 128
+
+
+def _invalid_from(exc: ValidationError) -> InvalidRequest:
+    """The first pydantic error as an ``InvalidRequest`` naming the field path."""
+    first = exc.errors()[0]
+    field = ".".join(str(part) for part in first.get("loc", ())) or "request"
+    message = str(first.get("msg", "invalid value"))
+    if message.startswith("Value error, "):
+        message = message[len("Value error, "):]
+    return InvalidRequest(field, message)
+
+
+class _Strict(BaseModel):
+    """Base for request models: typed errors at construction, unknown fields refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise _invalid_from(exc) from None
+
+    @classmethod
+    def parse(cls, data: Any) -> "_Strict":
+        """Validate a dict (e.g. a JSON body), raising ``InvalidRequest`` on bad input."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise _invalid_from(exc) from None
+
+
+class ScoreRequest(_Strict):
+    """Score every item against one query. Results come back one per item, in input order."""
+
+    query: Union[str, TokenIds] = Field(description="Query text, or its token ids.")
+    items: Union[list[str], list[TokenIds]] = Field(description="Documents: all texts or all token-id lists.")
+    mode: Mode | None = Field(default=None, description="Scoring mode; inferred from the model when None.")
+    template: str | None = Field(default=None, description="Prompt template name; detected from the model when None.")
+    label_token_ids: TokenIds | None = Field(default=None, description="Label token ids; the first is the positive one.")
+    labels: list[str] | None = Field(default=None, description="Label strings, resolved to single tokens by the template.")
+    apply_softmax: bool = Field(default=True, description="Softmax over the labels only; False: full-vocabulary probability.")
+    item_first: bool = Field(default=False, description="Raw mode: item before query.")
+    add_special_tokens: bool = Field(default=True, description="Raw mode: special tokens on the query (never on items).")
+    instruction: str | None = Field(default=None, description="Task instruction for templates that take one.")
+    top_n: int | None = Field(default=None, ge=1, description="Keep the n best in ``ranked()``; None keeps all.")
+    return_pooled_hidden_states: bool = False
+    return_label_logprobs: bool = False
+    max_tokens_per_item: int | None = Field(default=None, ge=1, description="Cut each item to this many tokens.")
+    truncation: Truncation = Field(default="end", description="Cut an item's end or start to fit; 'none' refuses.")
+    multi_item: bool = Field(default=True, description="Share the prefix among items in one sequence (generative).")
+    mis_delimiter_token_id: int | None = Field(default=None, ge=0, description="Raw MIS delimiter token (SGLang layout).")
+
+    @field_validator("query")
+    @classmethod
+    def _query_not_empty(cls, query: Union[str, TokenIds]) -> Union[str, TokenIds]:
+        if isinstance(query, str) and not query.strip():
+            raise ValueError("must not be empty")
+        if isinstance(query, list):
+            if not query:
+                raise ValueError("must not be an empty token list")
+            if min(query) < 0:
+                raise ValueError("token ids must be >= 0")
+        return query
+
+    @field_validator("items", mode="before")
+    @classmethod
+    def _items_homogeneous(cls, items: Any) -> Any:
+        if isinstance(items, (str, bytes)):
+            raise ValueError("must be a list of texts or of token-id lists, not a single string")
+        if isinstance(items, list):
+            if not items:
+                raise ValueError("must hold at least one item")
+            kinds = {type(item).__name__ for item in items}
+            if len(kinds) > 1:
+                raise ValueError(f"mixes item types ({', '.join(sorted(kinds))}): give all texts or all token-id lists")
+            if isinstance(items[0], list):
+                for position, item in enumerate(items):
+                    if not item:
+                        raise ValueError(f"item {position} is an empty token list")
+                    if any(not isinstance(tok, int) or tok < 0 for tok in item):
+                        raise ValueError(f"item {position} has a token id that is not an int >= 0")
+        return items
+
+    @field_validator("label_token_ids")
+    @classmethod
+    def _label_ids_in_bounds(cls, ids: TokenIds | None) -> TokenIds | None:
+        if ids is None:
+            return ids
+        if not ids:
+            raise ValueError("must hold at least one label id")
+        if len(ids) > MAX_LABELS:
+            raise ValueError(f"holds {len(ids)} label ids; the limit is {MAX_LABELS}")
+        if min(ids) < 0:
+            raise ValueError("label ids must be >= 0")
+        return ids
+
+    @field_validator("labels")
+    @classmethod
+    def _labels_in_bounds(cls, labels: list[str] | None) -> list[str] | None:
+        if labels is None:
+            return labels
+        if not labels:
+            raise ValueError("must hold at least one label")
+        if len(labels) > MAX_LABELS:
+            raise ValueError(f"holds {len(labels)} labels; the limit is {MAX_LABELS}")
+        return labels
+
+    @model_validator(mode="after")
+    def _labels_once(self) -> "ScoreRequest":
+        if self.label_token_ids is not None and self.labels is not None:
+            raise ValueError("give label_token_ids or labels, not both")
+        return self
+
+    @property
+    def items_are_token_ids(self) -> bool:
+        """True when the items are given as token ids rather than texts."""
+        return isinstance(self.items[0], list)
+
+
+class ScoreResult(BaseModel):
+    """The score of one input item; ``index`` is its position in the request's ``items``."""
+
+    index: int
+    score: float
+    label_logprobs: list[float] | None = None
+    pooled_hidden_state: list[float] | None = None
+
+
+class Usage(BaseModel):
+    """Token counts: as if each pair were scored alone, and what was computed after prefix sharing."""
+
+    prompt_tokens: int = 0
+    computed_tokens: int = 0
+
+
+class ScoreResponse(BaseModel):
+    """One result per input item, in input order; ``ranked()`` gives them best first."""
+
+    results: list[ScoreResult]
+    model: str
+    usage: Usage = Field(default_factory=Usage)
+
+    @model_validator(mode="after")
+    def _one_result_per_item_in_order(self) -> "ScoreResponse":
+        for position, result in enumerate(self.results):
+            if result.index != position:
+                raise ValueError(f"results[{position}] has index {result.index}: results must be in input order")
+        return self
+
+    def ranked(self, top_n: int | None = None) -> list[ScoreResult]:
+        """Results sorted by score, best first, ties broken by input index; the first ``top_n``."""
+        order = sorted(self.results, key=lambda result: (-result.score, result.index))
+        return order if top_n is None else order[:top_n]
+
+    @property
+    def scores(self) -> list[float]:
+        """The scores in input order."""
+        return [result.score for result in self.results]
+
+
+class ErrorDetail(BaseModel):
+    """The payload of an error, as servers send it back."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorBody(BaseModel):
+    """``{"error": {...}}``: the error body of rerankit's own routes (the vLLM/OpenAI shape)."""
+
+    error: ErrorDetail
+
+
+class RankedDocument(BaseModel):
+    """A document with its score, as ``Reranker.rank`` returns it best first."""
+
+    index: int
+    score: float
+    text: str

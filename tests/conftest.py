@@ -1,0 +1,56 @@
+"""Shared test set-up: the `gpu` marker skips where no CUDA device is present."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+
+def _cuda_available() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _cuda_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_lm(tmp_path_factory: pytest.TempPathFactory):
+    """Path of a tiny random Qwen3ForCausalLM (with tokenizer) saved on disk."""
+    from tiny_models import make_qwen3_causal_lm
+
+    return make_qwen3_causal_lm(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_classifier(tmp_path_factory: pytest.TempPathFactory):
+    """Path of a tiny random Qwen3ForSequenceClassification (one logit)."""
+    from tiny_models import make_qwen3_sequence_classifier
+
+    return make_qwen3_sequence_classifier(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_cross_encoder(tmp_path_factory: pytest.TempPathFactory):
+    """Path of a tiny random BertForSequenceClassification (one logit)."""
+    from tiny_models import make_bert_cross_encoder
+
+    return make_bert_cross_encoder(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_embedder(tmp_path_factory: pytest.TempPathFactory):
+    """Path of a tiny random BERT embedding model with mean pooling."""
+    from tiny_models import make_bert_embedder
+
+    return make_bert_embedder(tmp_path_factory.mktemp("models"))
