@@ -1,0 +1,156 @@
+"""Packed attention for the model runner: one call per layer over a :class:`PackedBatch`.
+
+Backends (all compute the mask of :func:`rerankit.engine.batch.attention_allowed`):
+  triton  our shared-prefix kernel (rerankit.kernels.prefix_attention); CUDA, or CPU under TRITON_INTERPRET=1
+  flex    torch FlexAttention with a BlockMask built once per batch; compiled on CUDA, eager on CPU
+  varlen  torch.nn.attention.varlen.varlen_attn (flash attention); CUDA, plain packed attention only (no MIS)
+  sdpa    one torch SDPA call per sequence with a boolean mask; the reference and the CPU default
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+import triton
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from rerankit.engine.batch import PackedBatch
+from rerankit.kernels.prefix_attention import prefix_attention, prefix_attention_reference
+
+BACKENDS = ("triton", "flex", "varlen", "sdpa")
+
+
+def available_backends(device: torch.device | str) -> list[str]:
+    """The backends that can run on ``device`` in this process."""
+    on_cuda = torch.device(device).type == "cuda"
+    found = ["sdpa", "flex"]
+    if on_cuda or triton.knobs.runtime.interpret:
+        found.append("triton")
+    if on_cuda and _varlen_attn() is not None:
+        found.append("varlen")
+    return found
+
+
+def default_backend(device: torch.device | str) -> str:
+    """Triton on CUDA (fastest in benchmarks/attention.py on an H100, MIS or not); SDPA elsewhere."""
+    return "triton" if torch.device(device).type == "cuda" else "sdpa"
+
+
+def packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: PackedBatch,
+    scale: float | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Attention of q [T, Hq, D] over k/v [T, Hkv, D] under the batch's packed (and MIS) mask -> [T, Hq, D]."""
+    backend = backend or default_backend(q.device)
+    if backend == "triton":
+        return prefix_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, batch.prefix_lens,
+                                batch.span_starts, batch.causal, scale)
+    if backend == "sdpa":
+        return prefix_attention_reference(q, k, v, batch.cu_seqlens, batch.max_seqlen, batch.prefix_lens,
+                                          batch.span_starts, batch.causal, scale)
+    if backend == "flex":
+        return _flex(q, k, v, batch, scale)
+    if backend == "varlen":
+        return _varlen(q, k, v, batch, scale)
+    raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+
+
+@dataclass
+class _BatchState:
+    """What a backend derives from a batch once and reuses in every layer."""
+
+    multi_item: bool
+    block_mask: BlockMask | None = None
+
+
+# A forward pass calls every layer with the same batch object; a few live entries cover the
+# batches in flight across threads. Keyed by id() with a weakref check, since PackedBatch is unhashable.
+_STATES: dict[int, tuple[weakref.ref, _BatchState]] = {}
+_STATES_LOCK = threading.Lock()
+_MAX_STATES = 8
+
+
+def _batch_state(batch: PackedBatch) -> _BatchState:
+    with _STATES_LOCK:
+        entry = _STATES.get(id(batch))
+        if entry is not None and entry[0]() is batch:
+            return entry[1]
+        state = _BatchState(multi_item=batch.is_multi_item)
+        while len(_STATES) >= _MAX_STATES:
+            _STATES.pop(next(iter(_STATES)))
+        _STATES[id(batch)] = (weakref.ref(batch), state)
+        return state
+
+
+def build_block_mask(batch: PackedBatch) -> BlockMask:
+    """FlexAttention BlockMask of the batch's mask (same rule as ``attention_allowed``)."""
+    cu = batch.cu_seqlens.to(torch.int64)
+    lengths = cu[1:] - cu[:-1]
+    seq_of_token = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths)
+    prefix_end = cu[:-1][seq_of_token] + batch.prefix_lens.to(torch.int64)[seq_of_token]
+    span_start = batch.span_starts.to(torch.int64)
+
+    def same_sequence(b, h, q_idx, kv_idx):
+        return seq_of_token[q_idx] == seq_of_token[kv_idx]
+
+    def shared_prefix_causal(b, h, q_idx, kv_idx):
+        visible = (kv_idx < prefix_end[q_idx]) | (kv_idx >= span_start[q_idx])
+        return same_sequence(b, h, q_idx, kv_idx) & (kv_idx <= q_idx) & visible
+
+    mask_mod = shared_prefix_causal if batch.causal else same_sequence
+    total = batch.num_tokens
+    return create_block_mask(mask_mod, None, None, total, total, device=cu.device, _compile=cu.is_cuda)
+
+
+@functools.cache
+def _compiled_flex_attention():
+    return torch.compile(flex_attention)
+
+
+def _flex(q, k, v, batch, scale):
+    state = _batch_state(batch)
+    if state.block_mask is None:
+        state.block_mask = build_block_mask(batch)
+    # Eager flex on CPU materializes the scores, fine for tests; compiling there costs ~20 s.
+    attend = _compiled_flex_attention() if q.is_cuda else flex_attention
+    heads_first = [x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
+    out = attend(*heads_first, block_mask=state.block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1)
+
+
+@functools.cache
+def _varlen_attn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _varlen(q, k, v, batch, scale):
+    if _batch_state(batch).multi_item:
+        raise ValueError("the varlen backend has no shared-prefix mask; use 'triton' or 'flex' for MIS batches")
+    varlen_attn = _varlen_attn()
+    params = inspect.signature(varlen_attn).parameters
+    # torch 2.10 took is_causal; 2.11 replaced it with a (left, right) window, (-1, 0) being causal.
+    if "window_size" in params:
+        options = {"window_size": (-1, 0) if batch.causal else (-1, -1)}
+    else:
+        options = {"is_causal": batch.causal}
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            options["enable_gqa"] = True
+        else:
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    cu = batch.cu_seqlens.to(torch.int32)
+    return varlen_attn(q, k, v, cu, cu, batch.max_seqlen, batch.max_seqlen, scale=scale, **options)
