@@ -1,0 +1,36 @@
+"""Our own packed forward for the main model families, built on an already-loaded transformers model.
+
+``build_packed_model`` shares the transformers model's weight tensors; it does not copy them. The only
+new tensors are the fused q/k/v and gate/up matrices, and the transformers projections are re-pointed
+at slices of those, so the weights stay in memory once and the transformers model still runs (the
+fallback path) on the same storage.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from rerankit.engine.models import decoder, encoder
+from rerankit.engine.models.decoder import PackedDecoder
+from rerankit.engine.models.encoder import PackedEncoder
+
+__all__ = ["PackedDecoder", "PackedEncoder", "build_packed_model", "supports"]
+
+
+def supports(config) -> bool:
+    """True when a packed model exists for this transformers config."""
+    return decoder.unsupported_reason(config) is None or encoder.unsupported_reason(config) is None
+
+
+def build_packed_model(hf_model: nn.Module, compile: bool = False,
+                       attention_fn=None) -> PackedDecoder | PackedEncoder | None:
+    """A packed model over ``hf_model``'s weights (CausalLM, SequenceClassification or base model).
+
+    None for an architecture we do not run, so the caller falls back to the transformers model.
+    """
+    config = hf_model.config
+    if decoder.unsupported_reason(config) is None:
+        return PackedDecoder(hf_model, compile=compile, attention_fn=attention_fn)
+    if encoder.unsupported_reason(config) is None:
+        return PackedEncoder(hf_model, compile=compile, attention_fn=attention_fn)
+    return None

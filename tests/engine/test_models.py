@@ -1,0 +1,204 @@
+"""The packed models against transformers, per sequence, on tiny random models (CPU, float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from rerankit.engine.batch import PackedBatch, attention_allowed
+from rerankit.engine.models import PackedDecoder, PackedEncoder, build_packed_model, supports
+
+TOLERANCE = 1e-4
+DECODER_SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+ENCODER_SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, max_position_embeddings=512)
+
+
+def dense_attention(q, k, v, batch, scale=None):
+    """Reference packed attention: full [T, T] scores under ``attention_allowed``, GQA by repeating kv heads."""
+    repeat = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    scores = scores.masked_fill(~attention_allowed(batch), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float()).to(q.dtype)
+
+
+def pack(sequences, causal=True, token_types=None, read_positions=None):
+    """A PackedBatch of plain sequences (no shared prefix); reads each sequence's last token by default."""
+    lengths = torch.tensor([len(s) for s in sequences])
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    starts = torch.repeat_interleave(cu[:-1], lengths)
+    return _batch(torch.tensor([t for s in sequences for t in s]),
+                  torch.cat([torch.arange(n) for n in lengths.tolist()]), cu, torch.zeros(len(sequences)),
+                  starts, cu[1:].long() - 1 if read_positions is None else read_positions, causal,
+                  None if token_types is None else torch.tensor([t for s in token_types for t in s]))
+
+
+def pack_multi_item(prefix, items):
+    """One MIS sequence: the prefix once, then each item span with positions restarting at the prefix length."""
+    ids = list(prefix) + [t for item in items for t in item]
+    positions = list(range(len(prefix))) + [len(prefix) + i for item in items for i in range(len(item))]
+    span_starts, ends, start = [0] * len(prefix), [], len(prefix)
+    for item in items:
+        span_starts += [start] * len(item)
+        start += len(item)
+        ends.append(start - 1)
+    return _batch(torch.tensor(ids), torch.tensor(positions), torch.tensor([0, len(ids)], dtype=torch.int32),
+                  torch.tensor([len(prefix)]), torch.tensor(span_starts), torch.tensor(ends), True, None)
+
+
+def _batch(ids, positions, cu, prefix_lens, span_starts, read_positions, causal, token_types):
+    return PackedBatch(input_ids=ids.long(), position_ids=positions.long(), cu_seqlens=cu.to(torch.int32),
+                       max_seqlen=int((cu[1:] - cu[:-1]).max()), prefix_lens=prefix_lens.to(torch.int32),
+                       span_starts=span_starts.to(torch.int32), read_positions=read_positions.long(),
+                       item_indices=torch.arange(read_positions.numel()),
+                       request_ids=torch.zeros(read_positions.numel(), dtype=torch.long), causal=causal,
+                       token_type_ids=token_types)
+
+
+def load_tiny(tmp_path, model_class, config):
+    """A random tiny model saved with save_pretrained and loaded back, float32, eager attention."""
+    torch.manual_seed(0)
+    model = model_class(config)
+    with torch.no_grad():  # norms start at one; randomise them so a skipped or misplaced norm shows
+        for name, param in model.named_parameters():
+            if "norm" in name.lower() and name.endswith("weight"):
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(tmp_path)
+    return model_class.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def random_sequences(lengths, seed=1, low=3):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(low, 256, (n,), generator=generator).tolist() for n in lengths]
+
+
+DECODERS = {
+    "qwen3": (transformers.Qwen3ForCausalLM,
+              lambda: transformers.Qwen3Config(**DECODER_SIZES, head_dim=32, tie_word_embeddings=True)),
+    "qwen2": (transformers.Qwen2ForCausalLM, lambda: transformers.Qwen2Config(**DECODER_SIZES)),
+    "llama3": (transformers.LlamaForCausalLM, lambda: transformers.LlamaConfig(
+        **DECODER_SIZES, rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
+                                              low_freq_factor=1.0, high_freq_factor=4.0,
+                                              original_max_position_embeddings=64))),
+    "qwen3-seq-cls": (transformers.Qwen3ForSequenceClassification,
+                      lambda: transformers.Qwen3Config(**DECODER_SIZES, num_labels=1, pad_token_id=0)),
+}
+
+
+@pytest.fixture(params=sorted(DECODERS))
+def decoder_pair(request, tmp_path):
+    model_class, make_config = DECODERS[request.param]
+    hf = load_tiny(tmp_path, model_class, make_config())
+    return hf, build_packed_model(hf, attention_fn=dense_attention)
+
+
+def per_sequence_hidden(hf, sequences, **inputs):
+    with torch.no_grad():
+        return [hf.base_model(input_ids=torch.tensor([s]), **{k: torch.tensor([v[i]]) for k, v in inputs.items()})
+                .last_hidden_state[0] for i, s in enumerate(sequences)]
+
+
+def test_decoder_hidden_states_equal_transformers_per_sequence(decoder_pair):
+    hf, packed = decoder_pair
+    assert isinstance(packed, PackedDecoder)
+    sequences = random_sequences([7, 19, 1, 12])
+    hidden = packed(pack(sequences))
+    expected = torch.cat(per_sequence_hidden(hf, sequences))
+    torch.testing.assert_close(hidden, expected, atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def test_decoder_forward_read_equals_full_forward_at_read_positions(decoder_pair):
+    _, packed = decoder_pair
+    batch = pack(random_sequences([9, 4, 15]))
+    torch.testing.assert_close(packed.forward_read(batch), packed(batch)[batch.read_positions],
+                               atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def test_decoder_heads_equal_transformers_logits(decoder_pair):
+    hf, packed = decoder_pair
+    sequences = random_sequences([6, 11], seed=2)
+    read = packed.forward_read(pack(sequences))
+    with torch.no_grad():
+        logits = [hf(input_ids=torch.tensor([s])).logits[0] for s in sequences]
+    # A CausalLM gives [S, vocab] per sequence; a SequenceClassification model has pooled its last token.
+    expected = [rows[-1] if rows.dim() == 2 else rows for rows in logits]
+    head = packed.score_weight if packed.score_weight is not None else packed.lm_head_weight
+    torch.testing.assert_close(read @ head.T, torch.stack(expected), atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def test_multi_item_batch_equals_per_pair_forwards(tmp_path):
+    hf = load_tiny(tmp_path, transformers.Qwen3ForCausalLM, DECODERS["qwen3"][1]())
+    packed = build_packed_model(hf, attention_fn=dense_attention)
+    prefix, *items = random_sequences([10, 5, 8, 3], seed=3)
+    batch = pack_multi_item(prefix, items)
+    hidden = packed(batch)
+    pairs = per_sequence_hidden(hf, [prefix + item for item in items])
+    expected = torch.cat([pair[len(prefix):] for pair in pairs])
+    torch.testing.assert_close(hidden[len(prefix):], expected, atol=TOLERANCE, rtol=TOLERANCE)
+    torch.testing.assert_close(packed.forward_read(batch), torch.stack([pair[-1] for pair in pairs]),
+                               atol=TOLERANCE, rtol=TOLERANCE)
+
+
+ENCODERS = {
+    "bert": (transformers.BertModel, lambda: transformers.BertConfig(**ENCODER_SIZES)),
+    "bert-seq-cls": (transformers.BertForSequenceClassification,
+                     lambda: transformers.BertConfig(**ENCODER_SIZES, num_labels=2)),
+    "xlm-roberta-seq-cls": (transformers.XLMRobertaForSequenceClassification,
+                            lambda: transformers.XLMRobertaConfig(**ENCODER_SIZES, type_vocab_size=1, num_labels=1,
+                                                                  pad_token_id=1)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ENCODERS))
+def test_encoder_hidden_states_and_head_equal_transformers_per_sequence(tmp_path, name):
+    model_class, make_config = ENCODERS[name]
+    hf = load_tiny(tmp_path, model_class, make_config())
+    packed = build_packed_model(hf, attention_fn=dense_attention)
+    assert isinstance(packed, PackedEncoder)
+    sequences = random_sequences([8, 3, 13], seed=4)
+    # A BERT pair: first segment 0, second segment 1; XLM-R has a single segment.
+    types = [[0] * (len(s) // 2) + [1] * (len(s) - len(s) // 2) if hf.config.type_vocab_size > 1 else [0] * len(s)
+             for s in sequences]
+    batch = pack(sequences, causal=False, token_types=types,
+                 read_positions=torch.tensor([0, 8, 11]))
+    hidden = packed(batch)
+    expected = per_sequence_hidden(hf, sequences, token_type_ids=types)
+    torch.testing.assert_close(hidden, torch.cat(expected), atol=TOLERANCE, rtol=TOLERANCE)
+    cls = packed.forward_read(batch)
+    torch.testing.assert_close(cls, torch.stack([e[0] for e in expected]), atol=TOLERANCE, rtol=TOLERANCE)
+    if isinstance(hf, transformers.BertModel):
+        with torch.no_grad():
+            pooled = [hf(input_ids=torch.tensor([s]), token_type_ids=torch.tensor([t])).pooler_output[0]
+                      for s, t in zip(sequences, types)]
+        torch.testing.assert_close(packed.pool(cls), torch.stack(pooled), atol=TOLERANCE, rtol=TOLERANCE)
+    else:
+        with torch.no_grad():
+            logits = [hf(input_ids=torch.tensor([s]), token_type_ids=torch.tensor([t])).logits[0]
+                      for s, t in zip(sequences, types)]
+        torch.testing.assert_close(packed.classify(cls), torch.stack(logits), atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def test_weights_are_shared_with_the_transformers_model(tmp_path):
+    hf = load_tiny(tmp_path, transformers.Qwen2ForCausalLM, DECODERS["qwen2"][1]())
+    packed = build_packed_model(hf, attention_fn=dense_attention)
+    attn, layer = hf.model.layers[0].self_attn, packed.layers[0]
+    assert packed.embed_weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == layer.qkv_weight.untyped_storage().data_ptr()
+    assert attn.v_proj.bias.untyped_storage().data_ptr() == layer.qkv_bias.untyped_storage().data_ptr()
+    parameter_bytes = sum(p.numel() * p.element_size() for p in packed.parameters())
+    assert parameter_bytes == sum(p.numel() * p.element_size() for p in hf.parameters())
+
+
+def test_unsupported_architectures_are_refused():
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    assert build_packed_model(gpt2) is None
+    assert not supports(gpt2.config)
+    assert supports(transformers.Qwen3Config(**DECODER_SIZES))
+    assert not supports(transformers.Qwen2Config(**DECODER_SIZES, use_sliding_window=True, sliding_window=16,
+                                                 max_window_layers=0))
+    assert not supports(transformers.LlamaConfig(**DECODER_SIZES, rope_parameters=dict(
+        rope_type="dynamic", rope_theta=10000.0, factor=2.0)))
