@@ -1,0 +1,151 @@
+"""The ``rerankit`` command: ``rank`` documents from a file against a query, or ``serve`` a model over HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Sequence, TextIO
+
+from rerankit.errors import InvalidRequest, RerankitError
+from rerankit.reranker import make_backend
+from rerankit.schema import ScoreRequest, ScoreResponse
+
+USAGE_ERROR = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0, or 2 with one ``error:`` line on a rerankit error)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except RerankitError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``rerankit`` and its subcommands."""
+    parser = argparse.ArgumentParser(prog="rerankit", description="Rerank documents by relevance to a query.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    rank = commands.add_parser("rank", help="rank the documents of a file against a query",
+                               description="Rank documents against a query, best first.")
+    rank.add_argument("--model", help="model path, hub id, or server URL (default: the packaged MiniLM, offline)")
+    rank.add_argument("--query", required=True, help="the query text")
+    rank.add_argument("--docs", required=True,
+                      help="documents: a .txt file (one a line), a .jsonl file, or - for stdin")
+    rank.add_argument("--format", choices=("txt", "jsonl"),
+                      help="format of --docs (default: from the file suffix; stdin is txt)")
+    rank.add_argument("--text-field", default="text", help="the field holding the text in .jsonl (default: text)")
+    rank.add_argument("--top-n", type=int, help="print only the N best")
+    rank.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    rank.add_argument("--device", help="embedded engine: cpu, cuda, cuda:1, ...")
+    rank.add_argument("--dtype", help="embedded engine: float32, bfloat16, float16")
+    rank.add_argument("--instruction", help="task instruction, for templates that take one")
+    rank.add_argument("--dialect", help="remote server's wire dialect (e.g. vllm-generative, cohere)")
+    rank.set_defaults(run=run_rank)
+
+    serve = commands.add_parser("serve", help="serve a model over HTTP (vLLM, SGLang and Cohere routes)",
+                                description="Serve one embedded model over HTTP.")
+    serve.add_argument("--model", help="model path or hub id (default: the packaged MiniLM)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    serve.add_argument("--device", help="cpu, cuda, cuda:1, ...")
+    serve.add_argument("--dtype", help="float32, bfloat16, float16")
+    serve.add_argument("--api-key", help="require this key as a Bearer token")
+    serve.set_defaults(run=run_serve)
+    return parser
+
+
+def run_rank(args: argparse.Namespace) -> int:
+    """``rerankit rank``: score the documents, print them best first."""
+    if args.top_n is not None and args.top_n < 1:
+        raise InvalidRequest("--top-n", f"must be >= 1, got {args.top_n}")
+    documents = read_documents(args.docs, args.format, args.text_field)
+    options = {name: value for name, value in (("device", args.device), ("dtype", args.dtype),
+                                                ("dialect", args.dialect)) if value is not None}
+    backend = make_backend(args.model, **options)
+    try:
+        response = backend.score(ScoreRequest(query=args.query, items=documents, top_n=args.top_n,
+                                              instruction=args.instruction))
+    finally:
+        backend.close()
+    if args.json:
+        print(json.dumps(ranking_json(args.query, documents, response, args.top_n), ensure_ascii=False, indent=2))
+    else:
+        print_table(documents, response, args.top_n, sys.stdout)
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """``rerankit serve``: hand the flags to the server (imported only here: it needs fastapi and uvicorn)."""
+    try:
+        from rerankit.server.main import serve
+    except ImportError as exc:
+        raise RerankitError(f"the server needs fastapi and uvicorn ({exc}): pip install 'rerankit[server]'") from exc
+    serve(model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
+          api_key=args.api_key)
+    return 0
+
+
+def read_documents(source: str, file_format: str | None, text_field: str) -> list[str]:
+    """The documents of a .txt file (one a line, blank lines skipped), a .jsonl file, or stdin (``-``)."""
+    if file_format is None:
+        file_format = "jsonl" if source != "-" and Path(source).suffix == ".jsonl" else "txt"
+    if source == "-":
+        lines = sys.stdin.read().splitlines()
+    else:
+        try:
+            lines = Path(source).read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise InvalidRequest("--docs", f"cannot read {source}: {exc.strerror}") from None
+    numbered = [(number, line.strip()) for number, line in enumerate(lines, start=1) if line.strip()]
+    if file_format == "jsonl":
+        documents = [_jsonl_text(line, number, source, text_field) for number, line in numbered]
+    else:
+        documents = [line for _, line in numbered]
+    if not documents:
+        raise InvalidRequest("--docs", f"{source} holds no documents")
+    return documents
+
+
+def _jsonl_text(line: str, number: int, source: str, text_field: str) -> str:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest("--docs", f"{source} line {number} is not JSON: {exc.msg}") from None
+    if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+        raise InvalidRequest("--docs", f"{source} line {number} has no string field {text_field!r} "
+                                       "(choose it with --text-field)")
+    return record[text_field]
+
+
+def ranking_json(query: str, documents: list[str], response: ScoreResponse, top_n: int | None) -> dict[str, Any]:
+    """The response as JSON, results best first, each with its rank and text."""
+    return {
+        "model": response.model,
+        "query": query,
+        "results": [{"rank": rank, "index": result.index, "score": result.score, "text": documents[result.index]}
+                    for rank, result in enumerate(response.ranked(top_n), start=1)],
+        "usage": response.usage.model_dump(),
+    }
+
+
+def print_table(documents: list[str], response: ScoreResponse, top_n: int | None, out: TextIO) -> None:
+    """One row a document, best first: rank, score, index, and the text cut to the terminal's width."""
+    ranked = response.ranked(top_n)
+    index_width = max(len("index"), len(str(len(documents) - 1)))
+    header = f"{'rank':>4}  {'score':>9}  {'index':>{index_width}}  text"
+    text_width = max(20, shutil.get_terminal_size().columns - len(header) + len("text"))
+    print(header, file=out)
+    for rank, result in enumerate(ranked, start=1):
+        print(f"{rank:>4}  {result.score:>9.4f}  {result.index:>{index_width}}  "
+              f"{_shorten(documents[result.index], text_width)}", file=out)
+
+
+def _shorten(text: str, width: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[:width - 3] + "..."

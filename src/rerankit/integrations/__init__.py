@@ -1,0 +1,69 @@
+"""Adapters for RAG frameworks: ``rerankit.integrations.langchain`` and ``rerankit.integrations.llama_index``.
+
+This package imports neither framework; each adapter module imports only its own.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+from rerankit.backend import Backend
+from rerankit.reranker import Reranker, make_backend
+from rerankit.schema import ScoreRequest
+
+# Fields an adapter fills in itself from each call; request options may not override them.
+PER_CALL_FIELDS = ("query", "items", "top_n")
+
+
+class LazyBackend:
+    """The backend an adapter scores with, built on first use so that making an adapter never loads torch.
+
+    Either wraps a ready ``backend`` (which the caller keeps owning) or builds one from ``model`` and
+    ``options`` with ``make_backend`` (which ``close`` then releases).
+    """
+
+    def __init__(self, model: str | Sequence[str] | None = None, options: dict[str, Any] | None = None,
+                 backend: Backend | None = None) -> None:
+        self._model = model
+        self._options = dict(options or {})
+        self._backend = backend
+        self._owned = backend is None
+        self._lock = threading.Lock()
+
+    def get(self) -> Backend:
+        """The backend, built once even when several threads ask at the same time."""
+        if self._backend is None:
+            with self._lock:
+                if self._backend is None:
+                    self._backend = make_backend(self._model, **self._options)
+        return self._backend
+
+    def close(self) -> None:
+        """Release a backend built here; one passed in is left to its owner."""
+        with self._lock:
+            if self._owned and self._backend is not None:
+                self._backend.close()
+                self._backend = None
+
+
+def adapter_backend(model: str | Sequence[str] | None, backend_options: dict[str, Any],
+                    reranker: Reranker | None, backend: Backend | None) -> LazyBackend:
+    """The lazy backend of an adapter configured with one of ``model`` (+ options), ``reranker`` or ``backend``."""
+    given = [name for name, value in (("model", model), ("reranker", reranker), ("backend", backend))
+             if value is not None]
+    if len(given) > 1:
+        raise ValueError(f"give one of model, reranker or backend, not {' and '.join(given)}")
+    if backend_options and len(given) == 1 and given[0] != "model":
+        raise ValueError("backend_options only apply to a backend built from model; "
+                         f"pass them when building your {given[0]}")
+    ready = backend if backend is not None else (reranker.backend if reranker is not None else None)
+    return LazyBackend(model, backend_options, ready)
+
+
+def check_request_options(request_options: dict[str, Any]) -> None:
+    """Validate extra ScoreRequest fields at construction, so a typo fails there and not at the first query."""
+    clashing = sorted(set(request_options) & set(PER_CALL_FIELDS))
+    if clashing:
+        raise ValueError(f"request_options may not set {', '.join(clashing)}: the adapter fills them in per call")
+    ScoreRequest(query="query", items=["document"], **request_options)

@@ -1,0 +1,114 @@
+"""LlamaIndex adapter: ``RerankitRerank``, a node postprocessor that reorders retrieved nodes.
+
+Needs only ``llama-index-core``. The model loads (or the connection opens) on the first call, not on import.
+
+>>> query_engine = index.as_query_engine(similarity_top_k=20, node_postprocessors=[RerankitRerank(top_n=3)])
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, List, Optional
+
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, model_validator
+from llama_index.core.callbacks import CBEventType, EventPayload
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.events.rerank import ReRankEndEvent, ReRankStartEvent
+from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
+
+from rerankit.backend import Backend
+from rerankit.errors import InvalidRequest
+from rerankit.integrations import LazyBackend, adapter_backend, check_request_options
+from rerankit.reranker import Reranker
+from rerankit.schema import ScoreRequest, ScoreResponse
+
+dispatcher = get_dispatcher(__name__)
+
+
+class RerankitRerank(BaseNodePostprocessor):
+    """Reranks nodes with rerankit and keeps the ``top_n`` best, with ``NodeWithScore.score`` set to the new score.
+
+    Give a ``model`` (path, hub id, server URL or list of URLs; None is the packaged MiniLM) with
+    ``backend_options``, or an already-built ``reranker`` or ``backend``. The input nodes are not modified:
+    new ``NodeWithScore`` objects wrap the same nodes.
+    """
+
+    model: Optional[str | list[str]] = Field(default=None, description="Model path, hub id, or server URL(s).")
+    top_n: Optional[int] = Field(default=3, ge=1, description="How many nodes to keep; None keeps all.")
+    backend_options: dict[str, Any] = Field(
+        default_factory=dict, description="Options for the backend built from `model` (device, dtype, dialect, ...).")
+    request_options: dict[str, Any] = Field(
+        default_factory=dict, description="Extra ScoreRequest fields (instruction, template, max_tokens_per_item, ...).")
+    reranker: Optional[Reranker] = Field(default=None, exclude=True, description="A ready Reranker to score with.")
+    backend: Optional[Backend] = Field(default=None, exclude=True, description="A ready Backend to score with.")
+
+    _backend: LazyBackend = PrivateAttr()
+
+    @model_validator(mode="after")
+    def _one_source_of_scores(self) -> "RerankitRerank":
+        check_request_options(self.request_options)
+        self._backend = adapter_backend(self.model, self.backend_options, self.reranker, self.backend)
+        return self
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "RerankitRerank"
+
+    def _postprocess_nodes(self, nodes: List[NodeWithScore],
+                           query_bundle: Optional[QueryBundle] = None) -> List[NodeWithScore]:
+        query = _query_text(query_bundle)
+        if not nodes:
+            return []
+        backend = self._backend.get()
+        with self._reranking_events(nodes, query_bundle, backend.model_name) as reranked:
+            reranked.extend(_ranked_nodes(nodes, backend.score(self._request(nodes, query)), self.top_n))
+        return reranked
+
+    async def _apostprocess_nodes(self, nodes: List[NodeWithScore],
+                                  query_bundle: Optional[QueryBundle] = None) -> List[NodeWithScore]:
+        query = _query_text(query_bundle)
+        if not nodes:
+            return []
+        backend = self._backend.get()
+        with self._reranking_events(nodes, query_bundle, backend.model_name) as reranked:
+            reranked.extend(_ranked_nodes(nodes, await backend.ascore(self._request(nodes, query)), self.top_n))
+        return reranked
+
+    def close(self) -> None:
+        """Release the model or connections built from ``model``; a passed-in backend stays open."""
+        self._backend.close()
+
+    def _request(self, nodes: List[NodeWithScore], query: str) -> ScoreRequest:
+        items = [node.node.get_content(metadata_mode=MetadataMode.EMBED) for node in nodes]
+        return ScoreRequest(query=query, items=items, top_n=self.top_n, **self.request_options)
+
+    @contextmanager
+    def _reranking_events(self, nodes: List[NodeWithScore], query_bundle: QueryBundle,
+                          model_name: str) -> Iterator[List[NodeWithScore]]:
+        """The events LlamaIndex's own rerankers emit: instrumentation start/end around a RERANKING callback.
+
+        Yields the list the caller fills with the reranked nodes.
+        """
+        top_n = self.top_n if self.top_n is not None else len(nodes)
+        dispatcher.event(ReRankStartEvent(query=query_bundle, nodes=nodes, top_n=top_n, model_name=model_name))
+        reranked: List[NodeWithScore] = []
+        with self.callback_manager.event(CBEventType.RERANKING, payload={
+            EventPayload.NODES: nodes,
+            EventPayload.MODEL_NAME: model_name,
+            EventPayload.QUERY_STR: query_bundle.query_str,
+            EventPayload.TOP_K: top_n,
+        }) as event:
+            yield reranked
+            event.on_end(payload={EventPayload.NODES: reranked})
+        dispatcher.event(ReRankEndEvent(nodes=reranked))
+
+
+def _query_text(query_bundle: Optional[QueryBundle]) -> str:
+    if query_bundle is None:
+        raise InvalidRequest("query_bundle", "reranking needs the query: pass query_bundle or query_str")
+    return query_bundle.query_str
+
+
+def _ranked_nodes(nodes: List[NodeWithScore], response: ScoreResponse, top_n: Optional[int]) -> List[NodeWithScore]:
+    return [NodeWithScore(node=nodes[result.index].node, score=result.score) for result in response.ranked(top_n)]
