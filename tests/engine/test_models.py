@@ -6,6 +6,7 @@ import pytest
 import torch
 import transformers
 
+from rerankit.engine.attention import packed_attention
 from rerankit.engine.batch import PackedBatch, attention_allowed
 from rerankit.engine.models import PackedDecoder, PackedEncoder, build_packed_model, supports
 
@@ -24,6 +25,9 @@ def dense_attention(q, k, v, batch, scale=None):
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
     scores = scores.masked_fill(~attention_allowed(batch), float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float()).to(q.dtype)
+
+
+ATTENTIONS = {"dense-reference": dense_attention, "packed": packed_attention}
 
 
 def pack(sequences, causal=True, token_types=None, read_positions=None):
@@ -130,9 +134,10 @@ def test_decoder_heads_equal_transformers_logits(decoder_pair):
     torch.testing.assert_close(read @ head.T, torch.stack(expected), atol=TOLERANCE, rtol=TOLERANCE)
 
 
-def test_multi_item_batch_equals_per_pair_forwards(tmp_path):
+@pytest.mark.parametrize("attention", sorted(ATTENTIONS))
+def test_multi_item_batch_equals_per_pair_forwards(tmp_path, attention):
     hf = load_tiny(tmp_path, transformers.Qwen3ForCausalLM, DECODERS["qwen3"][1]())
-    packed = build_packed_model(hf, attention_fn=dense_attention)
+    packed = build_packed_model(hf, attention_fn=ATTENTIONS[attention])
     prefix, *items = random_sequences([10, 5, 8, 3], seed=3)
     batch = pack_multi_item(prefix, items)
     hidden = packed(batch)
@@ -153,11 +158,12 @@ ENCODERS = {
 }
 
 
+@pytest.mark.parametrize("attention", sorted(ATTENTIONS))
 @pytest.mark.parametrize("name", sorted(ENCODERS))
-def test_encoder_hidden_states_and_head_equal_transformers_per_sequence(tmp_path, name):
+def test_encoder_hidden_states_and_head_equal_transformers_per_sequence(tmp_path, name, attention):
     model_class, make_config = ENCODERS[name]
     hf = load_tiny(tmp_path, model_class, make_config())
-    packed = build_packed_model(hf, attention_fn=dense_attention)
+    packed = build_packed_model(hf, attention_fn=ATTENTIONS[attention])
     assert isinstance(packed, PackedEncoder)
     sequences = random_sequences([8, 3, 13], seed=4)
     # A BERT pair: first segment 0, second segment 1; XLM-R has a single segment.
@@ -202,3 +208,24 @@ def test_unsupported_architectures_are_refused():
                                                  max_window_layers=0))
     assert not supports(transformers.LlamaConfig(**DECODER_SIZES, rope_parameters=dict(
         rope_type="dynamic", rope_theta=10000.0, factor=2.0)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile", [False, True])
+def test_bf16_gpu_forward_matches_transformers(tmp_path, compile):
+    config = transformers.Qwen3Config(vocab_size=1024, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                                      num_attention_heads=8, num_key_value_heads=4, head_dim=64)
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(tmp_path)
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16,
+                                                       attn_implementation="sdpa").cuda().eval()
+    packed = build_packed_model(hf, compile=compile)
+    sequences = [torch.randint(0, 1024, (n,)).tolist() for n in (300, 17, 129, 64)]
+    batch = pack(sequences).to("cuda")
+    with torch.no_grad():
+        expected = torch.cat([hf.model(input_ids=torch.tensor([s], device="cuda")).last_hidden_state[0]
+                              for s in sequences]).float()
+    for hidden in (packed(batch), packed.forward_read(batch)):
+        reference = expected if hidden.shape[0] == expected.shape[0] else expected[batch.read_positions]
+        error = (hidden.float() - reference).norm(dim=-1) / reference.norm(dim=-1)
+        assert error.max() < 0.02, f"relative error up to {error.max():.4f} against transformers in bf16"

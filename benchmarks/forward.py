@@ -1,0 +1,186 @@
+"""Model forward on a W1-like pack: our packed Qwen3 body vs transformers' padded forward (GPU, bf16).
+
+Qwen3-0.6B shape with random weights; 100 sequences of 76 (prefix) + uniform[64, 448) (doc) + 13 (suffix)
+tokens. Ours: ``forward_read`` at each sequence's last token then the LM head there, eager and with
+``torch.compile`` on the per-layer math, plain packing and with the prefix shared (MIS). Transformers:
+one left-padded batch with ``logits_to_keep=1``. Prints a table, writes JSON.
+
+    PYTHONPATH=src python benchmarks/forward.py --out bench_out/forward.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from rerankit.engine.batch import PackedBatch
+from rerankit.engine.models import build_packed_model
+
+PREFIX, SUFFIX, DOC_RANGE = 76, 13, (64, 448)
+H100_BF16_DENSE_FLOPS = 989.4e12
+
+
+def qwen3_06b_config(layers: int) -> transformers.Qwen3Config:
+    return transformers.Qwen3Config(vocab_size=151669, hidden_size=1024, intermediate_size=3072,
+                                    num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=8,
+                                    head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+
+
+def make_batch(prefix: list[int], docs: list[list[int]], suffix: list[int], shared_prefix: bool,
+               device: str = "cuda") -> PackedBatch:
+    """One sequence per doc (prefix + doc + suffix), or one MIS sequence holding the prefix once."""
+    if shared_prefix:
+        layout = [(prefix, [doc + suffix for doc in docs])]
+    else:
+        layout = [([], [prefix + doc + suffix]) for doc in docs]
+    ids, positions, span_starts, reads, cu, prefix_lens = [], [], [], [], [0], []
+    for sequence_prefix, items in layout:
+        span_starts += [len(ids)] * len(sequence_prefix)
+        positions += range(len(sequence_prefix))
+        ids += sequence_prefix
+        for item in items:
+            span_starts += [len(ids)] * len(item)
+            positions += range(len(sequence_prefix), len(sequence_prefix) + len(item))
+            ids += item
+            reads.append(len(ids) - 1)
+        cu.append(len(ids))
+        prefix_lens.append(len(sequence_prefix))
+    as_long = dict(dtype=torch.int64, device=device)
+    as_int = dict(dtype=torch.int32, device=device)
+    return PackedBatch(input_ids=torch.tensor(ids, **as_long), position_ids=torch.tensor(positions, **as_long),
+                       cu_seqlens=torch.tensor(cu, **as_int), max_seqlen=max(b - a for a, b in zip(cu, cu[1:])),
+                       prefix_lens=torch.tensor(prefix_lens, **as_int), span_starts=torch.tensor(span_starts, **as_int),
+                       read_positions=torch.tensor(reads, **as_long), item_indices=torch.arange(len(reads), **as_long),
+                       request_ids=torch.zeros(len(reads), **as_long), causal=True)
+
+
+def body_flops(config, batch: PackedBatch) -> float:
+    """2 x body parameters per token, plus QK^T and PV over every (query, key) pair the mask lets through."""
+    d, heads, kv_heads, head_dim = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, \
+        config.head_dim
+    per_layer = d * (heads + 2 * kv_heads) * head_dim + heads * head_dim * d + 3 * d * config.intermediate_size
+    tokens = batch.num_tokens
+    cu = batch.cu_seqlens.long()
+    seq_start = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1])
+    prefix_end = seq_start + torch.repeat_interleave(batch.prefix_lens.long(), cu[1:] - cu[:-1])
+    index = torch.arange(tokens, device=cu.device)
+    own = index - batch.span_starts.long() + 1
+    shared = torch.where(index >= prefix_end, prefix_end - seq_start, 0)
+    pairs = float((own + shared).sum())
+    return config.num_hidden_layers * (2.0 * per_layer * tokens + 4.0 * heads * head_dim * pairs)
+
+
+def time_ms(fn, warmup: int, iters: int) -> float:
+    """Median wall time of ``fn`` in ms, CUDA-synchronized."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def measure(name: str, fn, tokens: int, pairs: int, flops: float, args) -> dict:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()  # first call: compiles and autotunes where there is anything to compile
+    torch.cuda.synchronize()
+    first_s = time.perf_counter() - start
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    ms = time_ms(fn, args.warmup, args.iters)
+    peak = torch.cuda.max_memory_allocated()
+    print(f"measured {name}: {ms:.2f} ms, first call {first_s:.1f} s", flush=True)
+    return dict(name=name, ms=ms, tokens=tokens, tokens_per_s=tokens / ms * 1e3, pairs_per_s=pairs / ms * 1e3,
+                body_tflops=flops / ms / 1e9, body_mfu=flops / (ms * 1e-3) / H100_BF16_DENSE_FLOPS,
+                peak_gib=peak / 2**30, activation_peak_gib=(peak - base) / 2**30, first_call_s=first_s)
+
+
+def bench_ours(hf, compile: bool, plain: PackedBatch, shared: PackedBatch, config, pairs: int,
+               args) -> tuple[list[dict], torch.Tensor]:
+    """Our model (eager or compiled) on the plain and the shared-prefix pack; also the LM logits at read rows."""
+    model = build_packed_model(hf, compile=compile)
+    mode = "compiled" if compile else "eager"
+
+    def run(batch: PackedBatch, every_row: bool = False) -> torch.Tensor:
+        hidden = model(batch)[batch.read_positions] if every_row else model.forward_read(batch)
+        return hidden @ model.lm_head_weight.T
+
+    rows = [measure(f"ours {label}, {mode}", lambda batch=batch: run(batch), batch.num_tokens, pairs,
+                    body_flops(config, batch), args)
+            for label, batch in (("packed", plain), ("packed + shared prefix (MIS)", shared))]
+    if not compile:
+        rows.append(measure("ours packed, eager, all rows through last layer", lambda: run(plain, every_row=True),
+                            plain.num_tokens, pairs, body_flops(config, plain), args))
+    return rows, run(plain).float()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--docs", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=Path("bench_out/forward.json"))
+    args = parser.parse_args()
+
+    config = qwen3_06b_config(args.layers)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = transformers.Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16,
+                                                        attn_implementation="sdpa").eval()
+    rng = random.Random(0)
+    vocab = config.vocab_size
+    prefix = [rng.randrange(vocab) for _ in range(PREFIX)]
+    suffix = [rng.randrange(vocab) for _ in range(SUFFIX)]
+    docs = [[rng.randrange(vocab) for _ in range(rng.randrange(*DOC_RANGE))] for _ in range(args.docs)]
+    pairs = len(docs)
+
+    # Transformers first, before our fusion re-points its q/k/v and gate/up weights (same values either way).
+    sequences = [prefix + doc + suffix for doc in docs]
+    width = max(map(len, sequences))
+    input_ids = torch.tensor([[0] * (width - len(s)) + s for s in sequences], device="cuda")
+    attention_mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], device="cuda")
+    plain = make_batch(prefix, docs, suffix, shared_prefix=False)
+    shared = make_batch(prefix, docs, suffix, shared_prefix=True)
+    results = []
+
+    def run_hf():
+        with torch.no_grad():
+            return hf(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1).logits
+
+    results.append(measure("transformers padded, logits_to_keep=1", run_hf, plain.num_tokens, pairs,
+                           body_flops(config, plain), args))
+    hf_logits = run_hf()[:, -1].float()
+
+    for compile in (False, True):
+        rows, logits = bench_ours(hf, compile, plain, shared, config, pairs, args)
+        difference = float(((logits - hf_logits).norm(dim=-1) / hf_logits.norm(dim=-1)).max())
+        results += [dict(row, logits_max_relative_diff=difference) for row in rows]
+
+    report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, transformers=transformers.__version__,
+                  layers=args.layers, docs=args.docs, tokens_packed=plain.num_tokens, tokens_shared=shared.num_tokens,
+                  padded_tokens=int(input_ids.numel()), results=results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"{report['device']}  torch {torch.__version__}  transformers {transformers.__version__}  "
+          f"{plain.num_tokens} tokens ({shared.num_tokens} with the prefix shared, {input_ids.numel()} padded)")
+    print(f"{'':58s} {'ms':>8s} {'tok/s':>10s} {'pairs/s':>8s} {'MFU':>6s} {'peak GiB':>8s} {'1st s':>6s} {'diff':>6s}")
+    for r in results:
+        print(f"{r['name']:58s} {r['ms']:8.2f} {r['tokens_per_s']:10.0f} {r['pairs_per_s']:8.0f} "
+              f"{r['body_mfu']:6.1%} {r['peak_gib']:8.2f} {r['first_call_s']:6.1f} {r.get('logits_max_relative_diff', 0):6.3f}")
+
+
+if __name__ == "__main__":
+    main()
