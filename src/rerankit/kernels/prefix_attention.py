@@ -28,19 +28,17 @@ class AttentionConfig:
     """Tile sizes and launch shape of the kernel."""
 
     block_m: int = 128
-    block_n: int = 64
-    num_warps: int = 8
+    block_n: int = 32
+    num_warps: int = 4
     num_stages: int = 3
 
 
-def default_config(head_dim: int, device: torch.device) -> AttentionConfig:
-    """The tile shape measured fastest for ``head_dim`` on ``device`` (small tiles for the CPU interpreter)."""
+def default_config(device: torch.device) -> AttentionConfig:
+    """Tiles measured fastest on an H100 (benchmarks/attention.py --sweep); small tiles for the CPU interpreter."""
     if device.type != "cuda":
         # The interpreter runs numpy per program; small tiles keep test packs multi-tile.
         return AttentionConfig(block_m=32, block_n=16, num_warps=1, num_stages=1)
-    if head_dim <= 64:
-        return AttentionConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
-    return AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    return AttentionConfig()
 
 
 @triton.jit
@@ -55,14 +53,14 @@ def _attend_tiles(
     """
     for tile_start in range(key_lo, key_hi, BLOCK_N):
         offs_n = tile_start + tl.arange(0, BLOCK_N)
-        k_ptrs = k_head_ptr + offs_n[None, :] * stride_kt + offs_d[:, None]
+        k_ptrs = k_head_ptr + offs_n[:, None] * stride_kt + offs_d[None, :]
         v_ptrs = v_head_ptr + offs_n[:, None] * stride_vt + offs_d[None, :]
         if MASKED:
             in_range = offs_n < key_hi
-            k = tl.load(k_ptrs, mask=in_range[None, :], other=0.0)
+            k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)
-        qk = tl.dot(q, k) * qk_scale
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
         if MASKED:
             allowed = in_range[None, :]
             if CAUSAL:
@@ -176,7 +174,7 @@ def prefix_attention(
     out = torch.empty_like(q)
     if total == 0:
         return out
-    config = config or default_config(head_dim, q.device)
+    config = config or default_config(q.device)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     grid = (triton.cdiv(max_seqlen, config.block_m), q_heads, cu_seqlens.numel() - 1)
     _prefix_attention_kernel[grid](
