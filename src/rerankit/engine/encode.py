@@ -1,0 +1,323 @@
+"""From a ScoreRequest to token ids: template, one tokenization per part, truncation, and the request checks
+that need the model (vocabulary, labels, modes).
+
+Every pair sequence is ``prefix_ids + item_ids[i] + suffix_ids``. The prefix (instruction + query) is tokenized
+once per request, each item once, the suffix once. Truncation shortens the item only, so the suffix where the
+label is read always survives. Bi-encoder and late-interaction requests also carry the query as its own sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rerankit.engine.load import LoadedModel
+from rerankit.errors import InvalidRequest
+from rerankit.schema import ScoreRequest
+from rerankit.templates import RAW, Template, detect_template, get_template
+
+QUERY_KEY = -1  # the key of a bi-encoder's query sequence; items are keyed by their index
+
+
+@dataclass
+class Sequence:
+    """One sequence to run: its ids, BERT segment ids, and the offset of the token whose state is read."""
+
+    key: int
+    input_ids: list[int]
+    token_type_ids: list[int] | None
+    read_offset: int
+
+
+@dataclass
+class EncodedRequest:
+    """A request as token ids, with the parts kept apart so that a planner can share the prefix."""
+
+    mode: str
+    prefix_ids: list[int]
+    item_ids: list[list[int]]
+    suffix_ids: list[int]
+    label_ids: list[int]
+    read_first: bool
+    lone_label_sigmoid: bool = False
+    query_ids: list[int] | None = None
+    prefix_types: list[int] | None = None
+    item_type: int = 0
+    suffix_types: list[int] | None = None
+
+    @property
+    def pair_lengths(self) -> list[int]:
+        """Length of each item's full sequence, as if it were scored alone."""
+        fixed = len(self.prefix_ids) + len(self.suffix_ids)
+        return [fixed + len(item) for item in self.item_ids]
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens of every (query, item) pair scored alone: the figure a one-pair-per-sequence server reports."""
+        return sum(self.pair_lengths) + len(self.query_ids or ()) * len(self.item_ids)
+
+    def sequences(self) -> list[Sequence]:
+        """One sequence per item, in input order (the query's own sequence is ``query_sequence``)."""
+        return [self._sequence(index, self.prefix_ids + item + self.suffix_ids, len(item))
+                for index, item in enumerate(self.item_ids)]
+
+    def query_sequence(self) -> Sequence | None:
+        """The query as its own sequence, for bi-encoders and late interaction; None for pair modes."""
+        if self.query_ids is None:
+            return None
+        return self._sequence(QUERY_KEY, self.query_ids, len(self.query_ids) - len(self.prefix_ids)
+                              - len(self.suffix_ids))
+
+    def _sequence(self, key: int, ids: list[int], middle: int) -> Sequence:
+        types = None
+        if self.prefix_types is not None and self.suffix_types is not None:
+            types = self.prefix_types + [self.item_type] * middle + self.suffix_types
+        return Sequence(key, ids, types, 0 if self.read_first else len(ids) - 1)
+
+
+@dataclass(frozen=True)
+class SpecialLayout:
+    """Where a tokenizer puts its special tokens around one text (``between``/``second_type`` unused) or a pair."""
+
+    before: list[int]
+    between: list[int]
+    after: list[int]
+    before_types: list[int]
+    first_type: int
+    between_types: list[int]
+    second_type: int
+    after_types: list[int]
+
+
+def special_layout(tokenizer: Any, pair: bool) -> SpecialLayout:
+    """Find the tokenizer's special-token layout by encoding two one-token sentinels and locating them."""
+    first = tokenizer("a", add_special_tokens=False)["input_ids"]
+    second = tokenizer("b", add_special_tokens=False)["input_ids"]
+    encoded = tokenizer("a", "b" if pair else None, add_special_tokens=True, return_token_type_ids=True)
+    ids, types = encoded["input_ids"], encoded["token_type_ids"]
+    start = _find(ids, first, 0)
+    end = start + len(first)
+    second_start = _find(ids, second, end) if pair else end
+    tail = second_start + len(second) if pair else end
+    return SpecialLayout(
+        before=ids[:start], between=ids[end:second_start], after=ids[tail:],
+        before_types=types[:start], first_type=types[start], between_types=types[end:second_start],
+        second_type=types[second_start] if pair else 0, after_types=types[tail:],
+    )
+
+
+def _find(ids: list[int], part: list[int], start: int) -> int:
+    for position in range(start, len(ids) - len(part) + 1):
+        if ids[position:position + len(part)] == part:
+            return position
+    raise ValueError(f"cannot locate {part} in the tokenizer's output {ids}")
+
+
+def resolve_template(request: ScoreRequest, loaded: LoadedModel, option: str | None, mode: str) -> Template | None:
+    """The request's template, else raw when it gives label ids, else the backend option, else the detected one.
+
+    Bi-encoders and late interaction take no template: each text is encoded on its own.
+    """
+    if mode not in ("generative", "cross-encoder"):
+        if request.template is not None:
+            raise InvalidRequest("template", f"{mode} mode encodes the query and items alone; it takes no template")
+        return None
+    if request.template is not None:
+        return get_template(request.template)
+    if request.label_token_ids is not None:
+        return get_template(RAW)  # vLLM /generative_scoring semantics
+    if option is not None:
+        return get_template(option)
+    return detect_template(loaded.config, loaded.name)
+
+
+def encode_request(request: ScoreRequest, loaded: LoadedModel, mode: str, template: Template | None) -> EncodedRequest:
+    """Check ``request`` against the model and turn it into token ids; ``InvalidRequest`` names what is wrong."""
+    _check_fields_apply(request, mode, template)
+    if mode == "generative":
+        if template is None:
+            raise InvalidRequest("template", f"no prompt template is known for {loaded.name!r}: name one "
+                                 "(qwen3-reranker, bge-reranker-gemma, mxbai-rerank-v2) or give label_token_ids")
+        if template.name == RAW:
+            encoded = _encode_raw(request, loaded)
+        else:
+            encoded = _encode_text(request, loaded, template, mode)
+        encoded.label_ids = _label_ids(request, loaded, template)
+        encoded.lone_label_sigmoid = template.lone_label_sigmoid and len(encoded.label_ids) == 1
+        return encoded
+    if mode == "cross-encoder":
+        if template is not None:
+            return _encode_text(request, loaded, template, mode)
+        return _encode_pair(request, loaded)
+    return _encode_single(request, loaded, mode)
+
+
+def _check_fields_apply(request: ScoreRequest, mode: str, template: Template | None) -> None:
+    """Refuse fields that the chosen mode or template would silently ignore."""
+    raw = template is not None and template.name == RAW
+    if mode != "generative":
+        for field in ("label_token_ids", "labels"):
+            if getattr(request, field) is not None:
+                raise InvalidRequest(field, f"labels are only read in generative mode, not {mode}")
+        if request.return_label_logprobs:
+            raise InvalidRequest("return_label_logprobs", f"there are no label log-probs in {mode} mode")
+        if raw:
+            raise InvalidRequest("template", f"the raw template is for generative scoring, not {mode}")
+    if not raw:
+        for field, default in (("item_first", False), ("add_special_tokens", True), ("mis_delimiter_token_id", None)):
+            if getattr(request, field) != default:
+                raise InvalidRequest(field, "only applies to raw scoring (label_token_ids without a template)")
+    if request.instruction is not None and (template is None or raw):
+        raise InvalidRequest("instruction", "this model's mode has no template that takes an instruction")
+    if raw and request.item_first and request.mis_delimiter_token_id is not None:
+        raise InvalidRequest("mis_delimiter_token_id", "cannot be combined with item_first")
+
+
+def _tokenize(tokenizer: Any, texts: list[str], special: bool = False) -> list[list[int]]:
+    return tokenizer(texts, add_special_tokens=special)["input_ids"] if texts else []
+
+
+def _encode_text(request: ScoreRequest, loaded: LoadedModel, template: Template, mode: str) -> EncodedRequest:
+    """A text template: [bos] prefix sep | item | sep suffix, each part tokenized on its own."""
+    if not isinstance(request.query, str):
+        raise InvalidRequest("query", f"template {template.name!r} needs the query as text, not token ids")
+    if request.items_are_token_ids:
+        raise InvalidRequest("items", f"template {template.name!r} needs texts, not token ids")
+    tokenizer = loaded.tokenizer
+    prefix, separator, suffix, empty_item = _tokenize(tokenizer, [
+        template.prefix(request.instruction, request.query), template.separator, template.suffix(request.instruction),
+        template.item(""),
+    ])
+    bos = tokenizer.bos_token_id
+    if template.add_bos and bos is not None and bos != tokenizer.pad_token_id:
+        prefix = [bos] + prefix
+    items = _tokenize(tokenizer, [template.item(doc) for doc in request.items])
+    encoded = EncodedRequest(mode, prefix + separator, [], separator + suffix, [], read_first=False)
+    encoded.item_ids = _fit_items(items, request, loaded, len(encoded.prefix_ids) + len(encoded.suffix_ids),
+                                  lead=lambda item: _common_prefix(item, empty_item))
+    return encoded
+
+
+def _encode_raw(request: ScoreRequest, loaded: LoadedModel) -> EncodedRequest:
+    """vLLM/SGLang raw layout: query ids (special tokens per the request) and item ids (none), concatenated."""
+    tokenizer = loaded.tokenizer
+    if isinstance(request.query, str):
+        query = tokenizer(request.query, add_special_tokens=request.add_special_tokens)["input_ids"]
+    else:
+        query = _query_ids(request, loaded)
+    items = _item_ids(request, loaded)
+    delimiter = request.mis_delimiter_token_id
+    if delimiter is not None:
+        _check_vocab([delimiter], loaded.vocab_size, "mis_delimiter_token_id")
+        prefix, suffix = query + [delimiter], [delimiter]  # SGLang's multi-item layout, one item at a time
+    elif request.item_first:
+        prefix, suffix = [], query
+    else:
+        prefix, suffix = query, []
+    encoded = EncodedRequest("generative", prefix, [], suffix, [], read_first=False)
+    encoded.item_ids = _fit_items(items, request, loaded, len(prefix) + len(suffix), lead=lambda item: 0)
+    return encoded
+
+
+def _encode_pair(request: ScoreRequest, loaded: LoadedModel) -> EncodedRequest:
+    """A cross-encoder pair as the tokenizer lays it out: [CLS] query [SEP] item [SEP] and its segment ids."""
+    layout = special_layout(loaded.tokenizer, pair=True)
+    query = _query_ids(request, loaded)
+    items = _item_ids(request, loaded)
+    prefix = layout.before + query + layout.between
+    encoded = EncodedRequest("cross-encoder", prefix, [], list(layout.after), [], read_first=not loaded.is_decoder)
+    if "token_type_ids" in loaded.tokenizer.model_input_names:
+        encoded.prefix_types = layout.before_types + [layout.first_type] * len(query) + layout.between_types
+        encoded.item_type = layout.second_type
+        encoded.suffix_types = list(layout.after_types)
+    encoded.item_ids = _fit_items(items, request, loaded, len(prefix) + len(layout.after), lead=lambda item: 0)
+    return encoded
+
+
+def _encode_single(request: ScoreRequest, loaded: LoadedModel, mode: str) -> EncodedRequest:
+    """Bi-encoder / late interaction: the query and each item as their own sequences, with special tokens."""
+    layout = special_layout(loaded.tokenizer, pair=False)
+    fixed = len(layout.before) + len(layout.after)
+    query = _fit(_query_ids(request, loaded), loaded.max_length - fixed, request.truncation, 0, "query")
+    encoded = EncodedRequest(mode, list(layout.before), [], list(layout.after), [],
+                             read_first=loaded.pooling == "cls", query_ids=layout.before + query + layout.after)
+    if "token_type_ids" in loaded.tokenizer.model_input_names:
+        encoded.prefix_types = list(layout.before_types)
+        encoded.item_type = layout.first_type
+        encoded.suffix_types = list(layout.after_types)
+    encoded.item_ids = _fit_items(_item_ids(request, loaded), request, loaded, fixed, lead=lambda item: 0)
+    return encoded
+
+
+def _query_ids(request: ScoreRequest, loaded: LoadedModel) -> list[int]:
+    if isinstance(request.query, str):
+        return _tokenize(loaded.tokenizer, [request.query])[0]
+    _check_vocab(request.query, loaded.vocab_size, "query")
+    return list(request.query)
+
+
+def _item_ids(request: ScoreRequest, loaded: LoadedModel) -> list[list[int]]:
+    if request.items_are_token_ids:
+        for index, item in enumerate(request.items):
+            _check_vocab(item, loaded.vocab_size, f"items[{index}]")
+        return [list(item) for item in request.items]
+    return _tokenize(loaded.tokenizer, list(request.items))
+
+
+def _fit_items(items: list[list[int]], request: ScoreRequest, loaded: LoadedModel, fixed: int,
+               lead: Any) -> list[list[int]]:
+    """Cut each item to what the model length (and ``max_tokens_per_item``) leaves after prefix and suffix."""
+    room = loaded.max_length - fixed
+    if room < 1:
+        raise InvalidRequest("query", f"the prompt around each item takes {fixed} tokens, which leaves no room for "
+                             f"an item within the model's limit of {loaded.max_length} tokens")
+    limit = min(room, request.max_tokens_per_item or room)
+    return [_fit(item, limit, request.truncation, lead(item), f"items[{index}]") for index, item in enumerate(items)]
+
+
+def _fit(ids: list[int], limit: int, policy: str, lead: int, field: str) -> list[int]:
+    """``ids`` cut to ``limit`` tokens at the end, or at the start keeping the template's ``lead`` tokens."""
+    if len(ids) <= limit:
+        return ids
+    if policy == "none" or limit < 1:
+        raise InvalidRequest(field, f"has {len(ids)} tokens; the limit is {max(limit, 0)} (truncation={policy!r})")
+    if policy == "end":
+        return ids[:limit]
+    kept_lead = min(lead, limit)
+    return ids[:kept_lead] + ids[len(ids) - (limit - kept_lead):]
+
+
+def _common_prefix(ids: list[int], other: list[int]) -> int:
+    count = 0
+    for left, right in zip(ids, other):
+        if left != right:
+            break
+        count += 1
+    return count
+
+
+def _check_vocab(ids: list[int], vocab_size: int, field: str) -> None:
+    if max(ids) >= vocab_size:
+        raise InvalidRequest(field, f"token id {max(ids)} is outside the vocabulary [0, {vocab_size})")
+
+
+def _label_ids(request: ScoreRequest, loaded: LoadedModel, template: Template) -> list[int]:
+    """Label token ids: the request's ids, else its label strings, else the template's, each one token."""
+    if request.label_token_ids is not None:
+        ids = list(request.label_token_ids)
+        field = "label_token_ids"
+    else:
+        labels = request.labels if request.labels is not None else list(template.labels)
+        field = "labels"
+        if not labels:
+            raise InvalidRequest("label_token_ids", "raw scoring needs label_token_ids (or labels)")
+        ids = []
+        for label, label_ids in zip(labels, _tokenize(loaded.tokenizer, labels)):
+            if len(label_ids) != 1:
+                raise InvalidRequest(field, f"{label!r} is {len(label_ids)} tokens for this tokenizer; "
+                                     "each label must be a single token")
+            ids.extend(label_ids)
+    _check_vocab(ids, loaded.vocab_size, field)
+    if len(set(ids)) != len(ids):
+        raise InvalidRequest(field, f"holds the same token twice ({ids})")
+    return ids

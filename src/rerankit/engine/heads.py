@@ -1,0 +1,128 @@
+"""Heads: from final hidden states ``[T, d]`` of a packed batch to one score per sequence.
+
+Only the states at the read positions are used, except for mean pooling and late interaction, which need every
+token of a sequence. The generative head never forms a ``[tokens x vocab]`` tensor: label log-probs come from
+the label-logprob kernel over the read positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from rerankit.engine.batch import PackedBatch
+from rerankit.errors import ModelLoadError
+from rerankit.kernels.label_logprobs import label_logprobs
+
+
+@dataclass
+class BatchScores:
+    """Per-sequence outputs of a batch, aligned with ``batch.item_indices``."""
+
+    scores: torch.Tensor
+    label_logprobs: torch.Tensor | None = None
+    pooled: torch.Tensor | None = None
+
+
+Head = Callable[[torch.Tensor, PackedBatch], BatchScores]
+
+
+def generative_head(lm_head: torch.nn.Module, label_ids: list[int], *, apply_softmax: bool,
+                    lone_label_sigmoid: bool) -> Head:
+    """p(first label) at each read position: softmax over the labels, or the full-vocabulary probability.
+
+    With ``lone_label_sigmoid`` and a single label under ``apply_softmax``, the score is sigmoid(logit).
+    """
+    weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+    label_tensor = torch.tensor(label_ids, device=weight.device)
+
+    def head(hidden: torch.Tensor, batch: PackedBatch) -> BatchScores:
+        read = hidden[batch.read_positions.to(hidden.device)]
+        if apply_softmax and lone_label_sigmoid:
+            logits = read.float() @ weight[label_tensor].float().T
+            if bias is not None:
+                logits = logits + bias[label_tensor].float()
+            logprobs = F.logsigmoid(logits)
+        else:
+            ids = label_tensor.expand(read.shape[0], -1)
+            logprobs = label_logprobs(read, weight, ids, full_vocab=not apply_softmax, lm_head_bias=bias)
+        return BatchScores(logprobs[:, 0].exp(), logprobs, read)
+
+    return head
+
+
+def sequence_classifier(model: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The classification head of a ``*ForSequenceClassification`` as a map from read states ``[N, d]`` to logits.
+
+    Decoders (Qwen3, Llama, ...) apply ``score`` to the last token; BERT and DeBERTa pool the first token then
+    classify; RoBERTa/XLM-R/ELECTRA heads read the first token themselves.
+    """
+    score = getattr(model, "score", None)
+    if isinstance(score, torch.nn.Linear):
+        return score
+    classifier = getattr(model, "classifier", None)
+    pooler = getattr(model, "pooler", None)
+    if pooler is None:
+        pooler = getattr(model.base_model, "pooler", None)
+    if isinstance(classifier, torch.nn.Linear) and pooler is not None:
+        return lambda read: classifier(pooler(read[:, None, :]))
+    if classifier is not None and hasattr(classifier, "out_proj"):
+        return lambda read: classifier(read[:, None, :])
+    raise ModelLoadError(f"the classification head of {type(model).__name__} is not supported: rerankit reads "
+                         "BERT/DeBERTa (pooler + classifier), RoBERTa-style and decoder (score) heads")
+
+
+def cross_encoder_head(classify: Callable[[torch.Tensor], torch.Tensor]) -> Head:
+    """Sigmoid of a single logit, or the softmax probability of class 1 when there are several."""
+
+    def head(hidden: torch.Tensor, batch: PackedBatch) -> BatchScores:
+        read = hidden[batch.read_positions.to(hidden.device)]
+        logits = classify(read).float()
+        scores = logits[:, 0].sigmoid() if logits.shape[1] == 1 else logits.softmax(-1)[:, 1]
+        return BatchScores(scores, pooled=read)
+
+    return head
+
+
+def pool(hidden: torch.Tensor, batch: PackedBatch, pooling: str, normalize: bool) -> torch.Tensor:
+    """One embedding per sequence: mean over its tokens, or its first (cls) / last token."""
+    if pooling == "mean":
+        cu = batch.cu_seqlens.to(hidden.device, torch.int64)
+        lengths = cu[1:] - cu[:-1]
+        segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=hidden.device), lengths)
+        sums = torch.zeros(lengths.numel(), hidden.shape[1], device=hidden.device).index_add_(0, segment,
+                                                                                                hidden.float())
+        pooled = sums / lengths[:, None]
+    else:
+        pooled = hidden[batch.read_positions.to(hidden.device)].float()
+    return F.normalize(pooled, dim=-1) if normalize else pooled
+
+
+def bi_encoder_head(query_embedding: torch.Tensor, pooling: str, normalize: bool) -> Head:
+    """Cosine similarity between the query's pooled embedding and each item's."""
+
+    def head(hidden: torch.Tensor, batch: PackedBatch) -> BatchScores:
+        pooled = pool(hidden, batch, pooling, normalize)
+        scores = F.cosine_similarity(pooled, query_embedding[None, :].to(pooled.device), dim=-1)
+        return BatchScores(scores, pooled=pooled)
+
+    return head
+
+
+def late_interaction_head(query_tokens: torch.Tensor, pooling: str, normalize: bool) -> Head:
+    """MaxSim: for each query token its best cosine over an item's tokens, summed over the query tokens."""
+    query_unit = F.normalize(query_tokens.float(), dim=-1)
+
+    def head(hidden: torch.Tensor, batch: PackedBatch) -> BatchScores:
+        cu = batch.cu_seqlens.to(hidden.device, torch.int64)
+        lengths = cu[1:] - cu[:-1]
+        segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=hidden.device), lengths)
+        similarity = query_unit.to(hidden.device) @ F.normalize(hidden.float(), dim=-1).T  # [q, T]
+        best = torch.full((similarity.shape[0], lengths.numel()), float("-inf"), device=hidden.device)
+        best = best.scatter_reduce(1, segment.expand_as(similarity), similarity, reduce="amax")
+        return BatchScores(best.sum(0), pooled=pool(hidden, batch, pooling, normalize))
+
+    return head

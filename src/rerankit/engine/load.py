@@ -1,0 +1,176 @@
+"""Loading a model folder or hub id with transformers, and working out what it can score."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from rerankit.errors import ModelLoadError
+
+ModelKind = Literal["causal-lm", "sequence-classifier", "encoder"]
+Pooling = Literal["mean", "cls", "lasttoken"]
+
+# What each kind of checkpoint can score; the first mode is the default.
+SUPPORTED_MODES: dict[str, tuple[str, ...]] = {
+    "causal-lm": ("generative",),
+    "sequence-classifier": ("cross-encoder",),
+    "encoder": ("bi-encoder", "late-interaction"),
+}
+_ST_POOLING_KEYS: dict[str, Pooling] = {
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_lasttoken": "lasttoken",
+}
+_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    """A transformers model in eval mode with its tokenizer and the facts the engine needs about it."""
+
+    name: str
+    model: Any
+    tokenizer: Any
+    config: Any
+    kind: ModelKind
+    is_decoder: bool
+    pooling: Pooling
+    normalize_embeddings: bool
+    max_length: int
+    vocab_size: int
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def supported_modes(self) -> tuple[str, ...]:
+        """The scoring modes this checkpoint can serve."""
+        return SUPPORTED_MODES[self.kind]
+
+    @property
+    def default_mode(self) -> str:
+        """The mode used when neither the request nor the backend names one."""
+        return self.supported_modes[0]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The asked device, or CUDA when there is one, else the CPU."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """The asked dtype, or bfloat16 on a GPU and float32 on the CPU."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPE_NAMES[str(dtype).lower().removeprefix("torch.")]
+    except KeyError:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPE_NAMES)}") from None
+
+
+def load_model(model: str, *, device: str | torch.device | None = None,
+               dtype: str | torch.dtype | None = None) -> LoadedModel:
+    """Load a model folder (offline) or a hub id; ``ModelLoadError`` for a missing path or an unsupported model."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, \
+        AutoTokenizer
+
+    folder = Path(model).expanduser()
+    local = folder.exists()
+    if not local and (model.startswith((".", "/", "~")) or model.count("/") > 1):
+        raise ModelLoadError(f"no model folder at {model!r}")
+    source = str(folder) if local else model
+    try:
+        config = AutoConfig.from_pretrained(source, local_files_only=local)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read the config of {model!r}: {exc}") from exc
+    kind = _model_kind(config, folder if local else None)
+    if kind == "causal-lm" and getattr(config, "final_logit_softcapping", None) is not None:
+        raise ModelLoadError(f"{model!r} soft-caps its logits, which the label-logprob head does not support")
+    auto_class = {"causal-lm": AutoModelForCausalLM, "sequence-classifier": AutoModelForSequenceClassification,
+                  "encoder": AutoModel}[kind]
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local)
+        network = auto_class.from_pretrained(source, dtype=torch_dtype, local_files_only=local)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load {model!r}: {exc}") from exc
+    network = network.to(torch_device).eval()
+    pooling, normalize = _sentence_transformers_pooling(folder) if local else (None, False)
+    decoder = _is_decoder(config)
+    rows = [network.get_input_embeddings().num_embeddings]
+    if kind == "causal-lm":
+        rows.append(network.get_output_embeddings().weight.shape[0])
+    return LoadedModel(
+        name=model, model=network, tokenizer=tokenizer, config=config, kind=kind, is_decoder=decoder,
+        pooling=pooling or ("lasttoken" if decoder else "mean"), normalize_embeddings=normalize,
+        max_length=_max_length(config, tokenizer, folder if local else None), vocab_size=min(rows),
+        device=torch_device, dtype=torch_dtype,
+    )
+
+
+def _model_kind(config: Any, folder: Path | None) -> ModelKind:
+    architectures = list(getattr(config, "architectures", None) or [])
+    if any(name.endswith("ForCausalLM") for name in architectures):
+        return "causal-lm"
+    if any(name.endswith("ForSequenceClassification") for name in architectures):
+        return "sequence-classifier"
+    is_sentence_transformer = folder is not None and (folder / "modules.json").is_file()
+    if is_sentence_transformer or any(name.endswith("Model") for name in architectures):
+        return "encoder"
+    raise ModelLoadError(
+        f"architecture {architectures or 'unknown'} is not supported: rerankit scores *ForCausalLM (generative), "
+        "*ForSequenceClassification (cross-encoder) and base encoder / sentence-transformers models (bi-encoder)"
+    )
+
+
+def _is_decoder(config: Any) -> bool:
+    """Causal attention: a family with a causal LM head and no masked LM head."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, \
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    model_type = getattr(config, "model_type", "")
+    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+
+def _sentence_transformers_pooling(folder: Path) -> tuple[Pooling | None, bool]:
+    """Pooling mode from the sentence-transformers Pooling module, and whether a Normalize module follows."""
+    modules_file = folder / "modules.json"
+    modules = json.loads(modules_file.read_text()) if modules_file.is_file() else []
+    pooling_dirs = [entry["path"] for entry in modules if entry.get("type", "").endswith("Pooling")] or ["1_Pooling"]
+    normalize = any(entry.get("type", "").endswith("Normalize") for entry in modules)
+    pooling_file = folder / pooling_dirs[0] / "config.json"
+    if not pooling_file.is_file():
+        return None, normalize
+    settings = json.loads(pooling_file.read_text())
+    chosen = [mode for key, mode in _ST_POOLING_KEYS.items() if settings.get(key)]
+    unsupported = [key for key, on in settings.items() if key.startswith("pooling_mode") and on
+                   and key not in _ST_POOLING_KEYS]
+    if unsupported or len(chosen) != 1:
+        raise ModelLoadError(f"{pooling_file}: pooling {unsupported or chosen} is not supported; "
+                             "rerankit pools by mean, cls or lasttoken")
+    return chosen[0], normalize
+
+
+def _max_length(config: Any, tokenizer: Any, folder: Path | None) -> int:
+    """The longest sequence the model takes: position table, sentence-transformers and tokenizer limits."""
+    limits = []
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions:
+        # RoBERTa-style position ids start after the padding index, which costs two rows of the table.
+        limits.append(positions - 2 if "roberta" in getattr(config, "model_type", "") else positions)
+    if folder is not None and (folder / "sentence_bert_config.json").is_file():
+        limits.append(json.loads((folder / "sentence_bert_config.json").read_text()).get("max_seq_length") or 0)
+    tokenizer_limit = getattr(tokenizer, "model_max_length", None)
+    if tokenizer_limit and tokenizer_limit < 1_000_000:  # tokenizers without a limit report a huge sentinel
+        limits.append(tokenizer_limit)
+    limits = [limit for limit in limits if limit > 0]
+    return min(limits) if limits else 512

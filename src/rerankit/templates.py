@@ -1,0 +1,150 @@
+"""Prompt templates and label words per model family, as data.
+
+A scored sequence is ``[bos] prefix(instruction, query) sep item(doc) sep suffix(instruction)``: each of the
+pieces is tokenized on its own (the prefix once per request, each item once, the suffix once) and the ids are
+concatenated, the way the families' reference code builds its inputs. The label is read after the suffix.
+
+``raw`` is vLLM's /generative_scoring and SGLang's /v1/score layout: query ids (with special tokens) then item
+ids (without), or the other way round under ``item_first``, scored with the caller's label token ids.
+This module imports nothing heavy: the remote client and the server use it too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rerankit.errors import InvalidRequest
+
+
+@dataclass(frozen=True)
+class Template:
+    """How one model family wants a (query, document) pair written, and which tokens it answers with.
+
+    ``{instruction}``, ``{query}`` and ``{doc}`` are the placeholders. ``instruction_format`` wraps a given
+    instruction before it enters ``prefix_format``/``suffix_format``; no instruction renders as "".
+    ``separator`` is tokenized alone and put between prefix and item and between item and suffix (the ``sep``
+    of FlagEmbedding and mxbai). ``add_bos`` prepends the tokenizer's BOS token when it has a distinct one.
+    ``lone_label_sigmoid``: with a single label, labels-only normalisation compares its logit with an implicit
+    zero logit, i.e. sigmoid(logit) (FlagEmbedding's normalised score); raw mode keeps vLLM's softmax, which
+    gives 1.0.
+    """
+
+    name: str
+    prefix_format: str
+    item_format: str
+    suffix_format: str
+    labels: tuple[str, ...]
+    default_instruction: str | None = None
+    instruction_format: str = "{instruction}"
+    separator: str = ""
+    add_bos: bool = False
+    lone_label_sigmoid: bool = True
+
+    @property
+    def needs_text(self) -> bool:
+        """True when the query and the items must be texts (every template but ``raw``)."""
+        return self.name != RAW
+
+    def _instruction(self, instruction: str | None) -> str:
+        chosen = instruction if instruction is not None else self.default_instruction
+        return self.instruction_format.format(instruction=chosen) if chosen else ""
+
+    def prefix(self, instruction: str | None, query: str) -> str:
+        """The text before the item: system prompt, instruction and query."""
+        return self.prefix_format.format(instruction=self._instruction(instruction), query=query)
+
+    def item(self, doc: str) -> str:
+        """The text of one item."""
+        return self.item_format.format(doc=doc)
+
+    def suffix(self, instruction: str | None = None) -> str:
+        """The text after the item, up to where the label is read."""
+        return self.suffix_format.format(instruction=self._instruction(instruction))
+
+    def render(self, query: str, doc: str, instruction: str | None = None) -> str:
+        """The whole prompt as one string (for remote servers and for reading; no BOS)."""
+        return self.separator.join((self.prefix(instruction, query), self.item(doc), self.suffix(instruction)))
+
+
+RAW = "raw"
+
+QWEN3_RERANKER = Template(
+    name="qwen3-reranker",
+    prefix_format=(
+        "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
+        "Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n"
+        "<Instruct>: {instruction}\n<Query>: {query}\n"
+    ),
+    item_format="<Document>: {doc}",
+    suffix_format="<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+    labels=("yes", "no"),
+    default_instruction="Given a web search query, retrieve relevant passages that answer the query",
+)
+
+# FlagEmbedding's BaseLLMReranker: [bos] "A: {query}" sep "B: {passage}" sep prompt; score is the "Yes" logit.
+BGE_RERANKER_GEMMA = Template(
+    name="bge-reranker-gemma",
+    prefix_format="A: {query}",
+    item_format="B: {doc}",
+    suffix_format="{instruction}",
+    labels=("Yes",),
+    default_instruction=(
+        "Given a query A and a passage B, determine whether the passage contains an answer to the query by "
+        "providing a prediction of either 'Yes' or 'No'."
+    ),
+    separator="\n",
+    add_bos=True,
+)
+
+# mixedbread-ai/mxbai-rerank MxbaiRerankV2: chat prefix, "query: ..." sep "document: ..." sep task prompt,
+# chat suffix; the score is logit("1") - logit("0"), i.e. the softmax over ("1", "0").
+MXBAI_RERANK_V2 = Template(
+    name="mxbai-rerank-v2",
+    prefix_format=(
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\n{instruction}query: {query}"
+    ),
+    item_format="document: {doc}",
+    suffix_format=(
+        "You are a search relevance expert who evaluates how well documents match search queries. For each "
+        "query-document pair, carefully analyze the semantic relationship between them, then provide your "
+        "binary relevance judgment (0 for not relevant, 1 for relevant).\nRelevance:<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    ),
+    labels=("1", "0"),
+    instruction_format="instruction: {instruction}\n",
+    separator="\n",
+)
+
+RAW_TEMPLATE = Template(name=RAW, prefix_format="{query}", item_format="{doc}", suffix_format="", labels=(),
+                        lone_label_sigmoid=False)
+
+TEMPLATES: dict[str, Template] = {
+    template.name: template for template in (QWEN3_RERANKER, BGE_RERANKER_GEMMA, MXBAI_RERANK_V2, RAW_TEMPLATE)
+}
+
+# (substring of the lower-cased model name, architecture prefix, template): the first match wins.
+_DETECTION_RULES: tuple[tuple[str, str, str], ...] = (
+    ("qwen3-reranker", "Qwen3", QWEN3_RERANKER.name),
+    ("bge-reranker-v2-gemma", "Gemma", BGE_RERANKER_GEMMA.name),
+    ("mxbai-rerank", "Qwen2", MXBAI_RERANK_V2.name),
+)
+
+
+def get_template(name: str) -> Template:
+    """The registered template called ``name``; ``InvalidRequest`` naming the known ones otherwise."""
+    try:
+        return TEMPLATES[name]
+    except KeyError:
+        raise InvalidRequest("template", f"unknown template {name!r}; known: {', '.join(TEMPLATES)}") from None
+
+
+def detect_template(config: Any, name: str) -> Template | None:
+    """The template of a model, from its name (or ``config._name_or_path``) and its architecture; None if unknown."""
+    architectures = tuple(getattr(config, "architectures", None) or ())
+    names = (name.lower(), str(getattr(config, "_name_or_path", "") or "").lower())
+    for pattern, architecture, template in _DETECTION_RULES:
+        if any(pattern in candidate for candidate in names) and any(a.startswith(architecture) for a in architectures):
+            return TEMPLATES[template]
+    return None
