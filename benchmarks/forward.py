@@ -29,8 +29,7 @@ H100_BF16_DENSE_FLOPS = 989.4e12
 def qwen3_06b_config(layers: int) -> transformers.Qwen3Config:
     return transformers.Qwen3Config(vocab_size=151669, hidden_size=1024, intermediate_size=3072,
                                     num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=8,
-                                    head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True,
-                                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+                                    head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True)
 
 
 def make_batch(prefix: list[int], docs: list[list[int]], suffix: list[int], shared_prefix: bool,
@@ -113,6 +112,7 @@ def bench_ours(hf, compile: bool, plain: PackedBatch, shared: PackedBatch, confi
     model = build_packed_model(hf, compile=compile)
     mode = "compiled" if compile else "eager"
 
+    @torch.no_grad()
     def run(batch: PackedBatch, every_row: bool = False) -> torch.Tensor:
         hidden = model(batch)[batch.read_positions] if every_row else model.forward_read(batch)
         return hidden @ model.lm_head_weight.T
