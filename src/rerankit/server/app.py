@@ -1,0 +1,86 @@
+"""The FastAPI app of ``rerankit serve``: the scoring routes of every dialect over one backend, plus
+``/health``, ``/v1/models``, ``/metrics`` and FastAPI's OpenAPI pages (``/docs``, ``/openapi.json``).
+
+``/health``, ``/metrics`` and the OpenAPI pages stay open when an API key is set (probes and scrapers
+carry no key); the scoring routes and ``/v1/models`` need it.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException
+
+from rerankit import __version__
+from rerankit.backend import Backend
+from rerankit.errors import RerankitError
+from rerankit.schema import ErrorBody, ErrorDetail
+from rerankit.server.batcher import Batcher
+from rerankit.server.limits import ServerConfig, check_api_key
+from rerankit.server.routes import METHODS, ROUTES, scoring_endpoint
+
+# Swagger's "try it out" needs to know that the scoring routes take a JSON body; the dialect picks its shape.
+JSON_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"type": "object"}}}}}
+
+
+def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
+    """An app serving ``backend`` under every dialect's routes; the caller keeps ownership of ``backend``."""
+    config = config or ServerConfig()
+    model_name = config.served_model_name or backend.model_name
+    batcher = Batcher(backend, config)
+    metrics = batcher.metrics
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        batcher.start()
+        yield
+        await batcher.stop()
+
+    app = FastAPI(title="rerankit", version=__version__, lifespan=lifespan,
+                  description=f"Reranking with {model_name}: vLLM, SGLang, Cohere and TEI scoring routes.")
+    app.state.batcher = batcher
+    app.state.config = config
+
+    for path, dialects in ROUTES.items():
+        endpoint = scoring_endpoint(path, batcher, config, model_name)
+        for method in METHODS.get(path, ("POST",)):
+            app.add_api_route(path, endpoint, methods=[method], openapi_extra=JSON_BODY, tags=["scoring"],
+                              operation_id=f"{method.lower()}{path.replace('/', '_')}",
+                              summary=f"Score or rerank ({' | '.join(dialects)} wire format)")
+
+    @app.get("/health", tags=["server"])
+    async def health() -> dict[str, str]:
+        """200 while the server runs."""
+        return {"status": "ok"}
+
+    @app.get("/v1/models", tags=["server"])
+    async def models(request: Request) -> JSONResponse:
+        """The one served model, OpenAI-style."""
+        check_api_key(config, request.headers.get("authorization"))
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "rerankit"}]})
+
+    @app.get("/metrics", tags=["server"], response_class=PlainTextResponse)
+    async def prometheus() -> PlainTextResponse:
+        """Prometheus text: requests, items, tokens, latency, engine batches, queue depth."""
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.exception_handler(RerankitError)
+    async def rerankit_error(request: Request, exc: RerankitError) -> JSONResponse:
+        return error_json(exc.status_code, exc.message, exc.error_type)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return error_json(exc.status_code, str(exc.detail), "http_error", exc.headers)
+
+    return app
+
+
+def error_json(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """rerankit's own error body (the vLLM/OpenAI shape) for routes that belong to no dialect."""
+    body = ErrorBody(error=ErrorDetail(message=message, type=kind, code=status))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)

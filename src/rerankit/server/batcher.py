@@ -1,0 +1,174 @@
+"""Batching across requests: one queue in front of the engine, one engine call per batch, in a worker thread.
+
+Policy. A request that finds the engine cold (no engine call ended in the last ``batch_window_ms``) is sent
+at once, alone if it is alone: an idle server never holds a request back. Requests that arrive while the
+engine runs wait in the queue and go together in the next call. Right after a call ends, the engine is hot:
+its callers are likely to send again within a few ms, so the dispatcher keeps collecting until the window
+since the end of that call closes or the budget (items, estimated tokens) is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from rerankit.backend import Backend
+from rerankit.errors import Overloaded
+from rerankit.schema import ScoreRequest, ScoreResponse
+from rerankit.server.limits import ServerConfig
+from rerankit.server.metrics import Metrics
+
+BYTES_PER_TOKEN = 4  # the server does not tokenize: text items are budgeted at about 4 UTF-8 bytes a token
+
+
+def estimate_tokens(request: ScoreRequest) -> int:
+    """About how many tokens scoring ``request`` feeds the model (exact for token ids), for the batch budget."""
+    def length(part: str | list[int]) -> int:
+        return len(part) if isinstance(part, list) else max(1, len(part.encode()) // BYTES_PER_TOKEN)
+
+    cap = request.max_tokens_per_item
+    query = length(request.query)
+    return sum(query + (length(item) if cap is None else min(cap, length(item))) for item in request.items)
+
+
+@dataclass
+class _Pending:
+    request: ScoreRequest
+    future: asyncio.Future
+    tokens: int
+
+
+class Batcher:
+    """Queue + dispatcher: ``await submit(request)`` resolves when the engine call holding it ends."""
+
+    def __init__(self, backend: Backend, config: ServerConfig) -> None:
+        self.backend = backend
+        self.config = config
+        self._queue: deque[_Pending] = deque()
+        self.metrics = Metrics(queue_depth=lambda: len(self._queue))
+        self._arrived = asyncio.Event()
+        # One engine thread: a model runs one call at a time; more threads would only contend for it.
+        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rerankit-engine")
+        self._hot_until = 0.0
+        self._dispatcher: asyncio.Task | None = None
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting for an engine call (not counting the one running)."""
+        return len(self._queue)
+
+    def start(self) -> None:
+        """Start the dispatcher on the running event loop."""
+        self._dispatcher = asyncio.get_running_loop().create_task(self._dispatch_forever())
+
+    async def stop(self) -> None:
+        """Stop the dispatcher; requests still queued fail with ``Overloaded``."""
+        if self._dispatcher is not None:
+            self._dispatcher.cancel()
+            try:
+                await self._dispatcher
+            except asyncio.CancelledError:
+                pass
+        while self._queue:
+            pending = self._queue.popleft()
+            if not pending.future.done():
+                pending.future.set_exception(Overloaded("the server is shutting down"))
+        self._engine_thread.shutdown(wait=True)
+
+    async def submit(self, request: ScoreRequest) -> ScoreResponse:
+        """Queue ``request`` and wait for its response; ``Overloaded`` (429) when the queue is full."""
+        if len(self._queue) >= self.config.max_queue_requests:
+            raise Overloaded(f"the queue holds {len(self._queue)} requests; the limit is "
+                             f"{self.config.max_queue_requests} (max_queue_requests)")
+        pending = _Pending(request, asyncio.get_running_loop().create_future(), estimate_tokens(request))
+        self._queue.append(pending)
+        self._arrived.set()
+        return await pending.future
+
+    async def _dispatch_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            while not self._queue:
+                self._arrived.clear()
+                await self._arrived.wait()
+            if self.config.batching:
+                await self._collect_until(self._hot_until)
+            batch = self._take_batch()
+            if batch:
+                await self._run(batch)
+            self._hot_until = loop.time() + self.config.batch_window_ms / 1000
+
+    async def _collect_until(self, deadline: float) -> None:
+        """Wait for more requests until ``deadline`` (loop time) or until the budget is full."""
+        loop = asyncio.get_running_loop()
+        while not self._budget_full() and loop.time() < deadline:
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                return
+
+    def _budget_full(self) -> bool:
+        items = sum(len(pending.request.items) for pending in self._queue)
+        tokens = sum(pending.tokens for pending in self._queue)
+        return items >= self.config.max_batch_items or tokens >= self.config.max_batch_tokens
+
+    def _take_batch(self) -> list[_Pending]:
+        """The queue's head up to the budget; a request over the budget on its own still goes, alone."""
+        batch: list[_Pending] = []
+        items = tokens = 0
+        while self._queue:
+            head = self._queue[0]
+            if head.future.done():  # its caller went away
+                self._queue.popleft()
+                continue
+            fits = (items + len(head.request.items) <= self.config.max_batch_items
+                    and tokens + head.tokens <= self.config.max_batch_tokens)
+            if batch and (not fits or not self.config.batching):
+                break
+            batch.append(self._queue.popleft())
+            items += len(head.request.items)
+            tokens += head.tokens
+        return batch
+
+    async def _run(self, batch: list[_Pending]) -> None:
+        requests = [pending.request for pending in batch]
+        self.metrics.observe_batch(len(requests), sum(len(request.items) for request in requests))
+        loop = asyncio.get_running_loop()
+        try:
+            outcomes = await loop.run_in_executor(self._engine_thread, score_each, self.backend, requests)
+            for pending, outcome in zip(batch, outcomes):
+                if pending.future.done():
+                    continue
+                if isinstance(outcome, BaseException):
+                    pending.future.set_exception(outcome)
+                else:
+                    pending.future.set_result(outcome)
+        finally:  # stopped mid-call: its callers must not wait forever
+            for pending in batch:
+                if not pending.future.done():
+                    pending.future.set_exception(Overloaded("the server is shutting down"))
+
+
+def score_each(backend: Backend, requests: list[ScoreRequest]) -> list[ScoreResponse | Exception]:
+    """Score ``requests`` in one engine call where the backend can (``score_batch``), one by one otherwise.
+
+    When a merged call fails, each request is scored alone so that one bad request (a token id out of
+    the vocabulary, an item too long) fails only its own caller.
+    """
+    score_batch = getattr(backend, "score_batch", None)
+    if score_batch is not None and len(requests) > 1:
+        try:
+            return list(score_batch(requests))
+        except Exception:  # noqa: BLE001 - isolate the culprit below; its own call raises the error again
+            pass
+    outcomes: list[ScoreResponse | Exception] = []
+    for request in requests:
+        try:
+            outcomes.append(backend.score(request))
+        except Exception as exc:  # noqa: BLE001 - handed to the request's caller, who maps it to a status
+            outcomes.append(exc)
+    return outcomes

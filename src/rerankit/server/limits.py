@@ -1,0 +1,79 @@
+"""What ``rerankit serve`` is told at start (``ServerConfig``), and the per-request limits it enforces."""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+
+from rerankit.errors import RequestTooLarge, RerankitError
+from rerankit.schema import ScoreRequest
+
+
+class Unauthorized(RerankitError):
+    """The server has an API key and the request did not carry it."""
+
+    status_code = 401
+    error_type = "unauthorized"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Server settings, built once and passed down to the app, the routes and the batcher.
+
+    Batching: requests waiting while the engine runs are merged into one engine call of at most
+    ``max_batch_items`` items and about ``max_batch_tokens`` tokens; ``batching=False`` scores one
+    request per engine call (to measure what batching buys).
+    """
+
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_items_per_request: int = 1024
+    max_tokens_per_item: int = 8192
+    max_queue_requests: int = 256
+    max_batch_items: int = 512
+    max_batch_tokens: int = 131072
+    batch_window_ms: float = 5.0
+    batching: bool = True
+    retry_after_s: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_items_per_request", "max_tokens_per_item", "max_queue_requests",
+                     "max_batch_items", "max_batch_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_window_ms < 0:
+            raise ValueError(f"batch_window_ms must be >= 0, got {self.batch_window_ms}")
+
+
+def check_api_key(config: ServerConfig, authorization: str | None) -> None:
+    """Raise ``Unauthorized`` unless the server has no key or ``Authorization: Bearer <key>`` matches it."""
+    if config.api_key is None:
+        return
+    scheme, _, given = (authorization or "").partition(" ")
+    # compare_digest: the time taken must not tell how many leading characters were right.
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), config.api_key.encode()):
+        raise Unauthorized("missing or wrong API key: send 'Authorization: Bearer <key>'")
+
+
+def check_body_size(config: ServerConfig, size: int) -> None:
+    """Raise ``RequestTooLarge`` (413) for a body over ``max_body_bytes``."""
+    if size > config.max_body_bytes:
+        raise RequestTooLarge("body", f"is over {config.max_body_bytes} bytes (max_body_bytes)",
+                              config.max_body_bytes)
+
+
+def bound_request(config: ServerConfig, request: ScoreRequest) -> ScoreRequest:
+    """The request within the server's limits: too many items is a 413; items are cut to ``max_tokens_per_item``.
+
+    The token limit becomes the request's own cut (the lower of the two), so the engine cuts long items
+    where the request allows it and refuses them (``InvalidRequest``) where it says ``truncation="none"``.
+    """
+    if len(request.items) > config.max_items_per_request:
+        raise RequestTooLarge("items", f"holds {len(request.items)} items; the limit is "
+                              f"{config.max_items_per_request} (max_items_per_request)",
+                              config.max_items_per_request)
+    limit = config.max_tokens_per_item
+    if request.max_tokens_per_item is not None and request.max_tokens_per_item <= limit:
+        return request
+    return request.model_copy(update={"max_tokens_per_item": limit})

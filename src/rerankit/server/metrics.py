@@ -1,0 +1,95 @@
+"""Server metrics in the Prometheus text format (0.0.4), without a client library.
+
+All updates happen on the event loop's thread (routes and the batcher's dispatcher), so no lock is needed.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import defaultdict
+from typing import Callable
+
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class Histogram:
+    """Cumulative-bucket histogram, as Prometheus expects it."""
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.total = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def lines(self, name: str, labels: str = "") -> list[str]:
+        out, cumulative = [], 0
+        sep = "," if labels else ""
+        for bound, count in zip((*self.buckets, float("inf")), self.counts):
+            cumulative += count
+            le = "+Inf" if bound == float("inf") else repr(bound)
+            out.append(f'{name}_bucket{{{labels}{sep}le="{le}"}} {cumulative}')
+        braces = f"{{{labels}}}" if labels else ""
+        out.append(f"{name}_sum{braces} {self.total}")
+        out.append(f"{name}_count{braces} {self.count}")
+        return out
+
+
+class Metrics:
+    """Requests, items, tokens, latency per route; engine batches; queue depth."""
+
+    def __init__(self, queue_depth: Callable[[], int]) -> None:
+        self.queue_depth = queue_depth
+        self.requests: dict[tuple[str, int], int] = defaultdict(int)
+        self.items: dict[str, int] = defaultdict(int)
+        self.prompt_tokens: dict[str, int] = defaultdict(int)
+        self.latency: dict[str, Histogram] = {}
+        self.batches = 0
+        self.batch_requests = Histogram(BATCH_SIZE_BUCKETS)
+        self.batch_items = Histogram(tuple(size * 8 for size in BATCH_SIZE_BUCKETS))
+
+    def observe_request(self, route: str, status: int, seconds: float, items: int = 0,
+                        prompt_tokens: int = 0) -> None:
+        """Count one finished HTTP request on a scoring route (any status)."""
+        self.requests[(route, status)] += 1
+        self.items[route] += items
+        self.prompt_tokens[route] += prompt_tokens
+        self.latency.setdefault(route, Histogram(LATENCY_BUCKETS_S)).observe(seconds)
+
+    def observe_batch(self, requests: int, items: int) -> None:
+        """Count one engine call that scored ``requests`` requests holding ``items`` items."""
+        self.batches += 1
+        self.batch_requests.observe(requests)
+        self.batch_items.observe(items)
+
+    def render(self) -> str:
+        """The metrics page, Prometheus text format."""
+        lines = ["# HELP rerankit_requests_total Scoring requests by route and HTTP status.",
+                 "# TYPE rerankit_requests_total counter"]
+        lines += [f'rerankit_requests_total{{route="{route}",status="{status}"}} {count}'
+                  for (route, status), count in sorted(self.requests.items())]
+        lines += ["# HELP rerankit_items_total Items scored, by route.", "# TYPE rerankit_items_total counter"]
+        lines += [f'rerankit_items_total{{route="{route}"}} {count}' for route, count in sorted(self.items.items())]
+        lines += ["# HELP rerankit_prompt_tokens_total Prompt tokens scored (as if each pair ran alone), by route.",
+                  "# TYPE rerankit_prompt_tokens_total counter"]
+        lines += [f'rerankit_prompt_tokens_total{{route="{route}"}} {count}'
+                  for route, count in sorted(self.prompt_tokens.items())]
+        lines += ["# HELP rerankit_request_duration_seconds Time from request received to response ready.",
+                  "# TYPE rerankit_request_duration_seconds histogram"]
+        for route, histogram in sorted(self.latency.items()):
+            lines += histogram.lines("rerankit_request_duration_seconds", f'route="{route}"')
+        lines += ["# HELP rerankit_queue_depth Requests waiting for the engine.", "# TYPE rerankit_queue_depth gauge",
+                  f"rerankit_queue_depth {self.queue_depth()}",
+                  "# HELP rerankit_batches_total Engine calls.", "# TYPE rerankit_batches_total counter",
+                  f"rerankit_batches_total {self.batches}",
+                  "# HELP rerankit_batch_requests Requests merged into one engine call.",
+                  "# TYPE rerankit_batch_requests histogram"]
+        lines += self.batch_requests.lines("rerankit_batch_requests")
+        lines += ["# HELP rerankit_batch_items Items in one engine call.", "# TYPE rerankit_batch_items histogram"]
+        lines += self.batch_items.lines("rerankit_batch_items")
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,193 @@
+"""The app's HTTP behaviour over a fake backend on a live loopback server: routing by body shape, auth,
+limits, error formats, metrics, and the server pages. The real engine's round trips are in test_roundtrip.py.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+from conftest import live_server
+from server_fakes import RecordingBackend
+
+from rerankit.remote.dialects import DIALECTS
+from rerankit.server.app import create_app
+from rerankit.server.limits import ServerConfig
+from rerankit.server.routes import ROUTES
+
+GENERATIVE = {"query": "q", "items": ["a", "bb"], "label_token_ids": [1, 2]}
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return RecordingBackend()
+
+
+@pytest.fixture(scope="module")
+def url(backend):
+    config = ServerConfig(max_body_bytes=4096, max_items_per_request=8, max_tokens_per_item=64)
+    with live_server(create_app(backend, config)) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    with httpx.Client(base_url=url, timeout=10) as client:
+        yield client
+
+
+def test_every_dialect_path_is_served():
+    for dialect in DIALECTS.values():
+        for path in dialect.paths:
+            assert dialect.name in ROUTES[path], f"{dialect.name} speaks {path} but the server does not route it"
+
+
+@pytest.mark.parametrize("path, body, shape", [
+    ("/generative_scoring", GENERATIVE, "vllm-data"),
+    ("/score", {"queries": "q", "documents": ["a", "bb"]}, "vllm-data"),
+    ("/v1/score", {"query": "q", "items": ["a", "bb"], "label_token_ids": [1, 2]}, "sglang-scores"),
+    ("/v1/score", {"text_1": "q", "text_2": ["a", "bb"]}, "vllm-data"),
+    ("/rerank", {"query": "q", "documents": ["a", "bb"]}, "vllm-results"),
+    ("/rerank", {"query": "q", "texts": ["a", "bb"]}, "tei-list"),
+    ("/v1/rerank", {"query": "q", "documents": ["a", "bb"]}, "vllm-results"),
+    ("/v1/rerank", {"query": "q", "documents": ["a", "bb"], "return_documents": False}, "sglang-list"),
+    ("/v1/rerank", {"model": "m", "query": "q", "documents": ["a", "bb"], "return_documents": True}, "cohere"),
+    ("/v2/rerank", {"model": "m", "query": "q", "documents": ["a", "bb"]}, "cohere"),
+])
+def test_body_shape_picks_the_dialect_that_answers(client, path, body, shape):
+    reply = client.post(path, json=body)
+    assert reply.status_code == 200, reply.text
+    payload = reply.json()
+    if shape == "vllm-data":
+        assert [entry["score"] for entry in payload["data"]] == [1.0, 2.0]
+    elif shape == "sglang-scores":
+        assert payload["object"] == "scoring" and payload["scores"] == [[1.0], [2.0]]
+    elif shape == "vllm-results":
+        assert [entry["index"] for entry in payload["results"]] == [1, 0] and "usage" in payload
+    elif shape == "cohere":
+        assert [entry["index"] for entry in payload["results"]] == [1, 0] and "meta" in payload
+    else:
+        assert isinstance(payload, list) and [entry["index"] for entry in payload] == [1, 0]
+
+
+@pytest.mark.parametrize("path, error_shape", [
+    ("/generative_scoring", "vllm"), ("/score", "vllm"), ("/v1/score", "sglang"), ("/rerank", "vllm"),
+    ("/v1/rerank", "vllm"), ("/v2/rerank", "cohere"),
+])
+def test_non_json_body_is_a_400_in_the_paths_error_format(client, path, error_shape):
+    reply = client.post(path, content=b"{not json", headers={"content-type": "application/json"})
+    assert reply.status_code == 400
+    payload = reply.json()
+    if error_shape == "vllm":
+        assert payload["error"]["code"] == 400 and payload["error"]["param"] == "body"
+    elif error_shape == "sglang":
+        assert payload["object"] == "error" and payload["code"] == 400
+    else:
+        assert set(payload) == {"message"} and "JSON" in payload["message"]
+
+
+def test_body_over_the_limit_is_a_413_and_the_server_keeps_serving(client):
+    reply = client.post("/generative_scoring", json={**GENERATIVE, "items": ["x" * 5000]})
+    assert reply.status_code == 413
+    assert "max_body_bytes" in reply.json()["error"]["message"]
+    assert client.post("/generative_scoring", json=GENERATIVE).status_code == 200
+
+
+def test_chunked_body_over_the_limit_is_refused_while_streaming(client):
+    chunks = iter([b'{"query": "q", "items": ["', b"x" * 3000, b"y" * 3000, b'"]}'])
+    reply = client.post("/generative_scoring", content=chunks, headers={"content-type": "application/json"})
+    assert reply.status_code == 413
+
+
+def test_too_many_items_is_a_413_naming_the_limit(client):
+    reply = client.post("/rerank", json={"query": "q", "documents": ["d"] * 9})
+    assert reply.status_code == 413
+    assert reply.json()["error"]["param"] == "items" and "max_items_per_request" in reply.json()["error"]["message"]
+
+
+def test_token_limit_per_item_is_passed_to_the_engine_as_its_cut(client, backend):
+    client.post("/rerank", json={"query": "limit-probe", "documents": ["d"]})
+    client.post("/rerank", json={"query": "own-cut", "documents": ["d"], "max_tokens_per_doc": 10})
+    sent = {request.query: request for request in backend.requests}
+    assert sent["limit-probe"].max_tokens_per_item == 64
+    assert sent["own-cut"].max_tokens_per_item == 10
+
+
+def test_health_models_openapi_and_unknown_path(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/v1/models").json()["data"][0]["id"] == "recording"
+    spec = client.get("/openapi.json").json()
+    assert set(ROUTES) <= set(spec["paths"])
+    assert client.get("/docs").status_code == 200
+    missing = client.get("/no/such/path")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
+
+
+def test_metrics_count_requests_items_tokens_and_latency(client):
+    client.post("/score", json={"queries": "metrics", "documents": ["abc", "de"]})
+    page = client.get("/metrics").text
+    assert 'rerankit_requests_total{route="/score",status="200"}' in page
+    assert 'rerankit_items_total{route="/score"}' in page
+    assert 'rerankit_prompt_tokens_total{route="/score"}' in page
+    assert 'rerankit_request_duration_seconds_bucket{route="/score",le="+Inf"}' in page
+    assert "rerankit_queue_depth 0" in page
+    assert "rerankit_batches_total" in page
+
+
+def test_api_key_is_required_on_scoring_routes_only():
+    with live_server(create_app(RecordingBackend(), ServerConfig(api_key="sesame"))) as url:
+        with httpx.Client(base_url=url, timeout=10) as client:
+            refused = client.post("/generative_scoring", json=GENERATIVE)
+            assert refused.status_code == 401
+            assert refused.json()["error"]["code"] == 401 and refused.headers["www-authenticate"] == "Bearer"
+            wrong = client.post("/v1/score", json=GENERATIVE, headers={"Authorization": "Bearer nope"})
+            assert wrong.status_code == 401 and wrong.json()["object"] == "error"
+            assert client.get("/v1/models").status_code == 401
+            granted = {"Authorization": "Bearer sesame"}
+            assert client.post("/generative_scoring", json=GENERATIVE, headers=granted).status_code == 200
+            assert client.get("/v1/models", headers=granted).status_code == 200
+            assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
+
+
+def test_full_queue_is_a_429_with_retry_after_and_the_server_recovers():
+    backend = RecordingBackend(hold_first_call=True)
+    with live_server(create_app(backend, ServerConfig(max_queue_requests=1))) as url:
+        with httpx.Client(base_url=url, timeout=10) as client:
+            def post() -> httpx.Response:
+                return client.post("/generative_scoring", json=GENERATIVE)
+
+            held = []
+            first = threading.Thread(target=lambda: held.append(post()))
+            first.start()
+            assert backend.entered.wait(5)
+            second = threading.Thread(target=lambda: held.append(post()))
+            second.start()
+            for _ in range(200):  # the second request has reached the queue
+                if "rerankit_queue_depth 1" in client.get("/metrics").text:
+                    break
+                threading.Event().wait(0.01)
+            refused = post()
+            assert refused.status_code == 429
+            assert refused.headers["retry-after"] == "1"
+            assert "max_queue_requests" in refused.json()["error"]["message"]
+            backend.gate.set()
+            first.join(10)
+            second.join(10)
+            assert [reply.status_code for reply in held] == [200, 200]
+            assert post().status_code == 200
+
+
+def test_engine_failure_is_a_500_in_the_dialect_format_and_the_server_lives_on():
+    class Broken(RecordingBackend):
+        def score(self, request):
+            if request.query == "explode":
+                raise RuntimeError("boom")
+            return super().score(request)
+
+    with live_server(create_app(Broken(), ServerConfig())) as url:
+        with httpx.Client(base_url=url, timeout=10) as client:
+            reply = client.post("/v1/score", json={**GENERATIVE, "query": "explode"})
+            assert reply.status_code == 500 and reply.json()["object"] == "error"
+            assert "boom" not in reply.text
+            assert client.post("/v1/score", json=GENERATIVE).status_code == 200

@@ -1,0 +1,156 @@
+"""The batcher against a fake backend that records the engine calls it gets (no model needed)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from server_fakes import RecordingBackend
+
+from rerankit.errors import InvalidRequest, Overloaded
+from rerankit.schema import ScoreRequest
+from rerankit.server.batcher import Batcher, estimate_tokens
+from rerankit.server.limits import ServerConfig
+
+
+def request(query: str, items: int = 1) -> ScoreRequest:
+    return ScoreRequest(query=query, items=["doc"] * items)
+
+
+async def started(backend: RecordingBackend, **config: object) -> Batcher:
+    batcher = Batcher(backend, ServerConfig(**config))
+    batcher.start()
+    return batcher
+
+
+async def wait_for_engine(backend: RecordingBackend) -> None:
+    await asyncio.to_thread(backend.entered.wait, 5)
+
+
+async def test_lone_request_on_idle_engine_is_not_held_for_the_window():
+    backend = RecordingBackend()
+    batcher = await started(backend, batch_window_ms=500)
+    begun = time.perf_counter()
+    response = await batcher.submit(request("q"))
+    elapsed = time.perf_counter() - begun
+    await batcher.stop()
+    assert response.scores == [3.0]
+    assert backend.calls == [["q"]]
+    assert elapsed < 0.25, f"a lone request waited {elapsed:.3f}s on an idle engine (window 0.5s)"
+
+
+async def test_requests_arriving_while_the_engine_runs_share_the_next_call():
+    backend = RecordingBackend(hold_first_call=True)
+    batcher = await started(backend, batch_window_ms=1)
+    first = asyncio.create_task(batcher.submit(request("first")))
+    await wait_for_engine(backend)
+    others = [asyncio.create_task(batcher.submit(request(f"q{n}"))) for n in range(5)]
+    await asyncio.sleep(0.05)
+    assert batcher.queue_depth == 5
+    backend.gate.set()
+    responses = await asyncio.gather(first, *others)
+    await batcher.stop()
+    assert backend.calls == [["first"], ["q0", "q1", "q2", "q3", "q4"]]
+    assert all(response.scores == [3.0] for response in responses)
+    assert batcher.metrics.batches == 2
+
+
+async def test_batch_item_budget_splits_the_queue_in_arrival_order():
+    backend = RecordingBackend(hold_first_call=True)
+    batcher = await started(backend, batch_window_ms=1, max_batch_items=4)
+    first = asyncio.create_task(batcher.submit(request("first")))
+    await wait_for_engine(backend)
+    others = [asyncio.create_task(batcher.submit(request(f"q{n}", items=2))) for n in range(5)]
+    await asyncio.sleep(0.05)
+    backend.gate.set()
+    await asyncio.gather(first, *others)
+    await batcher.stop()
+    assert backend.calls == [["first"], ["q0", "q1"], ["q2", "q3"], ["q4"]]
+
+
+async def test_request_over_the_budget_on_its_own_still_runs_alone():
+    backend = RecordingBackend()
+    batcher = await started(backend, max_batch_items=2)
+    response = await batcher.submit(request("big", items=5))
+    await batcher.stop()
+    assert len(response.results) == 5
+    assert backend.calls == [["big"]]
+
+
+async def test_bad_request_in_a_merged_call_fails_only_its_own_caller():
+    backend = RecordingBackend(hold_first_call=True)
+    batcher = await started(backend, batch_window_ms=1)
+    first = asyncio.create_task(batcher.submit(request("first")))
+    await wait_for_engine(backend)
+    good = asyncio.create_task(batcher.submit(request("good")))
+    bad = asyncio.create_task(batcher.submit(request("bad")))
+    await asyncio.sleep(0.05)
+    backend.gate.set()
+    await first
+    assert (await good).scores == [3.0]
+    with pytest.raises(InvalidRequest):
+        await bad
+    await batcher.stop()
+    assert backend.calls[1] == ["good", "bad"]  # merged, failed, then each alone
+    assert backend.calls[2:] == [["good"], ["bad"]]
+
+
+async def test_full_queue_refuses_with_overloaded_and_keeps_serving():
+    backend = RecordingBackend(hold_first_call=True)
+    batcher = await started(backend, max_queue_requests=2)
+    first = asyncio.create_task(batcher.submit(request("first")))
+    await wait_for_engine(backend)
+    queued = [asyncio.create_task(batcher.submit(request(f"q{n}"))) for n in range(2)]
+    await asyncio.sleep(0.02)
+    with pytest.raises(Overloaded, match="max_queue_requests"):
+        await batcher.submit(request("one too many"))
+    backend.gate.set()
+    await asyncio.gather(first, *queued)
+    assert (await batcher.submit(request("later"))).scores == [3.0]
+    await batcher.stop()
+
+
+async def test_no_batching_scores_one_request_per_engine_call():
+    backend = RecordingBackend(hold_first_call=True)
+    batcher = await started(backend, batching=False)
+    first = asyncio.create_task(batcher.submit(request("first")))
+    await wait_for_engine(backend)
+    others = [asyncio.create_task(batcher.submit(request(f"q{n}"))) for n in range(3)]
+    await asyncio.sleep(0.05)
+    backend.gate.set()
+    await asyncio.gather(first, *others)
+    await batcher.stop()
+    assert backend.calls == [["first"], ["q0"], ["q1"], ["q2"]]
+
+
+async def test_hot_engine_collects_requests_sent_just_after_a_call_ends():
+    backend = RecordingBackend()
+    batcher = await started(backend, batch_window_ms=300)
+    await batcher.submit(request("warm-up"))
+    replies = [asyncio.create_task(batcher.submit(request("a")))]
+    await asyncio.sleep(0.03)
+    replies.append(asyncio.create_task(batcher.submit(request("b"))))
+    await asyncio.gather(*replies)
+    await batcher.stop()
+    assert backend.calls == [["warm-up"], ["a", "b"]]
+
+
+async def test_stop_fails_queued_requests_instead_of_leaving_them_waiting():
+    backend = RecordingBackend(hold_first_call=True)
+    batcher = await started(backend)
+    first = asyncio.create_task(batcher.submit(request("first")))
+    await wait_for_engine(backend)
+    queued = asyncio.create_task(batcher.submit(request("queued")))
+    await asyncio.sleep(0.02)
+    backend.gate.set()
+    await batcher.stop()
+    results = await asyncio.gather(first, queued, return_exceptions=True)
+    assert any(isinstance(result, Overloaded) for result in results)
+
+
+def test_token_estimate_is_exact_for_ids_and_bytes_over_four_for_text():
+    assert estimate_tokens(ScoreRequest(query=[1, 2], items=[[3, 4, 5], [6]])) == (2 + 3) + (2 + 1)
+    assert estimate_tokens(ScoreRequest(query="abcdefgh", items=["x" * 40])) == 2 + 10
+    assert estimate_tokens(ScoreRequest(query="abcd", items=["x" * 400], max_tokens_per_item=7)) == 1 + 7
