@@ -1,0 +1,152 @@
+"""``RemoteBackend``: the ``Backend`` that scores through a server, gluing a dialect to the transport.
+
+A request is checked and encoded before any I/O (a refused field never reaches the wire), split into
+requests of at most ``max_items_per_request`` items, sent concurrently, and reassembled in input order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import httpx
+
+from rerankit.errors import InvalidRequest
+from rerankit.remote.client import ClientConfig, Timeout, Transport
+from rerankit.remote.dialects import Dialect, get_dialect
+from rerankit.remote.discover import Discovery, adiscover, discover
+from rerankit.schema import ScoreRequest, ScoreResponse, Usage
+
+
+class RemoteBackend:
+    """Scores on a remote server: vLLM, SGLang, a Cohere-style or TEI ``/rerank`` server, or ``rerankit serve``.
+
+    ``urls``: one server root URL or several serving the same model (round-robin, failover).
+    ``dialect``: one of ``rerankit.remote.dialects.DIALECTS``; discovered from the server when None.
+    ``path``: post there instead of the dialect's default route (e.g. ``/v1/rerank`` for Jina).
+    ``timeout``: a ``Timeout`` or the read timeout in seconds. Other options: see ``ClientConfig``.
+    """
+
+    def __init__(self, urls: str | Sequence[str], *, dialect: str | None = None, model: str | None = None,
+                 api_key: str | None = None, path: str | None = None, timeout: Timeout | float = Timeout(),
+                 max_retries: int = 3, backoff_base: float = 0.25, backoff_max: float = 10.0,
+                 max_items_per_request: int | None = None, max_concurrency: int = 8, dead_cooldown: float = 30.0,
+                 transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None) -> None:
+        url_list = [urls] if isinstance(urls, str) else list(urls)
+        for url in url_list:
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise InvalidRequest("urls", f"{url!r} is not an http(s) URL")
+        if path is not None and (dialect is None or not path.startswith("/")):
+            raise InvalidRequest("path", "give a path starting with '/', together with dialect=")
+        if max_items_per_request is not None and max_items_per_request < 1:
+            raise InvalidRequest("max_items_per_request", f"must be >= 1, got {max_items_per_request}")
+        if not isinstance(timeout, Timeout):
+            timeout = Timeout(connect=min(Timeout.connect, float(timeout)), read=float(timeout))
+        config = ClientConfig(timeout=timeout, max_retries=max_retries, backoff_base=backoff_base,
+                              backoff_max=backoff_max, max_concurrency=max_concurrency, dead_cooldown=dead_cooldown)
+        self._dialect = get_dialect(dialect) if dialect is not None else None
+        self._path = path
+        self._model = model
+        self._max_items = max_items_per_request
+        self._discovery: Discovery | None = None
+        self._served_model: str | None = None
+        self.transport = Transport(url_list, config, api_key, transport)
+
+    @property
+    def model_name(self) -> str:
+        """The model given, else the one the server named (after discovery or a response), else the URL."""
+        return self._model or self._served_model or self.transport.endpoints.urls[0]
+
+    @property
+    def dialect(self) -> Dialect | None:
+        """The dialect given, or None while it is still to be discovered."""
+        return self._dialect
+
+    def score(self, request: ScoreRequest) -> ScoreResponse:
+        """Score on the server; one result per item, in input order."""
+        if self._dialect is None and self._discovery is None:
+            self._learn(discover(self.transport.get, self.transport.endpoints.order()))
+        dialect, path, chunks, bodies = self._encode(request)
+        return self._decode(dialect, chunks, self.transport.post_all(path, bodies))
+
+    async def ascore(self, request: ScoreRequest) -> ScoreResponse:
+        """Async twin of ``score``."""
+        if self._dialect is None and self._discovery is None:
+            self._learn(await adiscover(self.transport.aget, self.transport.endpoints.order()))
+        dialect, path, chunks, bodies = self._encode(request)
+        return self._decode(dialect, chunks, await self.transport.apost_all(path, bodies))
+
+    def close(self) -> None:
+        """Close the connection pools."""
+        self.transport.close()
+
+    async def aclose(self) -> None:
+        """Close the connection pools, awaiting the async one."""
+        await self.transport.aclose()
+
+    def __enter__(self) -> "RemoteBackend":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> "RemoteBackend":
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def _learn(self, discovery: Discovery) -> None:
+        self._discovery = discovery
+        self._served_model = self._served_model or discovery.model
+
+    @property
+    def _wire_model(self) -> str | None:
+        return self._model or (self._discovery.model if self._discovery else None)
+
+    def _route(self, request: ScoreRequest) -> tuple[Dialect, str]:
+        """The dialect and path for ``request``: the one given, else the first discovered that accepts it."""
+        if self._dialect is not None:
+            return self._dialect, self._path or self._dialect.paths[0]
+        assert self._discovery is not None
+        refusals = []
+        for name, path in self._discovery.routes:
+            dialect = get_dialect(name)
+            try:
+                dialect.encode_request(request, self._wire_model)
+            except InvalidRequest as exc:
+                refusals.append(exc)
+                continue
+            return dialect, path
+        raise refusals[0]
+
+    def _encode(self, request: ScoreRequest) -> tuple[Dialect, str, list[ScoreRequest], list[dict[str, Any]]]:
+        dialect, path = self._route(request)
+        chunks = split_items(request, self._max_items or dialect.max_items)
+        bodies = [dialect.encode_request(chunk, self._wire_model)[1] for chunk in chunks]
+        return dialect, path, chunks, bodies
+
+    def _decode(self, dialect: Dialect, chunks: list[ScoreRequest], replies: list[Any]) -> ScoreResponse:
+        parts = [dialect.decode(reply, chunk, self.model_name) for chunk, reply in zip(chunks, replies)]
+        merged = merge_responses(parts)
+        self._served_model = self._served_model or merged.model
+        return merged
+
+
+def split_items(request: ScoreRequest, max_items: int) -> list[ScoreRequest]:
+    """The request cut into requests of at most ``max_items`` consecutive items."""
+    items = request.items
+    if len(items) <= max_items:
+        return [request]
+    return [request.model_copy(update={"items": items[start:start + max_items]})
+            for start in range(0, len(items), max_items)]
+
+
+def merge_responses(parts: list[ScoreResponse]) -> ScoreResponse:
+    """The responses of consecutive chunks as one, indices offset back to the whole request's."""
+    results = []
+    for part in parts:
+        offset = len(results)
+        results += [result.model_copy(update={"index": result.index + offset}) for result in part.results]
+    usage = Usage(prompt_tokens=sum(part.usage.prompt_tokens for part in parts),
+                  computed_tokens=sum(part.usage.computed_tokens for part in parts))
+    return ScoreResponse(results=results, model=parts[0].model, usage=usage)

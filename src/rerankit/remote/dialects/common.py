@@ -1,0 +1,263 @@
+"""What every wire dialect shares: the ``Dialect`` record, refusals, result order, usage and error bodies.
+
+Everything here is a pure function of its arguments (no I/O), so that the sync client, the async client
+and the server routes all run the same code.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, Callable, Iterable
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from rerankit.errors import InvalidRequest, RemoteError
+from rerankit.schema import ScoreRequest, ScoreResponse, ScoreResult, Usage
+from rerankit.templates import RAW, get_template
+
+# Why a field cannot travel to a server, when the bare "cannot honour" says too little.
+_REASONS = {
+    "labels": "label strings need the model's tokenizer; pass label_token_ids",
+    "template": "the server formats the prompt itself",
+    "apply_softmax": "its scores are the model's activated outputs, not label probabilities",
+    "return_label_logprobs": "it returns one score per item",
+    "return_pooled_hidden_states": "it returns no hidden states",
+    "mis_delimiter_token_id": "multi-item scoring is a server setting there",
+    "max_tokens_per_item": "it has no per-item token limit",
+    "label_token_ids": "it scores with the model's own head",
+}
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """One wire format, both ways: client (encode request, decode response), server (parse, encode, errors).
+
+    ``paths`` are the routes that speak it, the first being where the client posts; ``max_items`` is the
+    most items the client puts in one request unless told otherwise.
+    """
+
+    name: str
+    paths: tuple[str, ...]
+    max_items: int
+    encode_request: Callable[[ScoreRequest, "str | None"], "tuple[str, dict[str, Any]]"]
+    decode_response: Callable[..., ScoreResponse]
+    parse_request: Callable[[Any], ScoreRequest]
+    encode_response: Callable[..., Any]
+    error_body: Callable[..., dict[str, Any]]
+    documents_requested: Callable[[Any], bool] = lambda body: False
+
+    def decode(self, body: Any, request: ScoreRequest, model: str | None = None) -> ScoreResponse:
+        """``decode_response`` with a malformed body turned into a ``RemoteError``."""
+        try:
+            return self.decode_response(body, request, model)
+        except (KeyError, TypeError, IndexError, AttributeError, ValueError) as exc:
+            raise RemoteError(f"malformed {self.name} response ({type(exc).__name__}: {exc})") from exc
+
+
+class WireBody(BaseModel):
+    """Base of the server-side request models: unknown fields are refused, not dropped."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def refuse(request: ScoreRequest, endpoint: str, **allowed: tuple[Any, ...]) -> None:
+    """Raise ``InvalidRequest`` for the first named field whose value is not among its allowed values."""
+    for field, values in allowed.items():
+        value = getattr(request, field)
+        if value not in values:
+            reason = _REASONS.get(field, f"it accepts only {', '.join(repr(v) for v in values)}")
+            raise InvalidRequest(field, f"{endpoint} cannot honour {field}={value!r}: {reason}")
+
+
+def require_texts(request: ScoreRequest, endpoint: str) -> None:
+    """Refuse token-id queries and items where the wire only carries texts."""
+    if not isinstance(request.query, str):
+        raise InvalidRequest("query", f"{endpoint} takes a text query, not token ids")
+    if request.items_are_token_ids:
+        raise InvalidRequest("items", f"{endpoint} takes text items, not token ids")
+
+
+def raw_prompt_parts(request: ScoreRequest, endpoint: str) -> tuple[Any, list[Any], str | None]:
+    """Query, items and instruction for a server that concatenates query and item as given (raw layout).
+
+    A named text template is rendered here, on the client: the query becomes the template's prefix and each
+    item its item text plus suffix, so the server's concatenation yields the template's prompt. The label ids
+    must still be given, since label strings need the model's tokenizer.
+    """
+    if request.template in (None, RAW):
+        return request.query, list(request.items), request.instruction
+    template = get_template(request.template)
+    require_texts(request, f"{endpoint} with template {template.name!r}")
+    if request.label_token_ids is None:
+        raise InvalidRequest("label_token_ids", f"{endpoint} needs the ids of the template's labels "
+                                                f"{template.labels} (resolve them with the model's tokenizer)")
+    if request.item_first:
+        raise InvalidRequest("item_first", f"template {template.name!r} fixes the order of query and item")
+    sep = template.separator
+    query = template.prefix(request.instruction, request.query) + sep
+    items = [template.item(doc) + sep + template.suffix(request.instruction) for doc in request.items]
+    return query, items, None
+
+
+def with_model(body: dict[str, Any], model: str | None) -> dict[str, Any]:
+    """The body with ``model`` set when one is known (servers fall back to their served model)."""
+    if model is not None:
+        body["model"] = model
+    return body
+
+
+def in_input_order(results: Iterable[ScoreResult], count: int, dialect: str) -> list[ScoreResult]:
+    """Results put back in input order by ``index``; every item must come back exactly once."""
+    by_index: dict[int, ScoreResult] = {}
+    for result in results:
+        if not 0 <= result.index < count:
+            raise RemoteError(f"{dialect} response has index {result.index} for a request of {count} items")
+        if result.index in by_index:
+            raise RemoteError(f"{dialect} response has index {result.index} twice")
+        by_index[result.index] = result
+    if len(by_index) != count:
+        missing = sorted(set(range(count)) - set(by_index))
+        raise RemoteError(f"{dialect} response misses items {missing[:10]} of {count}")
+    return [by_index[index] for index in range(count)]
+
+
+def scored(index: Any, score: Any) -> ScoreResult:
+    """A ``ScoreResult`` from wire values, refusing a non-number score."""
+    if isinstance(score, bool) or not isinstance(score, (int, float)):
+        raise TypeError(f"score of item {index} is {score!r}, not a number")
+    return ScoreResult(index=index, score=float(score))
+
+
+def response(results: list[ScoreResult], body: Any, model: str | None, prompt_tokens: int) -> ScoreResponse:
+    """The ``ScoreResponse``; remote servers report prompt tokens only, so computed = prompt tokens."""
+    wire_model = body.get("model") if isinstance(body, dict) else None
+    return ScoreResponse(results=results, model=wire_model or model or "unknown",
+                         usage=Usage(prompt_tokens=prompt_tokens, computed_tokens=prompt_tokens))
+
+
+def prompt_tokens_of(usage: Any) -> int:
+    """``usage.prompt_tokens`` (or ``total_tokens``) of an OpenAI-style usage object, 0 when absent."""
+    if not isinstance(usage, dict):
+        return 0
+    return int(usage.get("prompt_tokens") or usage.get("total_tokens") or 0)
+
+
+def openai_usage(response_: ScoreResponse) -> dict[str, int]:
+    """``usage`` of vLLM and SGLang responses: scoring produces no completion tokens."""
+    tokens = response_.usage.prompt_tokens
+    return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
+
+
+def new_id(kind: str) -> str:
+    """A response id in the servers' style, e.g. ``rerank-3f2a...``."""
+    return f"{kind}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    """``created``: Unix seconds."""
+    return int(time.time())
+
+
+def probability_logs(values: list[float]) -> list[float]:
+    """Log of each label probability; a probability of 0 is a log-probability of -inf."""
+    return [math.log(value) if value > 0 else -math.inf for value in values]
+
+
+def parse_wire(model: type[WireBody], body: Any) -> Any:
+    """Validate a JSON body against a wire model, raising ``InvalidRequest`` naming the wire field."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("body", f"must be a JSON object, got {type(body).__name__}")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(part) for part in first.get("loc", ())) or "body"
+        message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+        raise InvalidRequest(field, message) from None
+
+
+def build_request(wire_names: dict[str, str] | None = None, **fields: Any) -> ScoreRequest:
+    """A ``ScoreRequest`` from parsed wire values; an error names the wire field (``items`` -> ``documents``)."""
+    try:
+        return ScoreRequest(**fields)
+    except InvalidRequest as exc:
+        root, _, rest = exc.field.partition(".")
+        wire_field = (wire_names or {}).get(root, root) + (f".{rest}" if rest else "")
+        raise InvalidRequest(wire_field, exc.reason) from None
+
+
+def wire_refuse(field: str, value: Any, allowed: tuple[Any, ...], why: str) -> None:
+    """Server side: refuse a wire field set to a value this server does not offer."""
+    if value not in allowed:
+        raise InvalidRequest(field, f"{value!r} is not offered: {why}")
+
+
+def single_text(value: Any, field: str) -> str:
+    """A wire field that must hold one text (a one-element list is accepted, as vLLM broadcasts it)."""
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, str):
+        raise InvalidRequest(field, "must be one text (one query per request)")
+    return value
+
+
+def text_list(value: Any, field: str) -> list[str]:
+    """A wire field holding texts: one text or a list of them (multimodal content is not offered)."""
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, list) or any(not isinstance(text, str) for text in texts):
+        raise InvalidRequest(field, "must be a text or a list of texts")
+    return texts
+
+
+def ranked_top(response_: ScoreResponse, request: ScoreRequest) -> list[ScoreResult]:
+    """Results best first, cut to the request's ``top_n``: the order of rerank-style wire responses."""
+    return response_.ranked(request.top_n)
+
+
+def document_text(request: ScoreRequest, index: int) -> str:
+    """The text of item ``index`` (token-id items are written out as ids)."""
+    item = request.items[index]
+    return item if isinstance(item, str) else " ".join(str(token) for token in item)
+
+
+def error_type(status: int) -> str:
+    """The OpenAI-style error type of an HTTP status: ``BadRequestError``, ``RateLimitError``..."""
+    named = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+             404: "NotFoundError", 409: "ConflictError", 413: "RequestTooLargeError",
+             422: "UnprocessableEntityError", 429: "RateLimitError"}
+    if status in named:
+        return named[status]
+    if status >= 500:
+        return "InternalServerError"
+    try:
+        return HTTPStatus(status).phrase.title().replace(" ", "") + "Error"
+    except ValueError:
+        return "Error"
+
+
+def read_error(body: Any) -> tuple[str | None, str | None]:
+    """Message and param of an error body in any dialect's format (vLLM, SGLang, Cohere, TEI, FastAPI)."""
+    if not isinstance(body, dict):
+        return None, None
+    error = body.get("error")
+    if isinstance(error, dict):
+        return _text(error.get("message")), _text(error.get("param"))
+    if isinstance(error, str):
+        return error, None
+    if isinstance(body.get("message"), str):
+        return body["message"], _text(body.get("param"))
+    detail = body.get("detail")
+    if isinstance(detail, str):
+        return detail, None
+    if isinstance(detail, list) and detail and isinstance(detail[0], dict):
+        where = ".".join(str(part) for part in detail[0].get("loc", ()))
+        return _text(detail[0].get("msg")), where or None
+    return None, None
+
+
+def _text(value: Any) -> str | None:
+    return None if value is None else str(value)

@@ -1,0 +1,208 @@
+"""SGLang's scoring routes: ``/v1/score`` (label probabilities of a CausalLM, or a classifier's class scores)
+and ``/v1/rerank`` (a JSON list sorted by score).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Union
+
+from pydantic import Field
+
+from rerankit.errors import InvalidRequest, RemoteError
+from rerankit.remote.dialects.common import (
+    Dialect,
+    WireBody,
+    build_request,
+    document_text,
+    error_type,
+    in_input_order,
+    openai_usage,
+    parse_wire,
+    probability_logs,
+    prompt_tokens_of,
+    ranked_top,
+    raw_prompt_parts,
+    refuse,
+    require_texts,
+    response,
+    scored,
+    single_text,
+    text_list,
+    wire_refuse,
+    with_model,
+)
+from rerankit.schema import ScoreRequest, ScoreResponse
+from rerankit.templates import RAW
+
+SCORE = "SGLang /v1/score"
+RERANK = "SGLang /v1/rerank"
+
+
+class ScoreBody(WireBody):
+    """``POST /v1/score``."""
+
+    model: str | None = None
+    query: Union[str, list[int]]
+    items: Union[str, list[str], list[list[int]]]
+    label_token_ids: Union[list[int], list[list[int]], None] = None
+    apply_softmax: bool = False
+    temperature: float = Field(default=1.0, gt=0)
+    return_token_logprobs: bool = False
+    item_first: bool = False
+    return_pooled_hidden_states: bool = False
+    score_extraction_token: str | None = None
+    embed_override_token_id: int | None = None
+    query_embed_overrides: Any = None
+    item_embed_overrides: Any = None
+
+
+class RerankBody(WireBody):
+    """``POST /v1/rerank``."""
+
+    query: Any
+    documents: Any
+    instruct: str | None = None
+    top_n: int | None = Field(default=None, ge=1)
+    return_documents: bool = True
+
+
+# Client side ------------------------------------------------------------------------------------------
+
+def encode_score_request(request: ScoreRequest, model: str | None) -> tuple[str, dict[str, Any]]:
+    """``/v1/score`` body: label ids for a CausalLM, none for a classifier; ``apply_softmax`` always sent,
+    since SGLang's default (false) differs from rerankit's."""
+    refuse(request, SCORE, mode=(None, "generative", "cross-encoder"), labels=(None,), add_special_tokens=(True,),
+           max_tokens_per_item=(None,), truncation=("end", "none"), mis_delimiter_token_id=(None,))
+    if request.label_token_ids is None:
+        if request.mode == "generative":
+            raise InvalidRequest("label_token_ids", f"{SCORE} needs label_token_ids to score a CausalLM")
+        if request.return_label_logprobs:
+            raise InvalidRequest("return_label_logprobs", f"{SCORE} gives label log-probs for label_token_ids")
+    elif request.mode == "cross-encoder":
+        raise InvalidRequest("label_token_ids", f"{SCORE} scores a classifier with its own head, not label ids")
+    query, items, instruction = raw_prompt_parts(request, SCORE)
+    if instruction is not None:
+        raise InvalidRequest("instruction", f"{SCORE} has no instruction; use a template that takes one")
+    body: dict[str, Any] = {"query": query, "items": items, "apply_softmax": request.apply_softmax,
+                            "item_first": request.item_first}
+    if request.label_token_ids is not None:
+        body["label_token_ids"] = request.label_token_ids
+    if request.return_pooled_hidden_states:
+        body["return_pooled_hidden_states"] = True
+    return "/v1/score", with_model(body, model)
+
+
+def encode_rerank_request(request: ScoreRequest, model: str | None) -> tuple[str, dict[str, Any]]:
+    """``/v1/rerank`` body; the instruction travels as ``instruct``, documents are not echoed back."""
+    require_texts(request, RERANK)
+    refuse(request, RERANK, mode=(None, "generative", "cross-encoder"), template=(None,), label_token_ids=(None,),
+           labels=(None,), apply_softmax=(True,), item_first=(False,), add_special_tokens=(True,),
+           return_pooled_hidden_states=(False,), return_label_logprobs=(False,), max_tokens_per_item=(None,),
+           truncation=("end", "none"), mis_delimiter_token_id=(None,))
+    body: dict[str, Any] = {"query": request.query, "documents": list(request.items), "return_documents": False}
+    if request.instruction is not None:
+        body["instruct"] = request.instruction
+    return "/v1/rerank", body
+
+
+def decode_score_response(body: Any, request: ScoreRequest, model: str | None = None) -> ScoreResponse:
+    """``{"scores": [[p_label0, ...] per item]}`` in input order; the score is the first label's value."""
+    scores = body["scores"]
+    count = len(request.items)
+    if len(scores) != count:
+        raise RemoteError(f"{SCORE} returned {len(scores)} scores for {count} items")
+    pooled = body.get("pooled_hidden_states") if request.return_pooled_hidden_states else None
+    if request.return_pooled_hidden_states and (pooled is None or len(pooled) != count):
+        raise RemoteError(f"{SCORE} did not return a pooled hidden state per item")
+    results = []
+    for index, values in enumerate(scores):
+        values = values if isinstance(values, list) else [values]
+        result = scored(index, values[0])
+        if request.return_label_logprobs:
+            result.label_logprobs = probability_logs([float(value) for value in values])
+        if pooled is not None:
+            result.pooled_hidden_state = [float(value) for value in pooled[index]]
+        results.append(result)
+    return response(results, body, model, prompt_tokens_of(body.get("usage")))
+
+
+def decode_rerank_response(body: Any, request: ScoreRequest, model: str | None = None) -> ScoreResponse:
+    """A JSON list of ``{"score", "index"}`` sorted by score, put back in input order."""
+    results = [scored(entry["index"], entry["score"]) for entry in body]
+    prompt_tokens = sum(prompt_tokens_of(entry.get("meta_info")) for entry in body)
+    return response(in_input_order(results, len(request.items), RERANK), None, model, prompt_tokens)
+
+
+# Server side ------------------------------------------------------------------------------------------
+
+def parse_score_request(body: Any) -> ScoreRequest:
+    """A ``/v1/score`` body as a ``ScoreRequest``: raw layout with label ids, or a classifier without."""
+    wire = parse_wire(ScoreBody, body)
+    wire_refuse("temperature", wire.temperature, (1.0,), "label logits are not tempered")
+    wire_refuse("return_token_logprobs", wire.return_token_logprobs, (False,), "not offered")
+    wire_refuse("score_extraction_token", wire.score_extraction_token, (None,), "scores are read at the item's end")
+    for field in ("embed_override_token_id", "query_embed_overrides", "item_embed_overrides"):
+        wire_refuse(field, getattr(wire, field), (None,), "embedding overrides are not offered")
+    labels = wire.label_token_ids
+    if labels is not None and any(isinstance(label, list) for label in labels):
+        raise InvalidRequest("label_token_ids", "one list per item is not offered: give one list for all items")
+    generative = labels is not None
+    # The wire always answers every label's probability, so the engine is asked for all of them.
+    return build_request(query=wire.query, items=[wire.items] if isinstance(wire.items, str) else wire.items,
+                         mode="generative" if generative else None, template=RAW if generative else None,
+                         label_token_ids=labels, apply_softmax=wire.apply_softmax, item_first=wire.item_first,
+                         return_pooled_hidden_states=wire.return_pooled_hidden_states,
+                         return_label_logprobs=generative)
+
+
+def parse_rerank_request(body: Any) -> ScoreRequest:
+    """A ``/v1/rerank`` body as a ``ScoreRequest``."""
+    wire = parse_wire(RerankBody, body)
+    return build_request({"items": "documents", "instruction": "instruct"}, query=single_text(wire.query, "query"),
+                         items=text_list(wire.documents, "documents"), instruction=wire.instruct, top_n=wire.top_n)
+
+
+def encode_score_response(response_: ScoreResponse, request: ScoreRequest, model: str | None = None,
+                          return_documents: bool = False) -> dict[str, Any]:
+    """``/v1/score`` body: every label's probability per item (the score alone for a classifier)."""
+    scores = [[math.exp(logprob) for logprob in result.label_logprobs] if result.label_logprobs is not None
+              else [result.score] for result in response_.results]
+    pooled = ([result.pooled_hidden_state for result in response_.results]
+              if request.return_pooled_hidden_states else None)
+    return {"scores": scores, "pooled_hidden_states": pooled, "token_logprobs": None,
+            "model": model or response_.model, "usage": openai_usage(response_), "object": "scoring"}
+
+
+def encode_rerank_response(response_: ScoreResponse, request: ScoreRequest, model: str | None = None,
+                           return_documents: bool = True) -> list[dict[str, Any]]:
+    """``/v1/rerank`` body: a list best first, cut to ``top_n``."""
+    results = []
+    for result in ranked_top(response_, request):
+        entry: dict[str, Any] = {"score": result.score, "index": result.index}
+        if return_documents:
+            entry["document"] = document_text(request, result.index)
+        results.append(entry)
+    return results
+
+
+def documents_requested(body: Any) -> bool:
+    """``return_documents``, true unless the body says otherwise."""
+    return not isinstance(body, dict) or body.get("return_documents", True) is not False
+
+
+def error_body(status: int, message: str, param: str | None = None, kind: str | None = None) -> dict[str, Any]:
+    """``{"object": "error", "message", "type", "param", "code"}``."""
+    return {"object": "error", "message": message, "type": kind or error_type(status), "param": param,
+            "code": status}
+
+
+SGLANG_SCORE = Dialect(
+    name="sglang-score", paths=("/v1/score",), max_items=256,
+    encode_request=encode_score_request, decode_response=decode_score_response,
+    parse_request=parse_score_request, encode_response=encode_score_response, error_body=error_body)
+SGLANG_RERANK = Dialect(
+    name="sglang-rerank", paths=("/v1/rerank",), max_items=256,
+    encode_request=encode_rerank_request, decode_response=decode_rerank_response,
+    parse_request=parse_rerank_request, encode_response=encode_rerank_response, error_body=error_body,
+    documents_requested=documents_requested)

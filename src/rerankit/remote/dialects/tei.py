@@ -1,0 +1,102 @@
+"""Hugging Face text-embeddings-inference ``POST /rerank``: ``texts`` in, a list sorted by score out.
+
+rerankit's truncation maps one to one: ``end`` is ``truncate`` to the right, ``start`` to the left,
+``none`` is no truncation (TEI then refuses too-long inputs).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from rerankit.remote.dialects.common import (
+    Dialect,
+    WireBody,
+    build_request,
+    document_text,
+    in_input_order,
+    parse_wire,
+    ranked_top,
+    refuse,
+    require_texts,
+    response,
+    scored,
+    single_text,
+    text_list,
+    wire_refuse,
+)
+from rerankit.schema import ScoreRequest, ScoreResponse
+
+ENDPOINT = "TEI /rerank"
+_DIRECTIONS = {"end": "Right", "start": "Left"}
+# TEI's error_type per HTTP status.
+_ERROR_TYPES = {400: "Validation", 413: "Validation", 422: "Validation", 424: "Backend", 429: "Overloaded",
+                503: "Unhealthy"}
+
+
+class RerankBody(WireBody):
+    """``POST /rerank``."""
+
+    query: Any
+    texts: Any
+    raw_scores: bool = False
+    return_text: bool = False
+    truncate: bool | None = None
+    truncation_direction: Literal["Right", "Left"] = "Right"
+
+
+def encode_request(request: ScoreRequest, model: str | None) -> tuple[str, dict[str, Any]]:
+    """``/rerank`` body with sigmoid-activated scores and rerankit's truncation; TEI serves one model."""
+    require_texts(request, ENDPOINT)
+    refuse(request, ENDPOINT, mode=(None, "cross-encoder"), template=(None,), label_token_ids=(None,),
+           labels=(None,), apply_softmax=(True,), item_first=(False,), add_special_tokens=(True,),
+           instruction=(None,), return_pooled_hidden_states=(False,), return_label_logprobs=(False,),
+           max_tokens_per_item=(None,), mis_delimiter_token_id=(None,))
+    body: dict[str, Any] = {"query": request.query, "texts": list(request.items), "raw_scores": False,
+                            "return_text": False, "truncate": request.truncation != "none"}
+    if request.truncation != "none":
+        body["truncation_direction"] = _DIRECTIONS[request.truncation]
+    return "/rerank", body
+
+
+def decode_response(body: Any, request: ScoreRequest, model: str | None = None) -> ScoreResponse:
+    """A JSON list of ``{"index", "score"}`` sorted by score, put back in input order (no token counts)."""
+    results = [scored(entry["index"], entry["score"]) for entry in body]
+    return response(in_input_order(results, len(request.items), ENDPOINT), None, model, 0)
+
+
+def parse_request(body: Any) -> ScoreRequest:
+    """A ``/rerank`` body as a ``ScoreRequest``; raw (unactivated) scores are not offered."""
+    wire = parse_wire(RerankBody, body)
+    wire_refuse("raw_scores", wire.raw_scores, (False,), "raw logits are not offered")
+    truncation = "none" if wire.truncate is False else "end" if wire.truncation_direction == "Right" else "start"
+    return build_request({"items": "texts"}, query=single_text(wire.query, "query"),
+                         items=text_list(wire.texts, "texts"), truncation=truncation)
+
+
+def encode_response(response_: ScoreResponse, request: ScoreRequest, model: str | None = None,
+                    return_documents: bool = False) -> list[dict[str, Any]]:
+    """A list best first; ``text`` when ``return_text`` was asked."""
+    results = []
+    for result in ranked_top(response_, request):
+        entry: dict[str, Any] = {"index": result.index, "score": result.score}
+        if return_documents:
+            entry["text"] = document_text(request, result.index)
+        results.append(entry)
+    return results
+
+
+def documents_requested(body: Any) -> bool:
+    """``return_text``, false unless asked."""
+    return isinstance(body, dict) and body.get("return_text") is True
+
+
+def error_body(status: int, message: str, param: str | None = None, kind: str | None = None) -> dict[str, Any]:
+    """TEI's ``{"error": message, "error_type": "Validation" | "Overloaded" | ...}``."""
+    text = message if param is None or message.startswith(param) else f"{param}: {message}"
+    return {"error": text, "error_type": kind or _ERROR_TYPES.get(status, "Backend")}
+
+
+TEI = Dialect(
+    name="tei", paths=("/rerank",), max_items=32,
+    encode_request=encode_request, decode_response=decode_response, parse_request=parse_request,
+    encode_response=encode_response, error_body=error_body, documents_requested=documents_requested)

@@ -1,0 +1,131 @@
+"""Which dialects a server speaks, read from what it publishes: the paths of ``/openapi.json``, the owner
+in ``/v1/models``, TEI's ``/info``. Results are cached per base URL for the life of the process.
+
+The probing is written once, as a generator that yields the path to GET and is sent back the ``Reply``;
+``discover`` and ``adiscover`` only drive it with sync or async I/O.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Generator, Iterable, Sequence
+
+from rerankit.errors import RemoteError
+from rerankit.remote.client import Reply
+
+Route = tuple[str, str]  # (dialect name, path)
+Probe = Generator[str, Reply, "Discovery"]
+
+_SGLANG_PATHS = {"/get_model_info", "/get_server_info", "/server_info", "/flush_cache"}
+_TEI_PATHS = {"/embed", "/embed_all", "/predict"}
+# What each server family offers, best first, when only /v1/models says who it is.
+_OWNER_ROUTES: dict[str, tuple[Route, ...]] = {
+    "vllm": (("vllm-generative", "/generative_scoring"), ("vllm-score", "/score")),
+    "sglang": (("sglang-rerank", "/v1/rerank"), ("sglang-score", "/v1/score")),
+}
+PROBED = ("/openapi.json", "/v1/models", "/info")
+
+
+@dataclass(frozen=True)
+class Discovery:
+    """The routes a server offers, in order of preference, and its served model when it says."""
+
+    routes: tuple[Route, ...]
+    model: str | None = None
+
+
+def routes_from_paths(paths: Iterable[str]) -> list[Route]:
+    """Routes from the paths of an OpenAPI document (SGLang and TEI are told apart by their own paths)."""
+    paths = set(paths)
+    if paths & _SGLANG_PATHS:
+        # /v1/rerank first: a request without label ids is better served by it than by a classifier's logits.
+        return [route for route in (("sglang-rerank", "/v1/rerank"), ("sglang-score", "/v1/score")) if route[1] in paths]
+    if paths & _TEI_PATHS and "/rerank" in paths:
+        return [("tei", "/rerank")]
+    routes = []
+    if "/generative_scoring" in paths:
+        routes.append(("vllm-generative", "/generative_scoring"))
+    routes += [("vllm-score", path) for path in ("/score", "/v1/score") if path in paths][:1]
+    if routes:
+        return routes
+    return [("cohere", path) for path in ("/v2/rerank", "/v1/rerank", "/rerank") if path in paths][:1]
+
+
+def _probe() -> Probe:
+    spec = yield "/openapi.json"
+    paths = spec.body.get("paths") if spec.status == 200 and isinstance(spec.body, dict) else None
+    routes = routes_from_paths(paths) if isinstance(paths, dict) else []
+    model, owner = _first_model((yield "/v1/models"))
+    if not routes:
+        routes = list(_OWNER_ROUTES.get(owner or "", ()))
+    if not routes:
+        info = yield "/info"
+        if info.status == 200 and isinstance(info.body, dict) and "reranker" in str(info.body.get("model_type")):
+            routes = [("tei", "/rerank")]
+            model = model or info.body.get("model_id")
+    return Discovery(tuple(routes), model)
+
+
+def _first_model(reply: Reply) -> tuple[str | None, str | None]:
+    """Id and owner of the first model of an OpenAI-style ``/v1/models`` list."""
+    data = reply.body.get("data") if reply.status == 200 and isinstance(reply.body, dict) else None
+    if not isinstance(data, list) or not data or not isinstance(data[0], dict):
+        return None, None
+    return data[0].get("id"), data[0].get("owned_by")
+
+
+_cache: dict[str, Discovery] = {}
+_cache_lock = threading.Lock()
+
+
+def _found(base_url: str, discovery: Discovery) -> Discovery:
+    if not discovery.routes:
+        raise RemoteError(f"could not tell which dialect {base_url} speaks (probed {', '.join(PROBED)}); "
+                          "pass dialect=")
+    with _cache_lock:
+        _cache[base_url] = discovery
+    return discovery
+
+
+def _unreachable(base_urls: Sequence[str]) -> RemoteError:
+    return RemoteError(f"cannot reach {', '.join(base_urls)} to discover its dialect; is the server up?")
+
+
+def discover(get: Callable[[str, str], Reply], base_urls: Sequence[str]) -> Discovery:
+    """The first reachable server's routes and model (cached); ``get(base_url, path)`` does the I/O."""
+    for base_url in base_urls:
+        if base_url in _cache:
+            return _cache[base_url]
+        probe = _probe()
+        path = next(probe)
+        try:
+            while (reply := get(base_url, path)).status is not None:
+                path = probe.send(reply)
+        except StopIteration as done:
+            return _found(base_url, done.value)
+    raise _unreachable(base_urls)
+
+
+async def adiscover(aget: Callable[[str, str], Awaitable[Reply]], base_urls: Sequence[str]) -> Discovery:
+    """Async twin of ``discover``."""
+    for base_url in base_urls:
+        if base_url in _cache:
+            return _cache[base_url]
+        probe = _probe()
+        path = next(probe)
+        try:
+            while (reply := await aget(base_url, path)).status is not None:
+                path = probe.send(reply)
+        except StopIteration as done:
+            return _found(base_url, done.value)
+    raise _unreachable(base_urls)
+
+
+def forget(base_url: str | None = None) -> None:
+    """Drop the cached discovery of ``base_url`` (of every URL when None), e.g. after a server changed."""
+    with _cache_lock:
+        if base_url is None:
+            _cache.clear()
+        else:
+            _cache.pop(base_url.rstrip("/"), None)

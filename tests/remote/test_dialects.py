@@ -1,0 +1,301 @@
+"""The wire dialects as pure functions: request bodies checked against the peers' strict models, responses
+decoded back to input order, refusals of fields a server cannot honour, and the server side of each."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from wire_models import ERROR_MODELS, REQUEST_MODELS, RESPONSE_MODELS, SORTED_RESPONSES
+
+from rerankit.errors import InvalidRequest, RemoteError
+from rerankit.remote.dialects import DIALECTS, get_dialect, read_error
+from rerankit.schema import ScoreRequest, ScoreResponse, ScoreResult, Usage
+
+DOCS = ["Paris is the capital of France.", "Berlin is in Germany.", "Bananas are yellow.", "Lyon is a city."]
+TEXT_DIALECTS = ("vllm-score", "vllm-rerank", "sglang-rerank", "cohere", "tei")
+LABEL_DIALECTS = ("vllm-generative", "sglang-score")
+
+
+def request_for(dialect: str, **fields) -> ScoreRequest:
+    """A request every dialect accepts: label ids for the generative ones."""
+    if dialect in LABEL_DIALECTS:
+        fields.setdefault("label_token_ids", [9454, 2753])
+    return ScoreRequest(query="capital of France", items=DOCS, **fields)
+
+
+def response_for(request: ScoreRequest, scores: list[float]) -> ScoreResponse:
+    return ScoreResponse(results=[ScoreResult(index=i, score=s) for i, s in enumerate(scores)], model="m",
+                         usage=Usage(prompt_tokens=40, computed_tokens=30))
+
+
+@pytest.mark.parametrize("name", sorted(DIALECTS))
+def test_request_body_is_valid_for_the_peer(name):
+    dialect = get_dialect(name)
+    path, body = dialect.encode_request(request_for(name, top_n=2), "served-model")
+    assert path in dialect.paths
+    REQUEST_MODELS[name].model_validate(body)
+    assert "top_n" not in body, "every item must come back; ranked() cuts"
+
+
+def test_generative_bodies_carry_labels_softmax_and_order():
+    request = ScoreRequest(query=[1, 2, 3], items=[[4, 5], [6]], label_token_ids=[7, 8], apply_softmax=False,
+                           item_first=True)
+    _, vllm = get_dialect("vllm-generative").encode_request(request, None)
+    assert vllm == {"query": [1, 2, 3], "items": [[4, 5], [6]], "label_token_ids": [7, 8], "apply_softmax": False,
+                    "item_first": True, "add_special_tokens": True}
+    _, sglang = get_dialect("sglang-score").encode_request(request.model_copy(update={"apply_softmax": True}), "m")
+    # SGLang's default apply_softmax is false: rerankit's true must be sent explicitly.
+    assert sglang["apply_softmax"] is True and sglang["label_token_ids"] == [7, 8] and sglang["model"] == "m"
+
+
+def test_truncation_and_document_cap_map_to_each_wire():
+    capped = ScoreRequest(query="q", items=DOCS, max_tokens_per_item=64)
+    assert get_dialect("vllm-score").encode_request(capped, None)[1]["max_tokens_per_doc"] == 64
+    assert get_dialect("vllm-rerank").encode_request(capped, None)[1]["truncate_prompt_tokens"] == -1
+    assert get_dialect("cohere").encode_request(capped, None)[1]["max_tokens_per_doc"] == 64
+    tei = get_dialect("tei")
+    assert tei.encode_request(ScoreRequest(query="q", items=DOCS, truncation="start"), None)[1][
+        "truncation_direction"] == "Left"
+    assert tei.encode_request(ScoreRequest(query="q", items=DOCS, truncation="none"), None)[1]["truncate"] is False
+
+
+def test_instruction_travels_where_the_wire_has_it():
+    request = ScoreRequest(query="q", items=DOCS, instruction="Find the capital")
+    assert get_dialect("vllm-rerank").encode_request(request, None)[1]["instruction"] == "Find the capital"
+    assert get_dialect("sglang-rerank").encode_request(request, None)[1]["instruct"] == "Find the capital"
+
+
+def test_text_template_is_rendered_for_raw_servers():
+    request = ScoreRequest(query="capital of France", items=DOCS[:2], template="qwen3-reranker",
+                           label_token_ids=[9693, 2152], instruction="Judge the document")
+    _, body = get_dialect("vllm-generative").encode_request(request, None)
+    REQUEST_MODELS["vllm-generative"].model_validate(body)
+    assert "<Query>: capital of France" in body["query"] and "Judge the document" in body["query"]
+    assert body["items"][0].startswith("<Document>: Paris")
+    assert all(item.endswith("<think>\n\n</think>\n\n") for item in body["items"])
+
+
+# Refusals: (dialect, field, value) that the peer cannot honour.
+REFUSALS = [
+    ("vllm-generative", "label_token_ids", None),
+    ("vllm-generative", "labels", ["yes", "no"]),
+    ("vllm-generative", "mode", "cross-encoder"),
+    ("vllm-generative", "instruction", "be strict"),
+    ("vllm-generative", "return_pooled_hidden_states", True),
+    ("vllm-generative", "return_label_logprobs", True),
+    ("vllm-generative", "max_tokens_per_item", 32),
+    ("vllm-generative", "truncation", "none"),
+    ("vllm-generative", "mis_delimiter_token_id", 151643),
+    ("sglang-score", "labels", ["yes", "no"]),
+    ("sglang-score", "add_special_tokens", False),
+    ("sglang-score", "instruction", "be strict"),
+    ("sglang-score", "max_tokens_per_item", 32),
+    ("sglang-score", "truncation", "start"),
+    ("sglang-score", "mode", "bi-encoder"),
+]
+for _name in TEXT_DIALECTS:
+    REFUSALS += [(_name, "label_token_ids", [1, 2]), (_name, "apply_softmax", False), (_name, "item_first", True),
+                 (_name, "return_pooled_hidden_states", True), (_name, "return_label_logprobs", True),
+                 (_name, "template", "qwen3-reranker"), (_name, "mode", "generative" if _name != "sglang-rerank"
+                                                         else "bi-encoder"),
+                 (_name, "query", [1, 2, 3]), (_name, "items", [[1, 2], [3]])]
+REFUSALS += [("vllm-score", "truncation", "start"), ("vllm-rerank", "add_special_tokens", False),
+             ("cohere", "instruction", "x"), ("tei", "instruction", "x"), ("tei", "max_tokens_per_item", 32),
+             ("sglang-rerank", "max_tokens_per_item", 32), ("cohere", "truncation", "start")]
+
+
+@pytest.mark.parametrize(("name", "field", "value"), REFUSALS)
+def test_dialect_refuses_what_its_server_cannot_honour(name, field, value):
+    fields = {"query": "q", "items": DOCS}
+    if name in LABEL_DIALECTS:
+        fields["label_token_ids"] = [1, 2]
+    fields[field] = value
+    if field == "labels":
+        fields.pop("label_token_ids", None)
+    with pytest.raises(InvalidRequest) as refused:
+        get_dialect(name).encode_request(ScoreRequest(**fields), None)
+    assert refused.value.field == field
+
+
+def test_classifier_on_sglang_score_refuses_label_logprobs_without_labels():
+    request = ScoreRequest(query="q", items=DOCS, return_label_logprobs=True)
+    with pytest.raises(InvalidRequest, match="return_label_logprobs"):
+        get_dialect("sglang-score").encode_request(request, None)
+
+
+@pytest.mark.parametrize("name", sorted(DIALECTS))
+def test_server_answer_decodes_to_input_order(name):
+    dialect = get_dialect(name)
+    request = request_for(name)
+    scores = [0.2, 0.9, 0.05, 0.6]
+    body = dialect.encode_response(response_for(request, scores), request, "served-model",
+                                   return_documents=True)
+    RESPONSE_MODELS[name].model_validate(body)
+    decoded = dialect.decode(body, request)
+    assert decoded.scores == pytest.approx(scores)
+    assert [result.index for result in decoded.results] == [0, 1, 2, 3]
+    if name in SORTED_RESPONSES:
+        entries = body if isinstance(body, list) else body["results"]
+        assert [entry["index"] for entry in entries] == [1, 3, 0, 2]
+
+
+@pytest.mark.parametrize("name", sorted(SORTED_RESPONSES))
+def test_sorted_wire_results_are_cut_to_top_n(name):
+    dialect = get_dialect(name)
+    request = request_for(name, top_n=2) if name != "tei" else request_for(name)
+    body = dialect.encode_response(response_for(request, [0.2, 0.9, 0.05, 0.6]), request, "m")
+    entries = body if isinstance(body, list) else body["results"]
+    assert len(entries) == (4 if name == "tei" else 2)
+
+
+def _shuffled_wire(name: str, indices: list[int]):
+    """A peer's answer naming the given indices (scores are arbitrary)."""
+    if name in ("vllm-generative", "vllm-score"):
+        return {"data": [{"index": i, "object": "score", "score": 0.5} for i in indices], "model": "m"}
+    if name in ("vllm-rerank", "cohere"):
+        return {"results": [{"index": i, "relevance_score": 0.5} for i in indices]}
+    return [{"index": i, "score": 0.5} for i in indices]
+
+
+@pytest.mark.parametrize("name", ["vllm-generative", "vllm-score", "vllm-rerank", "sglang-rerank", "cohere", "tei"])
+@pytest.mark.parametrize("indices", [[0, 1, 2], [0, 1, 2, 3, 3], [3, 2, 1, 0, 4], [0, 1, 2, 2]])
+def test_every_item_must_come_back_exactly_once(name, indices):
+    with pytest.raises(RemoteError):
+        get_dialect(name).decode(_shuffled_wire(name, indices), request_for(name))
+
+
+def test_shuffled_indices_are_restored():
+    order = [2, 0, 3, 1]
+    body = {"results": [{"index": i, "relevance_score": float(i)} for i in order]}
+    assert get_dialect("cohere").decode(body, request_for("cohere")).scores == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_sglang_score_count_and_label_logprobs():
+    dialect = get_dialect("sglang-score")
+    request = ScoreRequest(query="q", items=DOCS[:2], label_token_ids=[1, 2], return_label_logprobs=True)
+    decoded = dialect.decode({"scores": [[0.75, 0.25], [0.0, 1.0]], "model": "m", "object": "scoring"}, request)
+    assert decoded.scores == [0.75, 0.0]
+    assert decoded.results[0].label_logprobs == pytest.approx([math.log(0.75), math.log(0.25)])
+    assert decoded.results[1].label_logprobs[0] == -math.inf
+    with pytest.raises(RemoteError, match="1 scores for 2 items"):
+        dialect.decode({"scores": [[0.5, 0.5]]}, request)
+
+
+def test_malformed_answer_is_a_remote_error():
+    with pytest.raises(RemoteError, match="malformed vllm-score"):
+        get_dialect("vllm-score").decode({"data": [{"index": 0, "score": "high"}]}, request_for("vllm-score"))
+    with pytest.raises(RemoteError, match="malformed tei"):
+        get_dialect("tei").decode({"error": "no"}, request_for("tei"))
+
+
+# Server side -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(DIALECTS))
+def test_client_body_parses_back_to_the_same_request(name):
+    fields = {"instruction": "Find it"} if name in ("vllm-score", "vllm-rerank", "sglang-rerank") else {}
+    if name in ("vllm-score", "vllm-rerank", "cohere"):
+        fields["max_tokens_per_item"] = 100
+    request = request_for(name, **fields)
+    parsed = get_dialect(name).parse_request(get_dialect(name).encode_request(request, "m")[1])
+    for field in ("query", "items", "label_token_ids", "apply_softmax", "item_first", "instruction",
+                  "max_tokens_per_item", "truncation", "add_special_tokens"):
+        assert getattr(parsed, field) == getattr(request, field), field
+
+
+# (dialect, wire body, the wire field the error must name)
+BAD_BODIES = [
+    ("vllm-generative", {"query": "q", "items": [], "label_token_ids": [1]}, "items"),
+    ("vllm-generative", {"query": "q", "items": ["a"], "label_token_ids": []}, "label_token_ids"),
+    ("vllm-generative", {"query": "q", "items": ["a"]}, "label_token_ids"),
+    ("vllm-score", {"queries": ["q1", "q2"], "documents": ["a", "b"]}, "queries"),
+    ("vllm-score", {"data_1": "q", "data_2": []}, "data_2"),
+    ("vllm-score", {"text_1": "q", "text_2": ["a"], "use_activation": False}, "use_activation"),
+    ("vllm-rerank", {"query": "q", "documents": ["a"], "truncate_prompt_tokens": 128}, "truncate_prompt_tokens"),
+    ("vllm-rerank", {"query": "q", "documents": ["a"], "frobnicate": 1}, "frobnicate"),
+    ("sglang-score", {"query": "q", "items": ["a"], "label_token_ids": [1], "temperature": 0.5}, "temperature"),
+    ("sglang-score", {"query": "q", "items": ["a"], "label_token_ids": [[1], [2]]}, "label_token_ids"),
+    ("sglang-rerank", {"query": "q", "documents": [""], "top_n": 0}, "top_n"),
+    ("cohere", {"query": "q", "documents": ["a"], "rank_fields": ["title"]}, "rank_fields"),
+    ("cohere", {"query": "  ", "documents": ["a"]}, "query"),
+    ("tei", {"query": "q", "texts": ["a"], "raw_scores": True}, "raw_scores"),
+    ("tei", {"query": "q", "texts": []}, "texts"),
+]
+
+
+@pytest.mark.parametrize(("name", "body", "field"), BAD_BODIES)
+def test_bad_wire_body_names_the_wire_field(name, body, field):
+    with pytest.raises(InvalidRequest) as refused:
+        get_dialect(name).parse_request(body)
+    assert refused.value.field.split(".")[0] == field
+
+
+def test_server_parse_fills_the_peers_defaults():
+    vllm = get_dialect("vllm-generative").parse_request({"query": "q", "items": ["a"], "label_token_ids": [5]})
+    assert (vllm.mode, vllm.template, vllm.apply_softmax) == ("generative", "raw", True)
+    sglang = get_dialect("sglang-score").parse_request({"query": [1], "items": [[2]], "label_token_ids": [5, 6]})
+    assert sglang.apply_softmax is False and sglang.return_label_logprobs is True
+    rerank = get_dialect("vllm-rerank").parse_request({"query": "q", "documents": "a", "top_n": 0})
+    assert rerank.items == ["a"] and rerank.top_n is None and rerank.truncation == "none"
+    tei = get_dialect("tei").parse_request({"query": "q", "texts": ["a"], "truncate": True,
+                                            "truncation_direction": "Left"})
+    assert tei.truncation == "start"
+
+
+def test_sglang_score_answers_every_label_probability():
+    dialect = get_dialect("sglang-score")
+    request = dialect.parse_request({"query": "q", "items": ["a", "b"], "label_token_ids": [5, 6],
+                                     "apply_softmax": True})
+    engine_answer = ScoreResponse(results=[
+        ScoreResult(index=0, score=0.8, label_logprobs=[math.log(0.8), math.log(0.2)]),
+        ScoreResult(index=1, score=0.3, label_logprobs=[math.log(0.3), math.log(0.7)])], model="m")
+    body = dialect.encode_response(engine_answer, request)
+    RESPONSE_MODELS["sglang-score"].model_validate(body)
+    assert body["scores"] == [pytest.approx([0.8, 0.2]), pytest.approx([0.3, 0.7])]
+
+
+@pytest.mark.parametrize("name", sorted(SORTED_RESPONSES - {"vllm-rerank"}))
+def test_documents_come_back_only_when_asked(name):
+    dialect = get_dialect(name)
+    request = request_for(name)
+    flag = {"sglang-rerank": "return_documents", "cohere": "return_documents", "tei": "return_text"}[name]
+    scored = response_for(request, [0.1, 0.2, 0.3, 0.4])
+    asked = dialect.encode_response(scored, request, "m", return_documents=dialect.documents_requested({flag: True}))
+    not_asked = dialect.encode_response(scored, request, "m",
+                                        return_documents=dialect.documents_requested({flag: False}))
+    first_asked = (asked if isinstance(asked, list) else asked["results"])[0]
+    first_not = (not_asked if isinstance(not_asked, list) else not_asked["results"])[0]
+    assert set(first_asked) - set(first_not) in ({"document"}, {"text"})
+
+
+@pytest.mark.parametrize("name", sorted(DIALECTS))
+def test_error_body_is_the_peers_format_and_reads_back(name):
+    body = get_dialect(name).error_body(400, "must hold at least one item", "items")
+    ERROR_MODELS[name].model_validate(body)
+    message, _ = read_error(body)
+    assert "must hold at least one item" in message
+
+
+def test_read_error_understands_fastapi_validation_details():
+    assert read_error({"detail": [{"loc": ["body", "query"], "msg": "Field required"}]}) == (
+        "Field required", "body.query")
+    assert read_error({"detail": "Not Found"}) == ("Not Found", None)
+    assert read_error(["not", "an", "error"]) == (None, None)
+
+
+def test_status_codes_give_openai_error_types():
+    types = {status: get_dialect("vllm-score").error_body(status, "m")["error"]["type"]
+             for status in (400, 404, 429, 503)}
+    assert types == {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError",
+                     503: "InternalServerError"}
+
+
+def test_round_trip_keeps_scores_for_random_orders():
+    rng = random.Random(5)
+    for name in SORTED_RESPONSES:
+        dialect = get_dialect(name)
+        request = ScoreRequest(query="q", items=[f"doc {i}" for i in range(17)])
+        scores = [rng.random() for _ in range(17)]
+        body = dialect.encode_response(response_for(request, scores), request, "m")
+        assert dialect.decode(body, request).scores == pytest.approx(scores)
