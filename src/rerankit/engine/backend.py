@@ -43,7 +43,7 @@ class EmbeddedBackend:
         if template is not None:
             get_template(template)
         if max_batch_tokens < 1:
-            raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+            raise InvalidRequest("max_batch_tokens", f"must be >= 1, got {max_batch_tokens}")
         self._mode = mode
         self._template = template
         self._classify = heads.sequence_classifier(loaded.model) if loaded.kind == "sequence-classifier" else None
@@ -100,8 +100,8 @@ class EmbeddedBackend:
             for batch in batches:
                 out = head(self._runner.forward(batch), batch)
                 keys = batch.item_indices.tolist()
-                for row, key in enumerate(keys):
-                    scores[key] = float(out.scores[row])
+                for key, value in zip(keys, out.scores.float().cpu().tolist()):
+                    scores[key] = value
                 if request.return_label_logprobs and out.label_logprobs is not None:
                     for key, values in zip(keys, out.label_logprobs.float().cpu().tolist()):
                         label_logprobs[key] = values

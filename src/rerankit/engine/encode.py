@@ -9,7 +9,7 @@ label is read always survives. Bi-encoder and late-interaction requests also car
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from rerankit.engine.load import LoadedModel
 from rerankit.errors import InvalidRequest
@@ -173,8 +173,9 @@ def _check_fields_apply(request: ScoreRequest, mode: str, template: Template | N
         raise InvalidRequest("mis_delimiter_token_id", "cannot be combined with item_first")
 
 
-def _tokenize(tokenizer: Any, texts: list[str], special: bool = False) -> list[list[int]]:
-    return tokenizer(texts, add_special_tokens=special)["input_ids"] if texts else []
+def _tokenize(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, without the tokenizer's special tokens."""
+    return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
 
 
 def _encode_text(request: ScoreRequest, loaded: LoadedModel, template: Template, mode: str) -> EncodedRequest:
@@ -265,7 +266,7 @@ def _item_ids(request: ScoreRequest, loaded: LoadedModel) -> list[list[int]]:
 
 
 def _fit_items(items: list[list[int]], request: ScoreRequest, loaded: LoadedModel, fixed: int,
-               lead: Any) -> list[list[int]]:
+               lead: Callable[[list[int]], int]) -> list[list[int]]:
     """Cut each item to what the model length (and ``max_tokens_per_item``) leaves after prefix and suffix."""
     room = loaded.max_length - fixed
     if room < 1:
