@@ -147,7 +147,7 @@ def _varlen(q, k, v, batch, scale):
     else:
         options = {"is_causal": batch.causal}
     if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in params:
+        if "enable_gqa" in params:  # absent in torch 2.11: there the heads are repeated
             options["enable_gqa"] = True
         else:
             group = q.shape[1] // k.shape[1]
