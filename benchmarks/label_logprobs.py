@@ -59,10 +59,12 @@ def inputs(n_rows, dim):
 
 
 def ratio(a, b):
+    """a / b, or None where either is missing ('oom', None, 0)."""
     return None if isinstance(a, str) or isinstance(b, str) or not b else a / b
 
 
 def run_benchmark(emit):
+    """Ours vs torch for every (d, N, mode); each record goes to `emit` and into the returned list."""
     records = []
     for dim in DIMS:
         weight = (torch.randn(VOCAB, dim, device="cuda") * 0.02).to(torch.bfloat16)
@@ -82,10 +84,10 @@ def run_benchmark(emit):
                     record["ours_weight_tbps"] = VOCAB * dim * 2 / ours_ms / 1e9
                 else:
                     rows_ms, rows_bytes = measure(lambda: torch_label_rows(hidden, weight, label_ids))
-                    record.update(torch_rows_ms=rows_ms, torch_rows_mib=None if rows_bytes is None else rows_bytes / 2**20)
+                    rows_mib = None if rows_bytes is None else rows_bytes / 2**20
+                    record.update(torch_rows_ms=rows_ms, torch_rows_mib=rows_mib)
                 emit(record)
                 records.append(record)
-        del weight
     return records
 
 
@@ -126,7 +128,6 @@ def run_sweep(emit):
                 emit(dict(sweep=True, n_rows=n_rows, dim=dim, tiling=tiling._asdict(), ms=ms))
                 if not isinstance(ms, str) and ms < fastest.get((n_rows, dim), (float("inf"),))[0]:
                     fastest[n_rows, dim] = (ms, tiling)
-        del weight
     print(f"\nfastest tilings on {torch.cuda.get_device_name()}:")
     for (n_rows, dim), (ms, tiling) in fastest.items():
         print(f"N={n_rows:>6} d={dim:>5}  {ms:8.3f} ms  {tiling}")

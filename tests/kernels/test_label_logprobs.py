@@ -1,6 +1,7 @@
 """label_logprobs: the Triton kernels against the torch reference.
 
-CPU tests run the kernels in Triton's interpreter on small shapes; `gpu` tests use real vocabulary sizes.
+Small cases run the kernels in Triton's interpreter on the CPU (compiled where a GPU is present); `gpu` tests
+use the real Qwen3 vocabulary.
 """
 
 import importlib.util
@@ -14,7 +15,8 @@ import torch
 if importlib.util.find_spec("triton") is None:  # not importorskip: triton must not be imported yet, see below
     pytest.skip("needs triton", allow_module_level=True)
 
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-4, torch.float16: 1e-4}
+# Every dtype is multiplied exactly and accumulated in float32, as the reference does after upcasting.
+TOLERANCE = 1e-4
 
 
 def load_interpreted_kernels():
@@ -40,18 +42,30 @@ interpreted = load_interpreted_kernels()
 from rerankit.kernels import label_logprobs as kernels  # noqa: E402
 from rerankit.kernels.label_logprobs import label_logprobs_reference  # noqa: E402
 
+
 @pytest.fixture
 def triton_label_logprobs(monkeypatch):
-    """The interpreted `label_logprobs`, its torch fallback made to fail so that a pass proves the kernels ran."""
-    if interpreted is None:
+    """`label_logprobs` on the Triton path: interpreted on the CPU, or compiled where a GPU is present.
+
+    Its torch fallback is made to fail, so a pass proves the kernels ran; inputs and output stay on the CPU.
+    """
+    if interpreted is not None:
+        module, device = interpreted, "cpu"
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    elif torch.cuda.is_available():
+        module, device = kernels, "cuda"
+    else:
         pytest.skip("triton was imported without its interpreter; test_cpu_cases_in_a_fresh_process runs this")
 
     def fallback_taken(*args, **kwargs):
         raise AssertionError("label_logprobs fell back to the torch reference")
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(interpreted, "label_logprobs_reference", fallback_taken)
-    return interpreted.label_logprobs
+    monkeypatch.setattr(module, "label_logprobs_reference", fallback_taken)
+
+    def run(*args):
+        return module.label_logprobs(*[a.to(device) if isinstance(a, torch.Tensor) else a for a in args]).cpu()
+
+    return run
 
 
 def make_inputs(n_rows, n_labels, vocab, dim, dtype, seed=0, ragged=True, bias=False):
@@ -80,7 +94,7 @@ def test_kernel_matches_reference(triton_label_logprobs, full_vocab, dtype, n_ro
     out = triton_label_logprobs(hidden, weight, label_ids, label_mask, full_vocab, lm_head_bias)
     expected = label_logprobs_reference(hidden, weight, label_ids, label_mask, full_vocab, lm_head_bias)
     assert out.dtype == torch.float32 and out.shape == (n_rows, n_labels)
-    torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    torch.testing.assert_close(out, expected, atol=TOLERANCE, rtol=TOLERANCE)
 
 
 def test_masked_slots_are_minus_inf(triton_label_logprobs):
@@ -111,7 +125,7 @@ def test_strided_hidden_states(triton_label_logprobs):
     for full_vocab in (False, True):
         out = triton_label_logprobs(read_rows, weight, label_ids[::2], label_mask[::2], full_vocab)
         expected = label_logprobs_reference(read_rows, weight, label_ids[::2], label_mask[::2], full_vocab)
-        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out, expected, atol=TOLERANCE, rtol=TOLERANCE)
 
 
 @pytest.mark.skipif(kernels._INTERPRET, reason="this process imported the kernels with TRITON_INTERPRET=1")
@@ -123,7 +137,9 @@ def test_cpu_tensors_fall_back_to_reference_without_interpreter(monkeypatch):
     assert len(calls) == 1
 
 
-@pytest.mark.skipif(interpreted is not None, reason="the interpreter cases ran in this process")
+@pytest.mark.skipif(
+    interpreted is not None or torch.cuda.is_available(), reason="the small cases ran in this process"
+)
 def test_cpu_cases_in_a_fresh_process():
     child = subprocess.run(
         [sys.executable, "-m", "pytest", __file__, "-q", "-m", "not gpu", "-p", "no:cacheprovider"],
