@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 
@@ -224,3 +225,19 @@ def test_bad_options_are_refused(options, field):
 def test_urls_must_be_http():
     with pytest.raises(InvalidRequest, match="not an http"):
         RemoteBackend(["http://a:1", "ftp://b"])
+
+
+async def test_async_context_of_reranker_closes_the_async_pool():
+    server = FakeServer()
+    async with Reranker("http://fake:8000", dialect="cohere", transport=httpx.MockTransport(server)) as reranker:
+        ranked = await reranker.arank("q", DOCS[:3])
+        pool = reranker.backend.transport._loop_client.client
+    assert [document.index for document in ranked] == [2, 1, 0]
+    assert pool.is_closed
+
+
+def test_one_backend_serves_successive_event_loops():
+    remote = backend(FakeServer(), dialect="cohere")
+    for _ in range(2):
+        assert asyncio.run(remote.ascore(ScoreRequest(query="q", items=DOCS[:2]))).scores == [0.0, 0.01]
+    remote.close()

@@ -73,12 +73,14 @@ class Endpoints:
         self._lock = threading.Lock()
 
     def order(self) -> list[str]:
-        """Every URL, starting with the next in turn, live ones before those cooling down."""
+        """Every URL: the live ones, starting with the next in turn, then those cooling down."""
+        live = [url for url in self.urls if self.is_live(url)]
+        cooling = [url for url in self.urls if url not in live]
         with self._lock:
-            start = self._turn
-            self._turn = (self._turn + 1) % len(self.urls)
-        rotated = self.urls[start:] + self.urls[:start]
-        return sorted(rotated, key=lambda url: not self.is_live(url))
+            turn = self._turn
+            self._turn += 1
+        start = turn % len(live) if live else 0
+        return live[start:] + live[:start] + cooling
 
     def is_live(self, url: str) -> bool:
         """False while ``url`` cools down after refusing a connection."""
