@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 
@@ -13,6 +14,11 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+# Without a GPU, Triton kernels run in its interpreter on CPU tensors; it must be chosen before triton loads.
+if not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
