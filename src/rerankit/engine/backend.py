@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any
-
 import torch
 from tqdm.auto import tqdm
 
@@ -128,7 +126,7 @@ class EmbeddedBackend:
         query_hidden = self._runner.forward(query_batch)
         if encoded.mode == "bi-encoder":
             embedding = heads.pool(query_hidden, query_batch, loaded.pooling, loaded.normalize_embeddings)[0]
-            head: Any = heads.bi_encoder_head(embedding, loaded.pooling, loaded.normalize_embeddings)
+            head: heads.Head = heads.bi_encoder_head(embedding, loaded.pooling, loaded.normalize_embeddings)
         else:
             head = heads.late_interaction_head(query_hidden, loaded.pooling, loaded.normalize_embeddings)
         return head, query_batch.num_tokens

@@ -94,7 +94,8 @@ def special_layout(tokenizer: Any, pair: bool) -> SpecialLayout:
     first = tokenizer("a", add_special_tokens=False)["input_ids"]
     second = tokenizer("b", add_special_tokens=False)["input_ids"]
     encoded = tokenizer("a", "b" if pair else None, add_special_tokens=True, return_token_type_ids=True)
-    ids, types = encoded["input_ids"], encoded["token_type_ids"]
+    ids = encoded["input_ids"]
+    types = encoded.get("token_type_ids") or [0] * len(ids)
     start = _find(ids, first, 0)
     end = start + len(first)
     second_start = _find(ids, second, end) if pair else end

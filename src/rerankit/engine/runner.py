@@ -21,7 +21,10 @@ class Runner(Protocol):
     padded: bool  # True when the runner pays for padding, so the planner budgets longest x count
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
-        """Final hidden states ``[batch.num_tokens, d]``, in packed order."""
+        """Final hidden states ``[batch.num_tokens, d]`` in packed order, on the model's device.
+
+        The planner builds ``batch`` on the CPU; the runner moves what it needs.
+        """
         ...
 
 
