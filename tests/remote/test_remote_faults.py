@@ -240,3 +240,14 @@ async def test_async_fails_over_and_retries(servers, dead_url):
     await remote.aclose()
     assert response.scores == expected_scores(4)
     assert live.hits == 2
+
+
+def test_failover_is_immediate_but_a_full_round_of_failures_backs_off(servers):
+    first, second = servers(["503", "503"]), servers(["503"])
+    started = time.monotonic()
+    response = score([first.url, second.url], max_retries=3, backoff_base=0.2)
+    elapsed = time.monotonic() - started
+    assert response.scores == expected_scores(3)
+    assert (first.hits, second.hits) == (2, 2)
+    # first -> second at once; then two backoffs: retry 2 waits >= 0.2 s, retry 3 >= 0.4 s.
+    assert 0.6 <= elapsed < 2.0

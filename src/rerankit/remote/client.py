@@ -34,7 +34,7 @@ class ClientConfig:
 
     Retries go to connect errors, read timeouts, broken responses, 429 and 5xx, never to other 4xx.
     The n-th retry waits ``backoff_base * 2**(n-1)`` seconds with jitter (or the server's ``Retry-After``),
-    at most ``backoff_max``; a retry that fails over to another live endpoint does not wait.
+    at most ``backoff_max``; a retry that fails over to a live endpoint not yet tried does not wait.
     An endpoint that refuses connections sits out ``dead_cooldown`` seconds.
     """
 
@@ -172,7 +172,8 @@ class _Attempts:
             if failure.status is not None:
                 raise RemoteError(failure.message, failure.status, where, failure.body)
             raise RemoteError(f"{failure.message} ({where}, {self.tries} tries)", url=where)
-        if self.url != failed_url and self._endpoints.is_live(self.url):
+        # Fail over at once to a live endpoint not yet tried; once all have failed, back off.
+        if self.tries < len(self._order) and self._endpoints.is_live(self.url):
             return 0.0
         return self._config.backoff(self.tries, failure.retry_after)
 

@@ -43,7 +43,7 @@ class Dialect:
     name: str
     paths: tuple[str, ...]
     max_items: int
-    encode_request: Callable[[ScoreRequest, "str | None"], "tuple[str, dict[str, Any]]"]
+    encode_request: Callable[[ScoreRequest, str | None], tuple[str, dict[str, Any]]]
     decode_response: Callable[..., ScoreResponse]
     parse_request: Callable[[Any], ScoreRequest]
     encode_response: Callable[..., Any]
@@ -69,7 +69,7 @@ def refuse(request: ScoreRequest, endpoint: str, **allowed: tuple[Any, ...]) -> 
     for field, values in allowed.items():
         value = getattr(request, field)
         if value not in values:
-            reason = _REASONS.get(field, f"it accepts only {', '.join(repr(v) for v in values)}")
+            reason = _REASONS.get(field, f"it takes only {', '.join(repr(v) for v in values)}")
             raise InvalidRequest(field, f"{endpoint} cannot honour {field}={value!r}: {reason}")
 
 
