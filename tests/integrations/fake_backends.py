@@ -1,4 +1,4 @@
-"""A word-overlap fake backend and a small corpus, for the adapters' mapping tests."""
+"""Test data for the adapters: a word-overlap fake backend (mapping tests) and a small corpus (real pipelines)."""
 
 from __future__ import annotations
 
@@ -43,3 +43,15 @@ class WordOverlapBackend:
 
 def _words(text: str) -> list[str]:
     return [word.strip(".,?!").lower() for word in text.split()]
+
+# A small corpus for the retrieval pipelines run with the real MiniLM.
+CORPUS = [
+    "Paris is the capital and most populous city of France.",
+    "Bananas are an excellent source of potassium and vitamin B6.",
+    "The Eiffel Tower was built in Paris for the 1889 World's Fair.",
+    "A car engine converts the chemical energy of fuel into motion.",
+    "France's capital hosts the Louvre, the world's most visited museum.",
+    "Photosynthesis lets plants turn sunlight, water and carbon dioxide into sugar.",
+    "Berlin is the capital of Germany.",
+    "The Amazon is the largest tropical rainforest on Earth.",
+]

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 import pydantic
 import pytest
-from fake_backends import DOCUMENTS, QUERY
+from fake_backends import CORPUS, DOCUMENTS, QUERY
+from langchain_classic.retrievers import ContextualCompressionRetriever
 from langchain_core.documents import Document
+from langchain_core.vectorstores import InMemoryVectorStore
 
-from rerankit.integrations.langchain import RerankitRerank
+from rerankit.integrations.langchain import RerankitEmbeddings, RerankitRerank
 from rerankit.reranker import Reranker
 
 
@@ -95,3 +99,64 @@ def test_fields_serialize_without_the_backend(overlap_backend):
 
     assert compressor.model_dump() == {"model": None, "top_n": 5, "backend_options": {},
                                        "request_options": {"instruction": "x"}}
+
+
+# --- the real engine on the packaged MiniLM ---------------------------------------------------------------------
+
+def _compression_retriever(backend, compressor: RerankitRerank, k: int = 4) -> ContextualCompressionRetriever:
+    store = InMemoryVectorStore(RerankitEmbeddings(backend=backend))
+    store.add_documents([Document(page_content=text, id=f"corpus-{index}", metadata={"line": index})
+                         for index, text in enumerate(CORPUS)])
+    return ContextualCompressionRetriever(base_retriever=store.as_retriever(search_kwargs={"k": k}),
+                                          base_compressor=compressor)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+async def test_compression_retriever_over_minilm_returns_top_n_best_first(minilm_backend, asynchronous):
+    retriever = _compression_retriever(minilm_backend, RerankitRerank(backend=minilm_backend, top_n=2))
+
+    found = await retriever.ainvoke(QUERY) if asynchronous else retriever.invoke(QUERY)
+
+    assert [document.id for document in found] == ["corpus-0", "corpus-4"]
+    assert [document.metadata["line"] for document in found] == [0, 4]
+    assert found[0].metadata["relevance_score"] > found[1].metadata["relevance_score"] > 0.3
+
+
+def test_relevance_scores_are_the_cosines_of_the_minilm_embeddings(minilm_backend):
+    embeddings = RerankitEmbeddings(backend=minilm_backend)
+    query_vector = embeddings.embed_query(QUERY)
+    document_vectors = embeddings.embed_documents(CORPUS)
+
+    ranked = RerankitRerank(backend=minilm_backend, top_n=None).compress_documents(
+        [Document(page_content=text, metadata={"line": index}) for index, text in enumerate(CORPUS)], QUERY)
+
+    assert len(query_vector) == 384 and len(document_vectors) == len(CORPUS)
+    for document in ranked:
+        vector = document_vectors[document.metadata["line"]]
+        cosine = sum(a * b for a, b in zip(query_vector, vector)) / math.hypot(*query_vector) / math.hypot(*vector)
+        assert document.metadata["relevance_score"] == pytest.approx(cosine, abs=1e-5)
+    assert embeddings.embed_documents([]) == []
+
+
+def test_default_model_is_the_packaged_minilm_loaded_on_first_query():
+    compressor = RerankitRerank(top_n=1)
+
+    best, = compressor.compress_documents([Document(page_content=text) for text in CORPUS], QUERY)
+    compressor.close()
+
+    assert best.page_content == CORPUS[0]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+async def test_url_model_scores_through_the_server_like_the_local_engine(minilm_backend, minilm_url, asynchronous):
+    documents = [Document(page_content=text) for text in CORPUS]
+    local = RerankitRerank(backend=minilm_backend, top_n=3).compress_documents(documents, QUERY)
+    remote = RerankitRerank(model=minilm_url, backend_options={"dialect": "cohere"}, top_n=3)
+
+    served = await remote.acompress_documents(documents, QUERY) if asynchronous else \
+        remote.compress_documents(documents, QUERY)
+    remote.close()
+
+    assert [document.page_content for document in served] == [document.page_content for document in local]
+    assert [document.metadata["relevance_score"] for document in served] == pytest.approx(
+        [document.metadata["relevance_score"] for document in local], abs=1e-5)

@@ -9,11 +9,15 @@ import threading
 from typing import Any, Sequence
 
 from rerankit.backend import Backend
+from rerankit.errors import RerankitError
 from rerankit.reranker import Reranker, make_backend
-from rerankit.schema import ScoreRequest
+from rerankit.schema import ScoreRequest, ScoreResponse
 
 # Fields an adapter fills in itself from each call; request options may not override them.
 PER_CALL_FIELDS = ("query", "items", "top_n")
+# A bi-encoder embeds each item on its own, apart from the query; the schema still needs a query, so this
+# short one stands in when only the items' embeddings are wanted.
+EMBEDDING_QUERY = "query"
 
 
 class LazyBackend:
@@ -67,3 +71,31 @@ def check_request_options(request_options: dict[str, Any]) -> None:
     if clashing:
         raise ValueError(f"request_options may not set {', '.join(clashing)}: the adapter fills them in per call")
     ScoreRequest(query="query", items=["document"], **request_options)
+
+
+def embedding_request(texts: list[str]) -> ScoreRequest:
+    """A bi-encoder request whose results carry each text's pooled embedding."""
+    return ScoreRequest(query=EMBEDDING_QUERY, items=texts, mode="bi-encoder", return_pooled_hidden_states=True)
+
+
+def embeddings_of(response: ScoreResponse, model_name: str) -> list[list[float]]:
+    """The pooled embedding of each item, in input order; an error if the backend sent none."""
+    embeddings = [result.pooled_hidden_state for result in response.results]
+    if any(embedding is None for embedding in embeddings):
+        raise RerankitError(f"{model_name} returned no pooled embeddings: embeddings need a backend that returns "
+                            "pooled hidden states in bi-encoder mode, such as the embedded engine")
+    return embeddings  # type: ignore[return-value]
+
+
+def embed_texts(backend: Backend, texts: list[str]) -> list[list[float]]:
+    """One embedding per text, from ``backend`` in bi-encoder mode."""
+    if not texts:
+        return []
+    return embeddings_of(backend.score(embedding_request(texts)), backend.model_name)
+
+
+async def aembed_texts(backend: Backend, texts: list[str]) -> list[list[float]]:
+    """Async twin of ``embed_texts``."""
+    if not texts:
+        return []
+    return embeddings_of(await backend.ascore(embedding_request(texts)), backend.model_name)

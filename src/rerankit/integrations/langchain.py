@@ -1,4 +1,5 @@
-"""LangChain adapter: ``RerankitRerank``, a document compressor that reorders retrieved documents.
+"""LangChain adapters: ``RerankitRerank``, a document compressor that reorders retrieved documents, and
+``RerankitEmbeddings``, embeddings from a bi-encoder (the packaged MiniLM by default) for a vector store.
 
 Needs only ``langchain-core``. The model loads (or the connection opens) on the first call, not on import.
 
@@ -14,10 +15,12 @@ from typing import Any, Sequence
 
 from langchain_core.callbacks import Callbacks
 from langchain_core.documents import BaseDocumentCompressor, Document
-from pydantic import ConfigDict, Field, PrivateAttr, model_validator
+from langchain_core.embeddings import Embeddings
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from rerankit.backend import Backend
-from rerankit.integrations import LazyBackend, adapter_backend, check_request_options
+from rerankit.integrations import (LazyBackend, adapter_backend, aembed_texts, check_request_options,
+                                  embed_texts)
 from rerankit.reranker import Reranker
 from rerankit.schema import ScoreRequest, ScoreResponse
 
@@ -83,3 +86,44 @@ class RerankitRerank(BaseDocumentCompressor):
             ranked.append(original.model_copy(update={"metadata": metadata}))
         return ranked
 
+
+
+class RerankitEmbeddings(BaseModel, Embeddings):
+    """LangChain embeddings from a bi-encoder run by rerankit: the packaged all-MiniLM-L6-v2 when ``model`` is None.
+
+    Give a ``model`` (path or hub id of a sentence-transformers model) with ``backend_options``, or a ready
+    ``backend`` (e.g. the one a ``RerankitRerank`` shares). The model loads on the first call.
+    """
+
+    model: str | None = Field(default=None, description="Bi-encoder path or hub id; None is the packaged MiniLM.")
+    backend_options: dict[str, Any] = Field(default_factory=dict, description="Options for the embedded engine.")
+    backend: Backend | None = Field(default=None, exclude=True, description="A ready Backend to embed with.")
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+
+    _backend: LazyBackend = PrivateAttr()
+
+    @model_validator(mode="after")
+    def _one_source_of_embeddings(self) -> "RerankitEmbeddings":
+        self._backend = adapter_backend(self.model, self.backend_options, None, self.backend)
+        return self
+
+    def embed_documents(self, texts: list[str]) -> list[list[float]]:
+        """One embedding per text."""
+        return embed_texts(self._backend.get(), texts)
+
+    def embed_query(self, text: str) -> list[float]:
+        """The embedding of the query (the same encoder as the documents)."""
+        return embed_texts(self._backend.get(), [text])[0]
+
+    async def aembed_documents(self, texts: list[str]) -> list[list[float]]:
+        """Async twin of ``embed_documents``."""
+        return await aembed_texts(self._backend.get(), texts)
+
+    async def aembed_query(self, text: str) -> list[float]:
+        """Async twin of ``embed_query``."""
+        return (await aembed_texts(self._backend.get(), [text]))[0]
+
+    def close(self) -> None:
+        """Release a model built from ``model``; a passed-in backend stays open."""
+        self._backend.close()

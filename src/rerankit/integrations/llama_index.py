@@ -1,4 +1,5 @@
-"""LlamaIndex adapter: ``RerankitRerank``, a node postprocessor that reorders retrieved nodes.
+"""LlamaIndex adapters: ``RerankitRerank``, a node postprocessor that reorders retrieved nodes, and
+``RerankitEmbedding``, embeddings from a bi-encoder (the packaged MiniLM by default) for an index.
 
 Needs only ``llama-index-core``. The model loads (or the connection opens) on the first call, not on import.
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator, List, Optional
 
+from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
 from llama_index.core.bridge.pydantic import Field, PrivateAttr, model_validator
 from llama_index.core.callbacks import CBEventType, EventPayload
 from llama_index.core.instrumentation import get_dispatcher
@@ -18,8 +20,10 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
 from rerankit.backend import Backend
+from rerankit.defaults import DEFAULT_MODEL_NAME
 from rerankit.errors import InvalidRequest
-from rerankit.integrations import LazyBackend, adapter_backend, check_request_options
+from rerankit.integrations import (LazyBackend, adapter_backend, aembed_texts, check_request_options,
+                                  embed_texts)
 from rerankit.reranker import Reranker
 from rerankit.schema import ScoreRequest, ScoreResponse
 
@@ -102,6 +106,50 @@ class RerankitRerank(BaseNodePostprocessor):
             yield reranked
             event.on_end(payload={EventPayload.NODES: reranked})
         dispatcher.event(ReRankEndEvent(nodes=reranked))
+
+
+class RerankitEmbedding(BaseEmbedding):
+    """LlamaIndex embeddings from a bi-encoder run by rerankit: the packaged all-MiniLM-L6-v2 when ``model`` is None.
+
+    Give a ``model`` (path or hub id of a sentence-transformers model) with ``backend_options``, or a ready
+    ``backend``. The model loads on the first call; ``model_name`` (for LlamaIndex's events) follows ``model``.
+    """
+
+    model: Optional[str] = Field(default=None, description="Bi-encoder path or hub id; None is the packaged MiniLM.")
+    backend_options: dict[str, Any] = Field(default_factory=dict, description="Options for the embedded engine.")
+    backend: Optional[Backend] = Field(default=None, exclude=True, description="A ready Backend to embed with.")
+
+    _backend: LazyBackend = PrivateAttr()
+
+    @model_validator(mode="after")
+    def _one_source_of_embeddings(self) -> "RerankitEmbedding":
+        self._backend = adapter_backend(self.model, self.backend_options, None, self.backend)
+        if self.model_name == "unknown":
+            self.model_name = self.model or DEFAULT_MODEL_NAME
+        return self
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "RerankitEmbedding"
+
+    def _get_query_embedding(self, query: str) -> Embedding:
+        return embed_texts(self._backend.get(), [query])[0]
+
+    async def _aget_query_embedding(self, query: str) -> Embedding:
+        return (await aembed_texts(self._backend.get(), [query]))[0]
+
+    def _get_text_embedding(self, text: str) -> Embedding:
+        return embed_texts(self._backend.get(), [text])[0]
+
+    def _get_text_embeddings(self, texts: List[str]) -> List[Embedding]:
+        return embed_texts(self._backend.get(), texts)
+
+    async def _aget_text_embeddings(self, texts: List[str]) -> List[Embedding]:
+        return await aembed_texts(self._backend.get(), texts)
+
+    def close(self) -> None:
+        """Release a model built from ``model``; a passed-in backend stays open."""
+        self._backend.close()
 
 
 def _query_text(query_bundle: Optional[QueryBundle]) -> str:
