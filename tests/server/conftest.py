@@ -1,4 +1,8 @@
-"""A real uvicorn server on 127.0.0.1 in a thread of the test session, on a port the OS picks."""
+"""Real uvicorn servers on 127.0.0.1 in threads of the test session, on ports the OS picks.
+
+``lm_url`` serves the tiny Qwen3 CausalLM (generative routes), ``ce_url`` the tiny BERT cross-encoder; both are
+started once per session, over the same ``EmbeddedBackend`` objects the tests compare with (``lm``, ``ce``).
+"""
 
 from __future__ import annotations
 
@@ -8,14 +12,20 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
+import pytest
 import uvicorn
 from fastapi import FastAPI
+
+from rerankit.server.app import create_app
+from rerankit.server.limits import ServerConfig
 
 
 @contextmanager
 def live_server(app: FastAPI) -> Iterator[str]:
     """Serve ``app`` on loopback until the block ends; yields the base URL."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted sockets only then; without it Nagle's
+    # algorithm and delayed ACKs add ~40 ms to every response.
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("127.0.0.1", 0))
     port = listener.getsockname()[1]
@@ -32,3 +42,45 @@ def live_server(app: FastAPI) -> Iterator[str]:
         server.should_exit = True
         thread.join(10)
         listener.close()
+
+
+# The long window makes a held-back lone request obvious; the small limits are what the limit tests hit.
+LM_CONFIG = ServerConfig(served_model_name="tiny-lm", batch_window_ms=200)
+CE_CONFIG = ServerConfig(served_model_name="tiny-ce", max_tokens_per_item=64, max_items_per_request=16)
+
+
+@pytest.fixture(scope="session")
+def lm(tiny_qwen3_lm):
+    from rerankit.engine import EmbeddedBackend
+
+    backend = EmbeddedBackend(str(tiny_qwen3_lm))
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="session")
+def ce(tiny_bert_cross_encoder):
+    from rerankit.engine import EmbeddedBackend
+
+    backend = EmbeddedBackend(str(tiny_bert_cross_encoder))
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="session")
+def lm_url(lm):
+    with live_server(create_app(lm, LM_CONFIG)) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def ce_url(ce):
+    with live_server(create_app(ce, CE_CONFIG)) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def label_ids(tiny_qwen3_lm):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_qwen3_lm).convert_tokens_to_ids(["yes", "no"])

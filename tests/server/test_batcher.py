@@ -125,16 +125,31 @@ async def test_no_batching_scores_one_request_per_engine_call():
     assert backend.calls == [["first"], ["q0"], ["q1"], ["q2"]]
 
 
-async def test_hot_engine_collects_requests_sent_just_after_a_call_ends():
+async def test_sequential_lone_requests_are_never_held_for_the_window():
     backend = RecordingBackend()
-    batcher = await started(backend, batch_window_ms=300)
-    await batcher.submit(request("warm-up"))
-    replies = [asyncio.create_task(batcher.submit(request("a")))]
-    await asyncio.sleep(0.03)
-    replies.append(asyncio.create_task(batcher.submit(request("b"))))
-    await asyncio.gather(*replies)
+    batcher = await started(backend, batch_window_ms=500)
+    begun = time.perf_counter()
+    for number in range(3):
+        await batcher.submit(request(f"q{number}"))
+    elapsed = time.perf_counter() - begun
     await batcher.stop()
-    assert backend.calls == [["warm-up"], ["a", "b"]]
+    assert backend.calls == [["q0"], ["q1"], ["q2"]]
+    assert elapsed < 0.25, f"three sequential requests took {elapsed:.3f}s (window 0.5s)"
+
+
+async def test_request_queued_behind_a_call_waits_out_the_window_for_company():
+    backend = RecordingBackend(hold_first_call=True)
+    batcher = await started(backend, batch_window_ms=300)
+    first = asyncio.create_task(batcher.submit(request("first")))
+    await wait_for_engine(backend)
+    queued = asyncio.create_task(batcher.submit(request("queued")))
+    await asyncio.sleep(0.01)
+    backend.gate.set()
+    await first
+    late = asyncio.create_task(batcher.submit(request("late")))  # a caller answered by the first call
+    await asyncio.gather(queued, late)
+    await batcher.stop()
+    assert backend.calls == [["first"], ["queued", "late"]]
 
 
 async def test_stop_fails_queued_requests_instead_of_leaving_them_waiting():

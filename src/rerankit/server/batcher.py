@@ -1,10 +1,10 @@
 """Batching across requests: one queue in front of the engine, one engine call per batch, in a worker thread.
 
-Policy. A request that finds the engine cold (no engine call ended in the last ``batch_window_ms``) is sent
-at once, alone if it is alone: an idle server never holds a request back. Requests that arrive while the
-engine runs wait in the queue and go together in the next call. Right after a call ends, the engine is hot:
-its callers are likely to send again within a few ms, so the dispatcher keeps collecting until the window
-since the end of that call closes or the budget (items, estimated tokens) is full.
+Policy. A request that finds the engine idle and the queue empty is sent at once: an idle server never holds
+a request back. Requests that arrive while the engine runs wait in the queue and go together in the next
+call, up to the budget (items, estimated tokens). When the engine frees up, the next call waits until its
+oldest request has been queued ``batch_window_ms`` (or the budget is full): the callers answered by the call
+that just ended send again within a few ms, and so join this call instead of forming a call of their own.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ class _Pending:
     request: ScoreRequest
     future: asyncio.Future
     tokens: int
+    arrived: float  # loop time
+    found_idle: bool  # the engine was idle and the queue empty when it arrived
 
 
 class Batcher:
@@ -52,7 +54,7 @@ class Batcher:
         self._arrived = asyncio.Event()
         # One engine thread: a model runs one call at a time; more threads would only contend for it.
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rerankit-engine")
-        self._hot_until = 0.0
+        self._running = False
         self._dispatcher: asyncio.Task | None = None
 
     @property
@@ -83,23 +85,28 @@ class Batcher:
         if len(self._queue) >= self.config.max_queue_requests:
             raise Overloaded(f"the queue holds {len(self._queue)} requests; the limit is "
                              f"{self.config.max_queue_requests} (max_queue_requests)")
-        pending = _Pending(request, asyncio.get_running_loop().create_future(), estimate_tokens(request))
+        loop = asyncio.get_running_loop()
+        pending = _Pending(request, loop.create_future(), estimate_tokens(request), loop.time(),
+                           found_idle=not self._running and not self._queue)
         self._queue.append(pending)
         self._arrived.set()
         return await pending.future
 
     async def _dispatch_forever(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             while not self._queue:
                 self._arrived.clear()
                 await self._arrived.wait()
-            if self.config.batching:
-                await self._collect_until(self._hot_until)
+            oldest = self._queue[0]
+            if self.config.batching and not oldest.found_idle:
+                await self._collect_until(oldest.arrived + self.config.batch_window_ms / 1000)
             batch = self._take_batch()
             if batch:
-                await self._run(batch)
-            self._hot_until = loop.time() + self.config.batch_window_ms / 1000
+                self._running = True
+                try:
+                    await self._run(batch)
+                finally:
+                    self._running = False
 
     async def _collect_until(self, deadline: float) -> None:
         """Wait for more requests until ``deadline`` (loop time) or until the budget is full."""

@@ -1,12 +1,13 @@
 """The scoring routes: one per wire path, each thin: read the body, parse with the dialect, batch, encode.
 
-A path that several dialects share (``/v1/score``, ``/rerank``, ``/v1/rerank``, ``/v2/rerank``) is decided by
-the body's shape: the first dialect listed for the path whose parser accepts the body answers it. The wire
-models refuse unknown fields, so the fields a body carries pick its dialect: ``/v1/score`` with ``query`` +
-``items`` is SGLang's, with ``queries``/``text_1``/``data_1`` vLLM's (deprecated) one; ``/rerank`` with
-``texts`` is TEI's; ``/v1/rerank`` with ``return_documents`` or ``instruct`` is SGLang's (a body that also has
-``model`` is Jina/Cohere-style). When no dialect accepts the body, the first one's error answers it, and
-errors found before the body is read (auth, size, JSON) are in the first dialect's format too.
+A path that several dialects share is decided by the body's field names: the path's first dialect answers
+unless the body holds a field that dialect does not take; then the first other dialect of the path that takes
+every field of the body answers it (when none does, the first dialect's error names the odd field). So
+``/v1/score`` is SGLang's, or vLLM's deprecated one for ``queries``/``documents``/``text_1``/``data_1``;
+``/rerank`` is vLLM's, or TEI's for ``texts``; ``/v1/rerank`` is vLLM's (Jina-compatible), SGLang's for
+``instruct``/``return_documents``, Cohere-style (Jina, Infinity) for ``return_documents`` with ``model``;
+``/v2/rerank`` is Cohere's, or vLLM's for its own fields (``truncate_prompt_tokens``, ``instruction``...).
+Errors found before the body is parsed (auth, size, JSON) are in the path's first dialect's format.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from rerankit.errors import InvalidRequest, Overloaded, RerankitError
-from rerankit.remote.dialects import get_dialect
+from rerankit.remote.dialects import cohere, get_dialect, sglang, tei, vllm
 from rerankit.remote.dialects.common import Dialect
 from rerankit.server.batcher import Batcher
 from rerankit.server.limits import ServerConfig, Unauthorized, bound_request, check_api_key, check_body_size
@@ -37,6 +38,13 @@ ROUTES: dict[str, tuple[str, ...]] = {
     "/v2/rerank": ("cohere", "vllm-rerank"),
 }
 METHODS: dict[str, tuple[str, ...]] = {"/v1/rerank": ("POST", "PUT")}  # SGLang takes PUT there too
+# The fields each dialect's request body may hold, from its wire model.
+WIRE_FIELDS: dict[str, frozenset[str]] = {
+    name: frozenset(model.model_fields) for name, model in (
+        ("vllm-generative", vllm.GenerativeScoringBody), ("vllm-score", vllm.ScoreBody),
+        ("vllm-rerank", vllm.RerankBody), ("sglang-score", sglang.ScoreBody), ("sglang-rerank", sglang.RerankBody),
+        ("cohere", cohere.RerankBody), ("tei", tei.RerankBody))
+}
 
 
 def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
@@ -51,7 +59,8 @@ def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
         try:
             check_api_key(config, request.headers.get("authorization"))
             body = parse_json(await read_body(request, config))
-            dialect, score_request = parse_with_first_fit(dialects, body)
+            dialect = dialect_for(dialects, body)
+            score_request = dialect.parse_request(body)
             score_request = bound_request(config, score_request)
             response = await batcher.submit(score_request)
             payload = dialect.encode_response(response, score_request, model_name, dialect.documents_requested(body))
@@ -69,16 +78,12 @@ def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
     return endpoint
 
 
-def parse_with_first_fit(dialects: list[Dialect], body: Any) -> tuple[Dialect, Any]:
-    """The first dialect whose parser accepts ``body``, with the ``ScoreRequest``; else the first one's error."""
-    first_error: InvalidRequest | None = None
-    for dialect in dialects:
-        try:
-            return dialect, dialect.parse_request(body)
-        except InvalidRequest as exc:
-            first_error = first_error or exc
-    assert first_error is not None
-    raise first_error
+def dialect_for(dialects: list[Dialect], body: Any) -> Dialect:
+    """The dialect that answers ``body`` on a path shared by ``dialects`` (see the module's docstring)."""
+    fields = set(body) if isinstance(body, dict) else set()
+    if fields <= WIRE_FIELDS[dialects[0].name]:
+        return dialects[0]
+    return next((dialect for dialect in dialects[1:] if fields <= WIRE_FIELDS[dialect.name]), dialects[0])
 
 
 async def read_body(request: Request, config: ServerConfig) -> bytes:

@@ -1,0 +1,127 @@
+"""``rerankit serve`` with the real engine on loopback: every dialect round-trips through ``RemoteBackend``
+to the scores of the embedded backend; top_n and order on the wire; token limits; batching; idle latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import pytest
+
+from rerankit.remote import RemoteBackend
+from rerankit.schema import ScoreRequest
+
+QUERY = "What is the capital of France?"
+DOCS = ["Paris is the capital and most populous city of France.", "The quick brown fox jumps over the lazy dog.",
+        "Gravity is a force that attracts two bodies towards each other.", "The capital of China is Beijing.",
+        "yes no Yes No"]
+TOLERANCE = 1e-5
+
+
+def assert_same_scores(remote, local, *, tokens: bool) -> None:
+    assert [r.index for r in remote.results] == list(range(len(local.results)))
+    for got, want in zip(remote.scores, local.scores):
+        assert got == pytest.approx(want, abs=TOLERANCE)
+    if tokens:
+        assert remote.usage.prompt_tokens == local.usage.prompt_tokens > 0
+
+
+@pytest.mark.parametrize("dialect", ["vllm-generative", "sglang-score"])
+@pytest.mark.parametrize("apply_softmax", [True, False])
+def test_generative_dialects_round_trip_to_embedded_scores(lm, lm_url, label_ids, dialect, apply_softmax):
+    request = ScoreRequest(query=QUERY, items=DOCS, label_token_ids=label_ids, apply_softmax=apply_softmax)
+    local = lm.score(request.model_copy(update={"template": "raw", "mode": "generative"}))
+    with RemoteBackend(lm_url, dialect=dialect) as remote:
+        assert_same_scores(remote.score(request), local, tokens=True)
+
+
+def test_generative_token_ids_round_trip(lm, lm_url, label_ids):
+    request = ScoreRequest(query=[11, 12, 13], items=[[20, 21], [22], [23, 24, 25]], label_token_ids=label_ids)
+    local = lm.score(request.model_copy(update={"template": "raw", "mode": "generative"}))
+    with RemoteBackend(lm_url, dialect="vllm-generative") as remote:
+        assert_same_scores(remote.score(request), local, tokens=True)
+
+
+def test_sglang_label_logprobs_round_trip(lm, lm_url, label_ids):
+    request = ScoreRequest(query=QUERY, items=DOCS, label_token_ids=label_ids, return_label_logprobs=True)
+    local = lm.score(request.model_copy(update={"template": "raw", "mode": "generative"}))
+    with RemoteBackend(lm_url, dialect="sglang-score") as remote:
+        response = remote.score(request)
+    for got, want in zip(response.results, local.results):
+        assert got.label_logprobs == pytest.approx(want.label_logprobs, abs=TOLERANCE)
+
+
+# Dialects whose wire carries token counts (TEI and SGLang's /v1/rerank carry none).
+@pytest.mark.parametrize("dialect, tokens", [("vllm-score", True), ("vllm-rerank", True), ("sglang-score", True),
+                                             ("sglang-rerank", False), ("cohere", True), ("tei", False)])
+async def test_cross_encoder_dialects_round_trip_to_embedded_scores(ce, ce_url, dialect, tokens):
+    request = ScoreRequest(query=QUERY, items=DOCS)
+    local = ce.score(request)
+    with RemoteBackend(ce_url, dialect=dialect) as remote:
+        assert_same_scores(remote.score(request), local, tokens=tokens)
+    async with RemoteBackend(ce_url, dialect=dialect) as remote:
+        assert_same_scores(await remote.ascore(request), local, tokens=tokens)
+
+
+def test_discovery_finds_the_servers_routes(ce, ce_url):
+    request = ScoreRequest(query=QUERY, items=DOCS)
+    with RemoteBackend(ce_url) as remote:
+        assert_same_scores(remote.score(request), ce.score(request), tokens=True)
+        assert remote.model_name == "tiny-ce"
+
+
+@pytest.mark.parametrize("path, body, read", [
+    ("/rerank", {"top_n": 2}, lambda p: [(e["index"], e["relevance_score"]) for e in p["results"]]),
+    ("/v1/rerank", {"top_n": 2, "return_documents": True}, lambda p: [(e["index"], e["score"]) for e in p]),
+    ("/v2/rerank", {"top_n": 2, "model": "tiny-ce"}, lambda p: [(e["index"], e["relevance_score"]) for e in p["results"]]),
+])
+def test_rerank_routes_return_the_top_n_best_first(ce, ce_url, path, body, read):
+    best = ce.score(ScoreRequest(query=QUERY, items=DOCS)).ranked(2)
+    reply = httpx.post(ce_url + path, json={"query": QUERY, "documents": DOCS, **body}, timeout=30)
+    assert reply.status_code == 200, reply.text
+    pairs = read(reply.json())
+    assert [index for index, _ in pairs] == [result.index for result in best]
+    assert [score for _, score in pairs] == pytest.approx([result.score for result in best], abs=TOLERANCE)
+
+
+def test_items_over_the_token_limit_are_cut_or_refused_as_the_request_says(ce, ce_url):
+    long_doc = " ".join(["gravity"] * 200)
+    cut = httpx.post(ce_url + "/rerank", json={"query": QUERY, "texts": [long_doc], "truncate": True}, timeout=30)
+    assert cut.status_code == 200, cut.text
+    local = ce.score(ScoreRequest(query=QUERY, items=[long_doc], max_tokens_per_item=64))
+    assert cut.json()[0]["score"] == pytest.approx(local.scores[0], abs=TOLERANCE)
+    refused = httpx.post(ce_url + "/rerank", json={"query": QUERY, "texts": [long_doc], "truncate": False}, timeout=30)
+    assert refused.status_code == 400
+    assert "64" in refused.json()["error"] and refused.json()["error_type"] == "Validation"
+
+
+async def test_concurrent_requests_share_engine_calls(lm_url, label_ids):
+    def batches(page: str) -> tuple[int, int]:
+        count = re.search(r"^rerankit_batches_total (\d+)", page, re.M)
+        merged = re.search(r"^rerankit_batch_requests_sum (\S+)", page, re.M)
+        return int(count.group(1)), int(float(merged.group(1)))
+
+    body = {"query": QUERY, "items": DOCS, "label_token_ids": label_ids}
+    async with httpx.AsyncClient(base_url=lm_url, timeout=30) as client:
+        before = batches((await client.get("/metrics")).text)
+        replies = await asyncio.gather(*(client.post("/generative_scoring", json=body) for _ in range(12)))
+        after = batches((await client.get("/metrics")).text)
+    assert all(reply.status_code == 200 for reply in replies)
+    calls, requests = after[0] - before[0], after[1] - before[1]
+    assert requests == 12
+    assert calls < 12, f"12 concurrent requests took {calls} engine calls: none were merged"
+
+
+def test_lone_request_on_an_idle_server_is_not_held_for_the_window(lm_url, label_ids):
+    body = {"query": QUERY, "items": DOCS[:2], "label_token_ids": label_ids}
+    with httpx.Client(base_url=lm_url, timeout=30) as client:
+        client.post("/generative_scoring", json=body)
+        time.sleep(0.3)  # let the engine go cold (the window is 0.2 s)
+        begun = time.perf_counter()
+        reply = client.post("/generative_scoring", json=body)
+        elapsed = time.perf_counter() - begun
+    assert reply.status_code == 200
+    assert elapsed < 0.1, f"a lone request took {elapsed * 1000:.0f} ms on an idle server (window 200 ms)"
