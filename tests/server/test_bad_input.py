@@ -9,72 +9,57 @@ import random
 
 import httpx
 import pytest
+from wire_models import ERROR_MODELS
 
 from rerankit.server.routes import ROUTES
 
 GOOD_GENERATIVE = {"query": "q", "items": ["a", "b"], "label_token_ids": [5, 6]}
 
 
-def vllm_error(body, status):
-    return set(body) == {"error"} and body["error"]["code"] == status and isinstance(body["error"]["message"], str)
-
-
-def sglang_error(body, status):
-    return body.get("object") == "error" and body["code"] == status and isinstance(body["message"], str)
-
-
-def cohere_error(body, status):
-    return set(body) == {"message"} and isinstance(body["message"], str)
-
-
-def tei_error(body, status):
-    return set(body) == {"error", "error_type"} and isinstance(body["error"], str)
-
-
 CASES = [
-    # server, path, body (dict: JSON; bytes: raw), status, error format, what the message must name
-    ("lm", "/generative_scoring", b"{not json", 400, vllm_error, "JSON"),
-    ("lm", "/generative_scoring", b"\xff\xfe\x00garbage", 400, vllm_error, "UTF-8"),
-    ("lm", "/generative_scoring", b'{"query": "\\ud800", "items": ["a"], "label_token_ids": [1]}', 400, vllm_error,
+    # server, path, body (dict: JSON; bytes: raw), status, dialect of the error body, what the error must name
+    ("lm", "/generative_scoring", b"{not json", 400, "vllm-rerank", "JSON"),
+    ("lm", "/generative_scoring", b"\xff\xfe\x00garbage", 400, "vllm-rerank", "UTF-8"),
+    ("lm", "/generative_scoring", b'{"query": "\\ud800", "items": ["a"], "label_token_ids": [1]}', 400, "vllm-rerank",
      "surrogate"),
-    ("lm", "/generative_scoring", b"[" * 5000 + b"]" * 5000, 400, vllm_error, "body"),
-    ("lm", "/generative_scoring", b'{"query": "q", "items": ["a"], "label_token_ids": [NaN]}', 400, vllm_error,
+    ("lm", "/generative_scoring", b"[" * 5000 + b"]" * 5000, 400, "vllm-rerank", "body"),
+    ("lm", "/generative_scoring", b'{"query": "q", "items": ["a"], "label_token_ids": [NaN]}', 400, "vllm-rerank",
      "NaN"),
-    ("lm", "/generative_scoring", b'{"query": "q", "items": ["a"], "label_token_ids": [1e400]}', 400, vllm_error,
+    ("lm", "/generative_scoring", b'{"query": "q", "items": ["a"], "label_token_ids": [1e400]}', 400, "vllm-rerank",
      "label_token_ids"),
     ("lm", "/generative_scoring", b'{"query": "q", "items": ["a"], "label_token_ids": [' + b"9" * 5000 + b"]}", 400,
-     vllm_error, "JSON"),
-    ("lm", "/generative_scoring", b"", 400, vllm_error, "JSON"),
-    ("lm", "/generative_scoring", b"null", 400, vllm_error, "object"),
-    ("lm", "/generative_scoring", [1, 2, 3], 400, vllm_error, "object"),
-    ("lm", "/generative_scoring", {**GOOD_GENERATIVE, "query": 5}, 400, vllm_error, "query"),
-    ("lm", "/generative_scoring", {**GOOD_GENERATIVE, "items": []}, 400, vllm_error, "items"),
-    ("lm", "/generative_scoring", {**GOOD_GENERATIVE, "items": "abc"}, 400, vllm_error, "items"),
-    ("lm", "/generative_scoring", {**GOOD_GENERATIVE, "items": [["a"], [1]]}, 400, vllm_error, "items"),
-    ("lm", "/generative_scoring", {**GOOD_GENERATIVE, "label_token_ids": []}, 400, vllm_error, "label_token_ids"),
-    ("lm", "/generative_scoring", {**GOOD_GENERATIVE, "label_token_ids": [10**9]}, 400, vllm_error, "vocabulary"),
-    ("lm", "/generative_scoring", {**GOOD_GENERATIVE, "label_token_ids": [-1]}, 400, vllm_error, "label"),
-    ("lm", "/generative_scoring", {**GOOD_GENERATIVE, "query": [1, 2**70]}, 400, vllm_error, "vocabulary"),
-    ("lm", "/generative_scoring", {**GOOD_GENERATIVE, "items": [[3], [2**63 + 5]]}, 400, vllm_error, "vocabulary"),
-    ("lm", "/generative_scoring", {**GOOD_GENERATIVE, "label_token_ids": list(range(129))}, 400, vllm_error, "128"),
-    ("lm", "/generative_scoring", {**GOOD_GENERATIVE, "unknown_field": 1}, 400, vllm_error, "unknown_field"),
-    ("lm", "/v1/score", {**GOOD_GENERATIVE, "temperature": 0}, 400, sglang_error, "temperature"),
-    ("lm", "/v1/score", {**GOOD_GENERATIVE, "label_token_ids": [[5], [6]]}, 400, sglang_error, "label_token_ids"),
-    ("lm", "/v1/score", {**GOOD_GENERATIVE, "label_token_ids": [10**6]}, 400, sglang_error, "vocabulary"),
-    ("ce", "/score", {"text_1": "q"}, 400, vllm_error, "queries"),
-    ("ce", "/score", {"queries": ["q1", "q2"], "documents": ["a"]}, 400, vllm_error, "queries"),
-    ("ce", "/rerank", {"query": "q", "documents": [1, 2]}, 400, vllm_error, "documents"),
-    ("ce", "/rerank", {"query": "q", "documents": ["d"] * 17}, 413, vllm_error, "max_items_per_request"),
-    ("ce", "/rerank", {"query": "q", "documents": ["d"], "top_n": -1}, 400, vllm_error, "top_n"),
-    ("ce", "/rerank", {"query": "", "documents": ["d"]}, 400, vllm_error, "query"),
-    ("ce", "/rerank", {"query": "q", "texts": ["d"], "raw_scores": True}, 400, tei_error, "raw_scores"),
-    ("ce", "/rerank", {"query": "q", "texts": ["word " * 300], "truncate": False}, 400, tei_error, "64"),
+     "vllm-rerank", "JSON"),
+    ("lm", "/generative_scoring", b"", 400, "vllm-rerank", "JSON"),
+    ("lm", "/generative_scoring", b"null", 400, "vllm-rerank", "object"),
+    ("lm", "/generative_scoring", [1, 2, 3], 400, "vllm-rerank", "object"),
+    ("lm", "/generative_scoring", {**GOOD_GENERATIVE, "query": 5}, 400, "vllm-rerank", "query"),
+    ("lm", "/generative_scoring", {**GOOD_GENERATIVE, "items": []}, 400, "vllm-rerank", "items"),
+    ("lm", "/generative_scoring", {**GOOD_GENERATIVE, "items": "abc"}, 400, "vllm-rerank", "items"),
+    ("lm", "/generative_scoring", {**GOOD_GENERATIVE, "items": [["a"], [1]]}, 400, "vllm-rerank", "items"),
+    ("lm", "/generative_scoring", {**GOOD_GENERATIVE, "label_token_ids": []}, 400, "vllm-rerank", "label_token_ids"),
+    ("lm", "/generative_scoring", {**GOOD_GENERATIVE, "label_token_ids": [10**9]}, 400, "vllm-rerank", "vocabulary"),
+    ("lm", "/generative_scoring", {**GOOD_GENERATIVE, "label_token_ids": [-1]}, 400, "vllm-rerank", "label"),
+    ("lm", "/generative_scoring", {**GOOD_GENERATIVE, "query": [1, 2**70]}, 400, "vllm-rerank", "vocabulary"),
+    ("lm", "/generative_scoring", {**GOOD_GENERATIVE, "items": [[3], [2**63 + 5]]}, 400, "vllm-rerank", "vocabulary"),
+    ("lm", "/generative_scoring", {**GOOD_GENERATIVE, "label_token_ids": list(range(129))}, 400, "vllm-rerank", "128"),
+    ("lm", "/generative_scoring", {**GOOD_GENERATIVE, "unknown_field": 1}, 400, "vllm-rerank", "unknown_field"),
+    ("lm", "/v1/score", {**GOOD_GENERATIVE, "temperature": 0}, 400, "sglang-score", "temperature"),
+    ("lm", "/v1/score", {**GOOD_GENERATIVE, "label_token_ids": [[5], [6]]}, 400, "sglang-score", "label_token_ids"),
+    ("lm", "/v1/score", {**GOOD_GENERATIVE, "label_token_ids": [10**6]}, 400, "sglang-score", "vocabulary"),
+    ("ce", "/score", {"text_1": "q"}, 400, "vllm-rerank", "queries"),
+    ("ce", "/score", {"queries": ["q1", "q2"], "documents": ["a"]}, 400, "vllm-rerank", "queries"),
+    ("ce", "/rerank", {"query": "q", "documents": [1, 2]}, 400, "vllm-rerank", "documents"),
+    ("ce", "/rerank", {"query": "q", "documents": ["d"] * 17}, 413, "vllm-rerank", "max_items_per_request"),
+    ("ce", "/rerank", {"query": "q", "documents": ["d"], "top_n": -1}, 400, "vllm-rerank", "top_n"),
+    ("ce", "/rerank", {"query": "", "documents": ["d"]}, 400, "vllm-rerank", "query"),
+    ("ce", "/rerank", {"query": "q", "texts": ["d"], "raw_scores": True}, 400, "tei", "raw_scores"),
+    ("ce", "/rerank", {"query": "q", "texts": ["word " * 300], "truncate": False}, 400, "tei", "64"),
     ("ce", "/v1/rerank", {"query": "q", "documents": ["d"], "top_n": 0, "return_documents": False}, 400,
-     sglang_error, "top_n"),
-    ("ce", "/v1/rerank", {"query": "q", "documents": ["d"], "bogus": 1}, 400, vllm_error, "bogus"),
-    ("ce", "/v2/rerank", {"query": "q", "documents": ["d"], "top_n": 0}, 400, cohere_error, "top_n"),
-    ("ce", "/v2/rerank", {"query": {"text": "q"}, "documents": ["d"]}, 400, cohere_error, "query"),
-    ("ce", "/generative_scoring", GOOD_GENERATIVE, 400, vllm_error, "mode"),
+     "sglang-score", "top_n"),
+    ("ce", "/v1/rerank", {"query": "q", "documents": ["d"], "bogus": 1}, 400, "vllm-rerank", "bogus"),
+    ("ce", "/v2/rerank", {"query": "q", "documents": ["d"], "top_n": 0}, 400, "cohere", "top_n"),
+    ("ce", "/v2/rerank", {"query": {"text": "q"}, "documents": ["d"]}, 400, "cohere", "query"),
+    ("ce", "/generative_scoring", GOOD_GENERATIVE, 400, "vllm-rerank", "mode"),
 ]
 
 
@@ -83,14 +68,18 @@ def urls(lm_url, ce_url):
     return {"lm": lm_url, "ce": ce_url}
 
 
-@pytest.mark.parametrize("server, path, body, status, error_format, names", CASES,
+@pytest.mark.parametrize("server, path, body, status, dialect, names", CASES,
                          ids=[f"{case[1]}-{number}" for number, case in enumerate(CASES)])
-def test_bad_input_is_a_4xx_in_the_dialects_error_format(urls, server, path, body, status, error_format, names):
+def test_bad_input_is_a_4xx_in_the_dialects_error_format(urls, server, path, body, status, dialect, names):
     payload = {"content": body} if isinstance(body, bytes) else {"json": body}
     reply = httpx.post(urls[server] + path, headers={"content-type": "application/json"}, timeout=30, **payload)
     assert reply.status_code == status, reply.text
     error = reply.json()
-    assert error_format(error, status), error
+    ERROR_MODELS[dialect].model_validate(error)
+    if dialect.startswith("vllm"):
+        assert error["error"]["code"] == status
+    elif dialect.startswith("sglang"):
+        assert error["code"] == status
     assert names.lower() in json.dumps(error).lower(), error
 
 

@@ -10,8 +10,9 @@ import time
 
 import httpx
 import pytest
+from wire_models import RESPONSE_MODELS, SORTED_RESPONSES
 
-from rerankit.remote import RemoteBackend
+from rerankit.remote import DIALECTS, RemoteBackend
 from rerankit.schema import ScoreRequest
 
 QUERY = "What is the capital of France?"
@@ -73,16 +74,49 @@ def test_discovery_finds_the_servers_routes(ce, ce_url):
         assert remote.model_name == "tiny-ce"
 
 
-@pytest.mark.parametrize("path, body, read", [
-    ("/rerank", {"top_n": 2}, lambda p: [(e["index"], e["relevance_score"]) for e in p["results"]]),
-    ("/v1/rerank", {"top_n": 2, "return_documents": True}, lambda p: [(e["index"], e["score"]) for e in p]),
-    ("/v2/rerank", {"top_n": 2, "model": "tiny-ce"}, lambda p: [(e["index"], e["relevance_score"]) for e in p["results"]]),
-])
-def test_rerank_routes_return_the_top_n_best_first(ce, ce_url, path, body, read):
-    best = ce.score(ScoreRequest(query=QUERY, items=DOCS)).ranked(2)
-    reply = httpx.post(ce_url + path, json={"query": QUERY, "documents": DOCS, **body}, timeout=30)
+# Every (dialect, path) the dialect lists, but Cohere's at /v1/rerank: a body of query, documents and model there
+# is answered in vLLM's Jina-compatible form (see rerankit.server.routes).
+WIRE_PATHS = [(name, path) for name, dialect in DIALECTS.items() for path in dialect.paths
+              if (name, path) != ("cohere", "/v1/rerank")]
+
+
+@pytest.mark.parametrize("name, path", WIRE_PATHS)
+def test_response_bodies_match_the_peers_wire_models(lm_url, ce_url, label_ids, name, path):
+    generative = name in ("vllm-generative", "sglang-score")
+    request = ScoreRequest(query=QUERY, items=DOCS, label_token_ids=label_ids if generative else None)
+    _, body = DIALECTS[name].encode_request(request, "tiny")
+    reply = httpx.post((lm_url if generative else ce_url) + path, json=body, timeout=30)
     assert reply.status_code == 200, reply.text
-    pairs = read(reply.json())
+    payload = reply.json()
+    RESPONSE_MODELS[name].model_validate(payload)
+    scores = [score for _, score in wire_results(payload)]
+    assert len(scores) == len(DOCS)
+    if name in SORTED_RESPONSES:
+        assert scores == sorted(scores, reverse=True)
+
+
+def wire_results(payload) -> list[tuple[int, float]]:
+    """(index, score) of each result of any dialect's response body, in the body's order."""
+    if isinstance(payload, list):
+        return [(entry["index"], entry["score"]) for entry in payload]
+    if "scores" in payload:
+        return [(index, values[0]) for index, values in enumerate(payload["scores"])]
+    if "data" in payload:
+        return [(entry["index"], entry["score"]) for entry in payload["data"]]
+    return [(entry["index"], entry["relevance_score"]) for entry in payload["results"]]
+
+
+@pytest.mark.parametrize("name, path, options", [
+    ("vllm-rerank", "/rerank", {}), ("vllm-rerank", "/v1/rerank", {}),
+    ("sglang-rerank", "/v1/rerank", {"return_documents": True}),
+    ("cohere", "/v2/rerank", {"model": "tiny-ce"}), ("cohere", "/v1/rerank", {"model": "m", "return_documents": True}),
+])
+def test_rerank_routes_return_the_top_n_best_first(ce, ce_url, name, path, options):
+    best = ce.score(ScoreRequest(query=QUERY, items=DOCS)).ranked(2)
+    reply = httpx.post(ce_url + path, json={"query": QUERY, "documents": DOCS, "top_n": 2, **options}, timeout=30)
+    assert reply.status_code == 200, reply.text
+    RESPONSE_MODELS[name].model_validate(reply.json())
+    pairs = wire_results(reply.json())
     assert [index for index, _ in pairs] == [result.index for result in best]
     assert [score for _, score in pairs] == pytest.approx([result.score for result in best], abs=TOLERANCE)
 
