@@ -6,6 +6,10 @@ tokens. Ours: ``forward_read`` at each sequence's last token then the LM head th
 one left-padded batch with ``logits_to_keep=1``. Prints a table, writes JSON.
 
     PYTHONPATH=src python benchmarks/forward.py --out bench_out/forward.json
+
+H100 80GB HBM3, torch 2.11, transformers 5.17 (2026-11-23), 37,624 real tokens: transformers 334 ms
+(112.6k tok/s, 299 pairs/s, body MFU 10.6%, peak 8.2 GiB); ours eager 200 ms (187.8k tok/s); ours compiled
+79 ms (476.7k tok/s, 1,267 pairs/s, MFU 44.7%, peak 2.7 GiB); compiled with the prefix shared 67 ms (1,503 pairs/s).
 """
 
 from __future__ import annotations

@@ -22,11 +22,12 @@ def supports(config) -> bool:
     return decoder.unsupported_reason(config) is None or encoder.unsupported_reason(config) is None
 
 
-def build_packed_model(hf_model: nn.Module, compile: bool = False,
+def build_packed_model(hf_model: nn.Module, compile: bool | None = None,
                        attention_fn=None) -> PackedDecoder | PackedEncoder | None:
     """A packed model over ``hf_model``'s weights (CausalLM, SequenceClassification or base model).
 
     None for an architecture we do not run, so the caller falls back to the transformers model.
+    ``compile`` None: torch.compile the per-layer math on CUDA only (see ``layers.layer_steps``).
     """
     config = hf_model.config
     if decoder.unsupported_reason(config) is None:

@@ -15,15 +15,17 @@ from torch import nn
 
 from rerankit.engine.batch import PackedBatch
 from rerankit.engine.models.layers import (
-    default_attention,
     apply_rotary,
+    default_attention,
     fuse_rows,
+    layer_steps,
     rms_norm,
     rope_inverse_frequencies,
     rope_unsupported_reason,
     rotary_cos_sin,
     swiglu,
 )
+from rerankit.errors import ModelLoadError
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -95,16 +97,18 @@ def _parameter(tensor: torch.Tensor | None) -> nn.Parameter | None:
 class PackedDecoder(nn.Module):
     """Padding-free forward of a Llama/Qwen2/Qwen3 body over a ``PackedBatch``.
 
-    ``compile=True`` runs the per-layer math around attention through ``torch.compile`` (attention itself
-    stays eager). ``attention_fn`` defaults to ``rerankit.engine.attention.packed_attention``.
+    ``compile`` runs the per-layer math around attention through ``torch.compile`` (attention is the
+    ``attention_fn``'s own business); None compiles on CUDA only, as measured in ``layer_steps``.
+    ``attention_fn`` defaults to ``rerankit.engine.attention.packed_attention``.
     """
 
-    def __init__(self, hf_model: nn.Module, compile: bool = False, attention_fn: AttentionFn | None = None) -> None:
+    def __init__(self, hf_model: nn.Module, compile: bool | None = None,
+                 attention_fn: AttentionFn | None = None) -> None:
         super().__init__()
         config = hf_model.config
         reason = unsupported_reason(config)
         if reason is not None:
-            raise ValueError(f"PackedDecoder does not support this model: {reason}")
+            raise ModelLoadError(f"PackedDecoder does not support this model: {reason}")
         body = hf_model.base_model
         self.config = config
         self.num_heads = config.num_attention_heads
@@ -121,9 +125,8 @@ class PackedDecoder(nn.Module):
         score = getattr(hf_model, "score", None)
         self.score_weight = score.weight if isinstance(score, nn.Linear) else None
         self._attention_fn = attention_fn
-        self._attention_inputs = torch.compile(attention_inputs, dynamic=True) if compile else attention_inputs
-        self._attention_output_and_mlp = (torch.compile(attention_output_and_mlp, dynamic=True) if compile
-                                          else attention_output_and_mlp)
+        self._attention_inputs, self._attention_output_and_mlp = layer_steps(
+            attention_inputs, attention_output_and_mlp, compile=compile, device=device)
 
     @torch.no_grad()
     def forward(self, batch: PackedBatch) -> torch.Tensor:
@@ -146,7 +149,8 @@ class PackedDecoder(nn.Module):
                                              self.num_kv_heads, self.head_dim)
             attended = attention(q, k, v, batch, scale=self.scale)
             if index == last and read_positions is not None:
-                # Past the last attention no token needs another, so only the read rows go on.
+                # Past the last attention no token needs another, so only the read rows go on
+                # (1.5% of the W1 forward on an H100, benchmarks/forward.py).
                 attended, hidden = attended[read_positions], hidden[read_positions]
             hidden = self._attention_output_and_mlp(attended, hidden, layer.o_weight, layer.o_bias, layer.post_norm,
                                                     layer.gate_up_weight, layer.gate_up_bias, layer.down_weight,

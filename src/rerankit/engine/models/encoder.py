@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rerankit.engine.batch import PackedBatch
-from rerankit.engine.models.layers import GELU_APPROXIMATIONS, default_attention, fuse_rows
+from rerankit.engine.models.layers import GELU_APPROXIMATIONS, default_attention, fuse_rows, layer_steps
 from rerankit.errors import ModelLoadError
 
 MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
@@ -82,12 +82,13 @@ class PackedEncoder(nn.Module):
     offset added here. ``compile`` and ``attention_fn`` work as for ``PackedDecoder``.
     """
 
-    def __init__(self, hf_model: nn.Module, compile: bool = False, attention_fn: AttentionFn | None = None) -> None:
+    def __init__(self, hf_model: nn.Module, compile: bool | None = None,
+                 attention_fn: AttentionFn | None = None) -> None:
         super().__init__()
         config = hf_model.config
         reason = unsupported_reason(config)
         if reason is not None:
-            raise ValueError(f"PackedEncoder does not support this model: {reason}")
+            raise ModelLoadError(f"PackedEncoder does not support this model: {reason}")
         body = hf_model.base_model
         embeddings = body.embeddings
         self.config = config
@@ -107,9 +108,8 @@ class PackedEncoder(nn.Module):
         self.classifier_weight, self.classifier_bias = ((None, None) if classifier is None
                                                         else (classifier.weight, classifier.bias))
         self._attention_fn = attention_fn
-        self._attention_inputs = torch.compile(attention_inputs, dynamic=True) if compile else attention_inputs
-        self._attention_output_and_ffn = (torch.compile(attention_output_and_ffn, dynamic=True) if compile
-                                          else attention_output_and_ffn)
+        self._attention_inputs, self._attention_output_and_ffn = layer_steps(
+            attention_inputs, attention_output_and_ffn, compile=compile, device=self.word_embeddings.device)
 
     @torch.no_grad()
     def forward(self, batch: PackedBatch) -> torch.Tensor:
@@ -149,7 +149,8 @@ class PackedEncoder(nn.Module):
             q, k, v = self._attention_inputs(hidden, layer.qkv_weight, layer.qkv_bias, self.num_heads, self.head_dim)
             attended = attention(q, k, v, batch, scale=self.scale)
             if index == last and read_positions is not None:
-                # Past the last attention no token needs another, so only the read rows go on.
+                # Past the last attention no token needs another, so only the read rows go on
+                # (1.5% of the W1 forward on an H100, benchmarks/forward.py).
                 attended, hidden = attended[read_positions], hidden[read_positions]
             hidden = self._attention_output_and_ffn(
                 attended, hidden, layer.o_weight, layer.o_bias, layer.attention_norm_weight,

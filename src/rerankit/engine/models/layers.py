@@ -7,7 +7,7 @@ per-layer step functions that call it can be handed to ``torch.compile`` unchang
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -117,3 +117,14 @@ def default_attention():
     from rerankit.engine.attention import packed_attention
 
     return packed_attention
+
+
+def layer_steps(*steps: Callable, compile: bool | None, device: torch.device) -> tuple[Callable, ...]:
+    """The per-layer step functions, through ``torch.compile`` when asked; by default on CUDA only.
+
+    On an H100 (benchmarks/forward.py, W1 pack, Qwen3-0.6B body) compiled steps ran in 79 ms against 200 ms
+    eager: fused norms, rotary and activations. On CPU compiling was slower than eager.
+    """
+    if compile is None:
+        compile = device.type == "cuda"
+    return tuple(torch.compile(step, dynamic=True) if compile else step for step in steps)
