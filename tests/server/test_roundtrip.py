@@ -10,10 +10,13 @@ import time
 
 import httpx
 import pytest
+from conftest import live_server
 from wire_models import RESPONSE_MODELS, SORTED_RESPONSES
 
 from rerankit.remote import DIALECTS, RemoteBackend
 from rerankit.schema import ScoreRequest
+from rerankit.server.app import create_app
+from rerankit.server.limits import ServerConfig
 
 QUERY = "What is the capital of France?"
 DOCS = ["Paris is the capital and most populous city of France.", "The quick brown fox jumps over the lazy dog.",
@@ -132,7 +135,7 @@ def test_items_over_the_token_limit_are_cut_or_refused_as_the_request_says(ce, c
     assert "64" in refused.json()["error"] and refused.json()["error_type"] == "Validation"
 
 
-async def test_concurrent_requests_share_engine_calls(lm_url, label_ids):
+async def test_concurrent_requests_share_batches(lm_url, label_ids):
     def batches(page: str) -> tuple[int, int]:
         count = re.search(r"^rerankit_batches_total (\d+)", page, re.M)
         merged = re.search(r"^rerankit_batch_requests_sum (\S+)", page, re.M)
@@ -146,7 +149,40 @@ async def test_concurrent_requests_share_engine_calls(lm_url, label_ids):
     assert all(reply.status_code == 200 for reply in replies)
     calls, requests = after[0] - before[0], after[1] - before[1]
     assert requests == 12
-    assert calls < 12, f"12 concurrent requests took {calls} engine calls: none were merged"
+    assert calls < 12, f"12 concurrent requests went in {calls} batches: none were merged"
+
+
+class EngineCallCounter:
+    """Delegates to the real engine, recording how many requests each engine call held."""
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+        self.calls: list[int] = []
+        self.model_name = backend.model_name
+
+    def score(self, request):
+        self.calls.append(1)
+        return self.backend.score(request)
+
+    def score_batch(self, requests):
+        self.calls.append(len(requests))
+        return self.backend.score_batch(requests)
+
+
+async def test_concurrent_requests_are_scored_in_one_engine_call_with_unchanged_scores(lm, label_ids):
+    if not hasattr(lm, "score_batch"):
+        pytest.skip("EmbeddedBackend has no score_batch yet: the server scores a batch's requests one by one")
+    counter = EngineCallCounter(lm)
+    queries = [f"{QUERY} {number}" for number in range(8)]
+    with live_server(create_app(counter, ServerConfig())) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            replies = await asyncio.gather(*(client.post("/generative_scoring", json={
+                "query": query, "items": DOCS, "label_token_ids": label_ids}) for query in queries))
+    assert max(counter.calls) > 1, f"engine calls held {counter.calls} requests: none merged"
+    for query, reply in zip(queries, replies):
+        local = lm.score(ScoreRequest(query=query, items=DOCS, label_token_ids=label_ids, template="raw",
+                                      mode="generative"))
+        assert [entry["score"] for entry in reply.json()["data"]] == pytest.approx(local.scores, abs=TOLERANCE)
 
 
 def test_lone_request_on_an_idle_server_is_not_held_for_the_window(lm_url, label_ids):

@@ -41,7 +41,7 @@ class Histogram:
 
 
 class Metrics:
-    """Requests, items, tokens, latency per route; engine batches; queue depth."""
+    """Requests, items, tokens, latency per route; batches sent to the engine; queue depth."""
 
     def __init__(self, queue_depth: Callable[[], int]) -> None:
         self.queue_depth = queue_depth
@@ -62,7 +62,7 @@ class Metrics:
         self.latency.setdefault(route, Histogram(LATENCY_BUCKETS_S)).observe(seconds)
 
     def observe_batch(self, requests: int, items: int) -> None:
-        """Count one engine call that scored ``requests`` requests holding ``items`` items."""
+        """Count one batch of ``requests`` requests holding ``items`` items, sent to the engine."""
         self.batches += 1
         self.batch_requests.observe(requests)
         self.batch_items.observe(items)
@@ -85,11 +85,12 @@ class Metrics:
             lines += histogram.lines("rerankit_request_duration_seconds", f'route="{route}"')
         lines += ["# HELP rerankit_queue_depth Requests waiting for the engine.", "# TYPE rerankit_queue_depth gauge",
                   f"rerankit_queue_depth {self.queue_depth()}",
-                  "# HELP rerankit_batches_total Engine calls.", "# TYPE rerankit_batches_total counter",
+                  "# HELP rerankit_batches_total Batches sent to the engine (one call each with score_batch).",
+                  "# TYPE rerankit_batches_total counter",
                   f"rerankit_batches_total {self.batches}",
-                  "# HELP rerankit_batch_requests Requests merged into one engine call.",
+                  "# HELP rerankit_batch_requests Requests in one batch.",
                   "# TYPE rerankit_batch_requests histogram"]
         lines += self.batch_requests.lines("rerankit_batch_requests")
-        lines += ["# HELP rerankit_batch_items Items in one engine call.", "# TYPE rerankit_batch_items histogram"]
+        lines += ["# HELP rerankit_batch_items Items in one batch.", "# TYPE rerankit_batch_items histogram"]
         lines += self.batch_items.lines("rerankit_batch_items")
         return "\n".join(lines) + "\n"

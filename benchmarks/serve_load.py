@@ -1,0 +1,196 @@
+"""Load test for ``rerankit serve``: N concurrent clients for a fixed time, throughput and latency as JSON.
+
+Against a running server:
+    python benchmarks/serve_load.py --url http://127.0.0.1:8000 --clients 16 --duration 10
+Starting its own server (a subprocess, so that the clients do not share its interpreter):
+    python benchmarks/serve_load.py --model PATH [--no-batching] --clients 16 --duration 10
+Both ways, side by side, with the speed-up batching gives (runs alternate; the median run of each is shown):
+    python benchmarks/serve_load.py --model PATH --compare --repeats 3 --threads 1
+
+Each request reranks ``--docs`` documents of about ``--doc-words`` words against one query, on ``--route``
+(vLLM ``/rerank`` body by default; ``--label-token-ids`` switches to ``/generative_scoring`` for a CausalLM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+WORDS = ("the capital of France is Paris and the river Seine runs through it while gravity attracts bodies "
+         "towards each other and the quick brown fox jumps over the lazy dog in a small village near the sea "
+         "where fishermen sell their catch every morning before the market opens").split()
+QUERIES = ["What is the capital of France?", "How does gravity work?", "Where do fishermen sell fish?",
+           "What does the fox jump over?"]
+
+
+def make_body(rng: random.Random, docs: int, doc_words: int, label_token_ids: list[int] | None) -> dict:
+    """One request body: a query and ``docs`` random documents."""
+    documents = [" ".join(rng.choices(WORDS, k=doc_words)) for _ in range(docs)]
+    query = rng.choice(QUERIES)
+    if label_token_ids:
+        return {"query": query, "items": documents, "label_token_ids": label_token_ids}
+    return {"query": query, "documents": documents}
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))] if ordered else float("nan")
+
+
+def batch_counters(page: str) -> tuple[int, float]:
+    """(engine calls, requests in them) from the server's /metrics page."""
+    calls = re.search(r"^rerankit_batches_total (\S+)", page, re.M)
+    requests = re.search(r"^rerankit_batch_requests_sum (\S+)", page, re.M)
+    return (int(float(calls.group(1))), float(requests.group(1))) if calls and requests else (0, 0.0)
+
+
+async def run_load(url: str, route: str, clients: int, duration: float, docs: int, doc_words: int,
+                   label_token_ids: list[int] | None, warmup: int = 4) -> dict:
+    """Keep ``clients`` requests in flight for ``duration`` seconds; throughput, latency, errors."""
+    latencies: list[float] = []
+    errors = 0
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120) as client:
+        rng = random.Random(0)
+        for _ in range(warmup):
+            (await client.post(route, json=make_body(rng, docs, doc_words, label_token_ids))).raise_for_status()
+        calls_before, requests_before = batch_counters((await client.get("/metrics")).text)
+        deadline = time.perf_counter() + duration
+
+        async def one_client(seed: int) -> None:
+            nonlocal errors
+            client_rng = random.Random(seed)
+            while time.perf_counter() < deadline:
+                body = make_body(client_rng, docs, doc_words, label_token_ids)
+                begun = time.perf_counter()
+                try:
+                    reply = await client.post(route, json=body)
+                    ok = reply.status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                if ok:
+                    latencies.append(time.perf_counter() - begun)
+                else:
+                    errors += 1
+
+        begun = time.perf_counter()
+        await asyncio.gather(*(one_client(seed) for seed in range(1, clients + 1)))
+        elapsed = time.perf_counter() - begun
+        calls_after, requests_after = batch_counters((await client.get("/metrics")).text)
+    calls = calls_after - calls_before
+    return {
+        "clients": clients, "docs_per_request": docs, "seconds": round(elapsed, 2), "requests": len(latencies),
+        "errors": errors, "requests_per_s": round(len(latencies) / elapsed, 2),
+        "items_per_s": round(len(latencies) * docs / elapsed, 1),
+        "latency_p50_ms": round(percentile(latencies, 0.50) * 1000, 2),
+        "latency_p99_ms": round(percentile(latencies, 0.99) * 1000, 2),
+        "mean_requests_per_engine_call": round((requests_after - requests_before) / calls, 2) if calls else None,
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_server(args: argparse.Namespace, batching: bool) -> tuple[subprocess.Popen, str]:
+    """``serve(...)`` in a subprocess on a free loopback port; returns it once /health answers."""
+    port = free_port()
+    settings = {"batching": batching, "batch_window_ms": args.batch_window_ms, "max_batch_items": args.max_batch_items,
+                "max_queue_requests": max(256, 2 * args.clients)}
+    code = ("from rerankit.server.main import serve; "
+            f"serve({args.model!r}, host='127.0.0.1', port={port}, device={args.device!r}, log_level='warning', "
+            f"**{settings!r})")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src}
+    if args.threads:  # on a shared CPU, more torch threads than free cores make every call wait for the slowest
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    server = subprocess.Popen([sys.executable, "-c", code], env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"the server exited with status {server.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return server, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    server.terminate()
+    raise SystemExit("the server did not answer /health within 180 s")
+
+
+def measure(args: argparse.Namespace, batching: bool) -> dict:
+    """Start a server for ``args.model``, load it, stop it."""
+    server, url = start_server(args, batching)
+    try:
+        result = asyncio.run(run_load(url, args.route, args.clients, args.duration, args.docs, args.doc_words,
+                                      args.label_token_ids))
+    finally:
+        server.terminate()
+        server.wait(30)
+    return {"batching": batching, **result}
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median throughput."""
+    return sorted(runs, key=lambda run: run["requests_per_s"])[len(runs) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", help="a running server's root URL")
+    target.add_argument("--model", help="start a server on this model (path; 'default' for the packaged MiniLM)")
+    parser.add_argument("--no-batching", action="store_true", help="server scores one request per engine call")
+    parser.add_argument("--compare", action="store_true", help="with --model: run with and without batching")
+    parser.add_argument("--repeats", type=int, default=1, help="with --compare: alternating runs of each")
+    parser.add_argument("--threads", type=int, default=None, help="server's OMP_NUM_THREADS (torch CPU threads)")
+    parser.add_argument("--device", default=None, help="server device (cpu, cuda)")
+    parser.add_argument("--batch-window-ms", type=float, default=5.0)
+    parser.add_argument("--max-batch-items", type=int, default=512)
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds of load per run")
+    parser.add_argument("--docs", type=int, default=8, help="documents per request")
+    parser.add_argument("--doc-words", type=int, default=40, help="words per document")
+    parser.add_argument("--route", default=None, help="default: /rerank, or /generative_scoring with label ids")
+    parser.add_argument("--label-token-ids", type=lambda text: [int(t) for t in text.split(",")], default=None,
+                        help="comma-separated label ids: load /generative_scoring instead of /rerank")
+    args = parser.parse_args()
+    args.route = args.route or ("/generative_scoring" if args.label_token_ids else "/rerank")
+    if args.model == "default":
+        from rerankit.defaults import default_model_path
+
+        args.model = default_model_path()
+    if args.url:
+        report = asyncio.run(run_load(args.url, args.route, args.clients, args.duration, args.docs, args.doc_words,
+                                      args.label_token_ids))
+    elif args.compare:
+        runs = [measure(args, batching) for _ in range(args.repeats) for batching in (True, False)]
+        batched = median_run([run for run in runs if run["batching"]])
+        unbatched = median_run([run for run in runs if not run["batching"]])
+        report = {"model": args.model, "route": args.route, "threads": args.threads, "batching": batched,
+                  "no_batching": unbatched,
+                  "throughput_ratio": round(batched["requests_per_s"] / unbatched["requests_per_s"], 2),
+                  "requests_per_s_all_runs": {"batching": [run["requests_per_s"] for run in runs if run["batching"]],
+                                              "no_batching": [run["requests_per_s"] for run in runs
+                                                              if not run["batching"]]}}
+    else:
+        report = {"model": args.model, "route": args.route, **measure(args, not args.no_batching)}
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
