@@ -5,10 +5,14 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 import rerankit
@@ -17,7 +21,8 @@ from rerankit.errors import InvalidRequest
 from rerankit.schema import ScoreResponse, ScoreResult, Usage
 
 # The child must import this checkout's rerankit whether or not it is pip-installed.
-CHILD_ENV = {**os.environ, "PYTHONPATH": str(Path(rerankit.__file__).parents[1]),
+CHILD_ENV = {**{name: value for name, value in os.environ.items() if name != "RERANKIT_API_KEY"},
+             "PYTHONPATH": str(Path(rerankit.__file__).parents[1]), "CUDA_VISIBLE_DEVICES": "",
              "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 QUERY = "What is the capital of France?"
 DOCUMENTS = [
@@ -92,12 +97,105 @@ def test_json_gives_results_best_first_with_texts():
 
 @pytest.mark.parametrize("args, message", [
     (["--docs", "/no/such/file.txt"], "error: --docs: cannot read /no/such/file.txt"),
-    (["--docs", "-", "--top-n", "0"], "error: --top-n: must be >= 1"),
+    (["--docs", "-", "--model", "/no/such/model"], "error: no model folder at '/no/such/model'"),
+    (["--docs", "-", "--dialect", "cohere"], "error: --dialect: only applies to a server URL"),
+    (["--docs", "-", "--model", "http://127.0.0.1:9", "--device", "cpu"], "error: --device: only applies to a local"),
 ])
 def test_errors_print_one_line_and_exit_2(args, message):
-    completed = rerankit_cli("rank", "--query", QUERY, *args, stdin="")
+    completed = rerankit_cli("rank", "--query", QUERY, *args, stdin="a document\n")
 
     assert completed.returncode == 2
-    assert completed.stderr.strip() == completed.stderr.strip().splitlines()[0]
-    assert completed.stderr.startswith(message)
+    assert _last_line(completed.stderr).startswith(message)
     assert "Traceback" not in completed.stderr and completed.stdout == ""
+
+
+def test_a_bad_flag_value_is_a_usage_error():
+    completed = rerankit_cli("rank", "--query", QUERY, "--docs", "-", "--top-n", "0", stdin="")
+
+    assert completed.returncode == 2 and "argument --top-n: must be >= 1, got 0" in completed.stderr
+
+
+def _last_line(stderr: str) -> str:
+    """The last line of stderr: transformers may draw a weight-loading progress bar above the error."""
+    return stderr.strip().splitlines()[-1]
+
+
+# --- the real engine on the packaged MiniLM, and the server ----------------------------------------------------
+
+def test_rank_prints_a_table_best_first_with_the_default_model(docs_txt):
+    completed = rerankit_cli("rank", "--query", QUERY, "--docs", str(docs_txt), "--top-n", "3")
+
+    assert completed.returncode == 0, completed.stderr
+    header, *rows = completed.stdout.splitlines()
+    assert header.split() == ["rank", "score", "index", "text"]
+    assert [row.split()[2] for row in rows] == ["1", "3", "2"]
+    assert rows[0].endswith(DOCUMENTS[1]) and float(rows[0].split()[1]) > float(rows[1].split()[1])
+
+
+@pytest.fixture(scope="module")
+def local_ranking() -> dict:
+    """``rerankit rank --json`` over DOCUMENTS on stdin with the default model, parsed."""
+    completed = rerankit_cli("rank", "--query", QUERY, "--docs", "-", "--json", stdin="\n".join(DOCUMENTS))
+    assert completed.returncode == 0, completed.stderr
+    return json.loads(completed.stdout)
+
+
+def test_rank_json_lists_every_document_best_first_with_texts(local_ranking):
+    assert [hit["index"] for hit in local_ranking["results"]] == [1, 3, 2, 0]
+    assert [hit["rank"] for hit in local_ranking["results"]] == [1, 2, 3, 4]
+    assert [hit["text"] for hit in local_ranking["results"]] == [DOCUMENTS[index] for index in (1, 3, 2, 0)]
+    assert local_ranking["usage"]["prompt_tokens"] > 0 and local_ranking["query"] == QUERY
+
+
+def test_rank_jsonl_with_a_text_field_and_top_n_gives_the_best_of_the_same_ranking(tmp_path, local_ranking):
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("\n".join(json.dumps({"body": text}) for text in DOCUMENTS))
+
+    completed = rerankit_cli("rank", "--query", QUERY, "--docs", str(jsonl), "--text-field", "body", "--json",
+                             "--top-n", "2")
+
+    assert completed.returncode == 0, completed.stderr
+    assert json.loads(completed.stdout)["results"] == local_ranking["results"][:2]
+
+
+@pytest.fixture(scope="module")
+def served_minilm():
+    """``rerankit serve`` on the packaged MiniLM with an API key, on a free loopback port."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "rerankit", "serve", "--port", str(port), "--api-key", "s3cret",
+                               "--served-model-name", "minilm", "--log-level", "warning"],
+                              env=CHILD_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        assert server.poll() is None, server.stderr.read()
+        assert time.monotonic() < deadline, "rerankit serve did not come up"
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.2)
+    yield url
+    server.send_signal(signal.SIGINT)
+    server.wait(timeout=30)
+
+
+def test_serve_then_rank_against_it_gives_the_local_ranking(served_minilm, local_ranking):
+    remote = rerankit_cli("rank", "--model", served_minilm, "--api-key", "s3cret", "--query", QUERY,
+                          "--docs", "-", "--json", stdin="\n".join(DOCUMENTS))
+
+    assert remote.returncode == 0, remote.stderr
+    local_hits, remote_hits = local_ranking["results"], json.loads(remote.stdout)["results"]
+    assert [hit["index"] for hit in remote_hits] == [hit["index"] for hit in local_hits]
+    assert [hit["score"] for hit in remote_hits] == pytest.approx([hit["score"] for hit in local_hits], abs=1e-5)
+    assert json.loads(remote.stdout)["model"] == "minilm"
+
+
+def test_serve_refuses_a_client_without_the_key(served_minilm):
+    completed = rerankit_cli("rank", "--model", served_minilm, "--dialect", "cohere", "--query", QUERY,
+                             "--docs", "-", stdin="\n".join(DOCUMENTS))
+
+    assert completed.returncode == 2
+    assert _last_line(completed.stderr).startswith("error: HTTP 401")

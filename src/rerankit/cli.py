@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
 from rerankit.errors import InvalidRequest, RerankitError
-from rerankit.reranker import make_backend
+from rerankit.reranker import is_url, make_backend
 from rerankit.schema import ScoreRequest, ScoreResponse
+from rerankit.server.main import API_KEY_ENV  # the server reads the same variable; the module imports no fastapi
 
 USAGE_ERROR = 2
 
@@ -40,12 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     rank.add_argument("--format", choices=("txt", "jsonl"),
                       help="format of --docs (default: from the file suffix; stdin is txt)")
     rank.add_argument("--text-field", default="text", help="the field holding the text in .jsonl (default: text)")
-    rank.add_argument("--top-n", type=int, help="print only the N best")
+    rank.add_argument("--top-n", type=_positive_int, help="print only the N best")
     rank.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    rank.add_argument("--device", help="embedded engine: cpu, cuda, cuda:1, ...")
-    rank.add_argument("--dtype", help="embedded engine: float32, bfloat16, float16")
+    rank.add_argument("--device", help="local model: cpu, cuda, cuda:1, ... (default: the GPU if there is one)")
+    rank.add_argument("--dtype", help="local model: float32, bfloat16, float16")
     rank.add_argument("--instruction", help="task instruction, for templates that take one")
-    rank.add_argument("--dialect", help="remote server's wire dialect (e.g. vllm-generative, cohere)")
+    rank.add_argument("--dialect", help="server: its wire dialect, e.g. vllm-generative, cohere (default: discovered)")
+    rank.add_argument("--api-key", help=f"server: the API key (default: ${API_KEY_ENV})")
     rank.set_defaults(run=run_rank)
 
     serve = commands.add_parser("serve", help="serve a model over HTTP (vLLM, SGLang and Cohere routes)",
@@ -55,19 +59,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     serve.add_argument("--device", help="cpu, cuda, cuda:1, ...")
     serve.add_argument("--dtype", help="float32, bfloat16, float16")
-    serve.add_argument("--api-key", help="require this key as a Bearer token")
+    serve.add_argument("--api-key", help="require this key as a Bearer token (default: $RERANKIT_API_KEY)")
+    serve.add_argument("--served-model-name", help="the model name the routes report and accept")
+    serve.add_argument("--max-batch-items", type=_positive_int, help="items merged into one engine call at most")
+    serve.add_argument("--batch-window-ms", type=float, help="how long a request waits for others to batch with")
+    serve.add_argument("--max-items-per-request", type=_positive_int, help="refuse requests with more items")
+    serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     serve.set_defaults(run=run_serve)
     return parser
 
 
 def run_rank(args: argparse.Namespace) -> int:
     """``rerankit rank``: score the documents, print them best first."""
-    if args.top_n is not None and args.top_n < 1:
-        raise InvalidRequest("--top-n", f"must be >= 1, got {args.top_n}")
     documents = read_documents(args.docs, args.format, args.text_field)
-    options = {name: value for name, value in (("device", args.device), ("dtype", args.dtype),
-                                                ("dialect", args.dialect)) if value is not None}
-    backend = make_backend(args.model, **options)
+    backend = make_backend(args.model, **backend_options(args))
     try:
         response = backend.score(ScoreRequest(query=args.query, items=documents, top_n=args.top_n,
                                               instruction=args.instruction))
@@ -80,14 +85,31 @@ def run_rank(args: argparse.Namespace) -> int:
     return 0
 
 
+def backend_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags that configure the backend ``--model`` picks; a flag for the other kind is an error."""
+    remote = is_url(args.model)
+    local_flags = {"device": args.device, "dtype": args.dtype}
+    remote_flags = {"dialect": args.dialect, "api_key": args.api_key}
+    for name, value in (remote_flags if not remote else local_flags).items():
+        if value is not None:
+            where = "a server URL" if not remote else "a local model"
+            raise InvalidRequest(f"--{name.replace('_', '-')}", f"only applies to {where} as --model")
+    if remote and args.api_key is None and os.environ.get(API_KEY_ENV):
+        remote_flags["api_key"] = os.environ[API_KEY_ENV]
+    chosen = remote_flags if remote else local_flags
+    return {name: value for name, value in chosen.items() if value is not None}
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """``rerankit serve``: hand the flags to the server (imported only here: it needs fastapi and uvicorn)."""
-    try:
-        from rerankit.server.main import serve
-    except ImportError as exc:
-        raise RerankitError(f"the server needs fastapi and uvicorn ({exc}): pip install 'rerankit[server]'") from exc
-    serve(model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
-          api_key=args.api_key)
+    missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise RerankitError(f"the server needs {' and '.join(missing)}: pip install 'rerankit[server]'")
+    from rerankit.server.main import serve
+
+    serve(args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype, api_key=args.api_key,
+          log_level=args.log_level, served_model_name=args.served_model_name, max_batch_items=args.max_batch_items,
+          batch_window_ms=args.batch_window_ms, max_items_per_request=args.max_items_per_request)
     return 0
 
 
@@ -110,6 +132,13 @@ def read_documents(source: str, file_format: str | None, text_field: str) -> lis
     if not documents:
         raise InvalidRequest("--docs", f"{source} holds no documents")
     return documents
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def _jsonl_text(line: str, number: int, source: str, text_field: str) -> str:

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import pydantic
 import pytest
-from fake_backends import DOCUMENTS, QUERY
+from fake_backends import CORPUS, DOCUMENTS, QUERY
+from llama_index.core import Document, VectorStoreIndex
 from llama_index.core.callbacks import CallbackManager, CBEventType, LlamaDebugHandler
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.rerank import ReRankEndEvent, ReRankStartEvent
+from llama_index.core.llms import MockLLM
+from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
 from rerankit.errors import InvalidRequest
-from rerankit.integrations.llama_index import RerankitRerank
+from rerankit.integrations.llama_index import RerankitEmbedding, RerankitRerank
 
 
 def _nodes() -> list[NodeWithScore]:
@@ -122,3 +125,58 @@ def test_serializes_without_the_backend(overlap_backend):
 
     assert postprocessor.to_dict() == {"model": None, "top_n": 4, "backend_options": {}, "request_options": {},
                                        "class_name": "RerankitRerank"}
+
+
+# --- the real engine on the packaged MiniLM ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def minilm_index(minilm_backend) -> VectorStoreIndex:
+    """The corpus embedded by the real MiniLM, one node a line."""
+    documents = [Document(text=text, id_=f"corpus-{index}", metadata={"line": index})
+                 for index, text in enumerate(CORPUS)]
+    return VectorStoreIndex.from_documents(documents, embed_model=RerankitEmbedding(backend=minilm_backend))
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+async def test_query_engine_over_minilm_keeps_top_n_reranked_nodes(minilm_index, minilm_backend, rerank_events,
+                                                                   asynchronous):
+    engine = RetrieverQueryEngine.from_args(minilm_index.as_retriever(similarity_top_k=4), llm=MockLLM(),
+                                            node_postprocessors=[RerankitRerank(backend=minilm_backend, top_n=2)])
+
+    response = await engine.aquery(QUERY) if asynchronous else engine.query(QUERY)
+
+    assert [node.node.metadata["line"] for node in response.source_nodes] == [0, 4]
+    assert response.source_nodes[0].score > response.source_nodes[1].score > 0.3
+    ends = [event for event in rerank_events if isinstance(event, ReRankEndEvent)]
+    assert len(ends) == 1 and ends[0].nodes == response.source_nodes
+
+
+async def test_retriever_then_postprocessor_rescore_with_the_default_model(minilm_index):
+    candidates = minilm_index.as_retriever(similarity_top_k=len(CORPUS)).retrieve(QUERY)
+    reranker = RerankitRerank(top_n=None)
+
+    reranked = reranker.postprocess_nodes(candidates, query_str=QUERY)
+    areranked = await reranker.apostprocess_nodes(candidates, query_str=QUERY)
+    reranker.close()
+
+    assert len(reranked) == len(CORPUS) and reranked[0].node.metadata["line"] == 0
+    # The default reranker is the same MiniLM as the embeddings: its scores are the retrieval cosines.
+    assert [node.score for node in reranked] == pytest.approx([node.score for node in candidates], abs=1e-5)
+    assert [node.score for node in areranked] == pytest.approx([node.score for node in reranked], abs=1e-6)
+
+
+def test_url_model_reranks_through_the_server(minilm_index, minilm_url, minilm_backend):
+    candidates = minilm_index.as_retriever(similarity_top_k=4).retrieve(QUERY)
+    local = RerankitRerank(backend=minilm_backend, top_n=3).postprocess_nodes(candidates, query_str=QUERY)
+    remote = RerankitRerank(model=minilm_url, backend_options={"dialect": "vllm-rerank"}, top_n=3)
+
+    served = remote.postprocess_nodes(candidates, query_str=QUERY)
+    remote.close()
+
+    assert [node.node.node_id for node in served] == [node.node.node_id for node in local]
+    assert [node.score for node in served] == pytest.approx([node.score for node in local], abs=1e-5)
+
+
+def test_embedding_model_name_follows_the_model(minilm_backend):
+    assert RerankitEmbedding(backend=minilm_backend).model_name == "all-MiniLM-L6-v2 (packaged)"
+    assert RerankitEmbedding(model="some/bi-encoder").model_name == "some/bi-encoder"
