@@ -10,7 +10,6 @@ that just ended send again within a few ms, and so join this call instead of for
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass

@@ -100,7 +100,7 @@ async def read_body(request: Request, config: ServerConfig) -> bytes:
 
 
 def parse_json(raw: bytes) -> Any:
-    """A JSON body as Python values; bad UTF-8 (lone surrogates included), NaN/Infinity, bad JSON: ``InvalidRequest``."""
+    """A JSON body as Python values; bad UTF-8 (lone surrogates too), NaN/Infinity, bad JSON: ``InvalidRequest``."""
     try:
         body = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
     except UnicodeDecodeError as exc:
