@@ -5,6 +5,7 @@ This package imports neither framework; each adapter module imports only its own
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any, Sequence
 
@@ -43,6 +44,12 @@ class LazyBackend:
                     self._backend = make_backend(self._model, **self._options)
         return self._backend
 
+    async def aget(self) -> Backend:
+        """``get`` for coroutines: a first call builds the backend on a worker thread, not on the event loop."""
+        if self._backend is not None:
+            return self._backend
+        return await asyncio.to_thread(self.get)
+
     def close(self) -> None:
         """Release a backend built here; one passed in is left to its owner."""
         with self._lock:
@@ -58,7 +65,7 @@ def adapter_backend(model: str | Sequence[str] | None, backend_options: dict[str
              if value is not None]
     if len(given) > 1:
         raise ValueError(f"give one of model, reranker or backend, not {' and '.join(given)}")
-    if backend_options and len(given) == 1 and given[0] != "model":
+    if backend_options and given and given != ["model"]:
         raise ValueError("backend_options only apply to a backend built from model; "
                          f"pass them when building your {given[0]}")
     ready = backend if backend is not None else (reranker.backend if reranker is not None else None)
@@ -87,15 +94,17 @@ def embeddings_of(response: ScoreResponse, model_name: str) -> list[list[float]]
     return embeddings  # type: ignore[return-value]
 
 
-def embed_texts(backend: Backend, texts: list[str]) -> list[list[float]]:
-    """One embedding per text, from ``backend`` in bi-encoder mode."""
+def embed_texts(lazy: LazyBackend, texts: list[str]) -> list[list[float]]:
+    """One embedding per text, from the backend in bi-encoder mode."""
     if not texts:
         return []
+    backend = lazy.get()
     return embeddings_of(backend.score(embedding_request(texts)), backend.model_name)
 
 
-async def aembed_texts(backend: Backend, texts: list[str]) -> list[list[float]]:
+async def aembed_texts(lazy: LazyBackend, texts: list[str]) -> list[list[float]]:
     """Async twin of ``embed_texts``."""
     if not texts:
         return []
+    backend = await lazy.aget()
     return embeddings_of(await backend.ascore(embedding_request(texts)), backend.model_name)

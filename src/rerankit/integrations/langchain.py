@@ -67,7 +67,8 @@ class RerankitRerank(BaseDocumentCompressor):
         """Async twin of ``compress_documents``; scoring does not block the event loop."""
         if not documents:
             return []
-        response = await self._backend.get().ascore(self._request(documents, query))
+        backend = await self._backend.aget()
+        response = await backend.ascore(self._request(documents, query))
         return self._ranked_copies(documents, response)
 
     def close(self) -> None:
@@ -110,19 +111,19 @@ class RerankitEmbeddings(BaseModel, Embeddings):
 
     def embed_documents(self, texts: list[str]) -> list[list[float]]:
         """One embedding per text."""
-        return embed_texts(self._backend.get(), texts)
+        return embed_texts(self._backend, texts)
 
     def embed_query(self, text: str) -> list[float]:
         """The embedding of the query (the same encoder as the documents)."""
-        return embed_texts(self._backend.get(), [text])[0]
+        return embed_texts(self._backend, [text])[0]
 
     async def aembed_documents(self, texts: list[str]) -> list[list[float]]:
         """Async twin of ``embed_documents``."""
-        return await aembed_texts(self._backend.get(), texts)
+        return await aembed_texts(self._backend, texts)
 
     async def aembed_query(self, text: str) -> list[float]:
         """Async twin of ``embed_query``."""
-        return (await aembed_texts(self._backend.get(), [text]))[0]
+        return (await aembed_texts(self._backend, [text]))[0]
 
     def close(self) -> None:
         """Release a model built from ``model``; a passed-in backend stays open."""

@@ -74,7 +74,7 @@ class RerankitRerank(BaseNodePostprocessor):
         query = _query_text(query_bundle)
         if not nodes:
             return []
-        backend = self._backend.get()
+        backend = await self._backend.aget()
         with self._reranking_events(nodes, query_bundle, backend.model_name) as reranked:
             reranked.extend(_ranked_nodes(nodes, await backend.ascore(self._request(nodes, query)), self.top_n))
         return reranked
@@ -133,19 +133,19 @@ class RerankitEmbedding(BaseEmbedding):
         return "RerankitEmbedding"
 
     def _get_query_embedding(self, query: str) -> Embedding:
-        return embed_texts(self._backend.get(), [query])[0]
+        return embed_texts(self._backend, [query])[0]
 
     async def _aget_query_embedding(self, query: str) -> Embedding:
-        return (await aembed_texts(self._backend.get(), [query]))[0]
+        return (await aembed_texts(self._backend, [query]))[0]
 
     def _get_text_embedding(self, text: str) -> Embedding:
-        return embed_texts(self._backend.get(), [text])[0]
+        return embed_texts(self._backend, [text])[0]
 
     def _get_text_embeddings(self, texts: List[str]) -> List[Embedding]:
-        return embed_texts(self._backend.get(), texts)
+        return embed_texts(self._backend, texts)
 
     async def _aget_text_embeddings(self, texts: List[str]) -> List[Embedding]:
-        return await aembed_texts(self._backend.get(), texts)
+        return await aembed_texts(self._backend, texts)
 
     def close(self) -> None:
         """Release a model built from ``model``; a passed-in backend stays open."""
