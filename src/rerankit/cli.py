@@ -14,7 +14,7 @@ from typing import Any, Sequence, TextIO
 from rerankit.errors import InvalidRequest, RerankitError
 from rerankit.reranker import is_url, make_backend
 from rerankit.schema import ScoreRequest, ScoreResponse
-from rerankit.server.main import API_KEY_ENV  # the server reads the same variable; the module imports no fastapi
+from rerankit.server.main import API_KEY_ENV, serve  # fastapi and uvicorn load only when serve() runs
 
 USAGE_ERROR = 2
 
@@ -88,25 +88,24 @@ def run_rank(args: argparse.Namespace) -> int:
 def backend_options(args: argparse.Namespace) -> dict[str, Any]:
     """The flags that configure the backend ``--model`` picks; a flag for the other kind is an error."""
     remote = is_url(args.model)
-    local_flags = {"device": args.device, "dtype": args.dtype}
-    remote_flags = {"dialect": args.dialect, "api_key": args.api_key}
-    for name, value in (remote_flags if not remote else local_flags).items():
+    misplaced = {"device": args.device, "dtype": args.dtype} if remote else {"dialect": args.dialect,
+                                                                            "api_key": args.api_key}
+    for name, value in misplaced.items():
         if value is not None:
-            where = "a server URL" if not remote else "a local model"
+            where = "a local model" if remote else "a server URL"
             raise InvalidRequest(f"--{name.replace('_', '-')}", f"only applies to {where} as --model")
-    if remote and args.api_key is None and os.environ.get(API_KEY_ENV):
-        remote_flags["api_key"] = os.environ[API_KEY_ENV]
-    chosen = remote_flags if remote else local_flags
-    return {name: value for name, value in chosen.items() if value is not None}
+    if remote:
+        options = {"dialect": args.dialect, "api_key": args.api_key or os.environ.get(API_KEY_ENV) or None}
+    else:
+        options = {"device": args.device, "dtype": args.dtype}
+    return {name: value for name, value in options.items() if value is not None}
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """``rerankit serve``: hand the flags to the server (imported only here: it needs fastapi and uvicorn)."""
+    """``rerankit serve``: hand the flags to the server, once its extra (fastapi, uvicorn) is known to be there."""
     missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
     if missing:
         raise RerankitError(f"the server needs {' and '.join(missing)}: pip install 'rerankit[server]'")
-    from rerankit.server.main import serve
-
     serve(args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype, api_key=args.api_key,
           log_level=args.log_level, served_model_name=args.served_model_name, max_batch_items=args.max_batch_items,
           batch_window_ms=args.batch_window_ms, max_items_per_request=args.max_items_per_request)
