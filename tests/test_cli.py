@@ -33,9 +33,9 @@ DOCUMENTS = [
 ]
 
 
-def rerankit_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+def rerankit_cli(*args: str, stdin: str | None = None, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rerankit", *args], input=stdin, capture_output=True, text=True,
-                          timeout=120, env=CHILD_ENV)
+                          timeout=120, env={**CHILD_ENV, **env})
 
 
 @pytest.fixture
@@ -199,3 +199,11 @@ def test_serve_refuses_a_client_without_the_key(served_minilm):
 
     assert completed.returncode == 2
     assert _last_line(completed.stderr).startswith("error: HTTP 401")
+
+
+def test_rank_takes_the_servers_key_from_the_environment(served_minilm):
+    completed = rerankit_cli("rank", "--model", served_minilm, "--query", QUERY, "--docs", "-", "--top-n", "1",
+                             stdin="\n".join(DOCUMENTS), RERANKIT_API_KEY="s3cret")
+
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.splitlines()[1].endswith(DOCUMENTS[1])
