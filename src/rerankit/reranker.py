@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 from typing import Any, Sequence
 
 from rerankit.backend import Backend
@@ -27,13 +28,14 @@ def make_backend(model: str | Sequence[str] | None = None, **options: Any) -> Ba
         from rerankit.remote import RemoteBackend
 
         return RemoteBackend(model, **options)
-    try:
-        from rerankit.engine import EmbeddedBackend
-    except ImportError as exc:  # the engine extra is not installed
+    missing = [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
+    if missing:
         raise ModelLoadError(
-            f"the embedded engine needs torch and transformers ({exc}): pip install 'rerankit[engine]', "
+            f"the embedded engine needs {' and '.join(missing)}: pip install 'rerankit[engine]', "
             "or pass a server URL as model"
-        ) from exc
+        )
+    from rerankit.engine import EmbeddedBackend
+
     if model is None:
         from rerankit.defaults import default_model_path
 

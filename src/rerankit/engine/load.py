@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 import torch
 
@@ -99,8 +100,9 @@ def load_model(model: str, *, device: str | torch.device | None = None,
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local)
-        network = auto_class.from_pretrained(source, dtype=torch_dtype, local_files_only=local)
+        with _quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local)
+            network = auto_class.from_pretrained(source, dtype=torch_dtype, local_files_only=local)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load {model!r}: {exc}") from exc
     network = network.to(torch_device).eval()
@@ -115,6 +117,20 @@ def load_model(model: str, *, device: str | torch.device | None = None,
         max_length=_max_length(config, tokenizer, folder if local else None), vocab_size=min(rows),
         device=torch_device, dtype=torch_dtype,
     )
+
+
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Hide transformers' per-load weight progress bar (it clutters CLI output), restoring the user's setting."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _model_kind(config: Any, folder: Path | None) -> ModelKind:
