@@ -39,9 +39,19 @@ class RecordingBackend:
         self._record([request])
         return self._respond(request)
 
-    def score_batch(self, requests: list[ScoreRequest]) -> list[ScoreResponse]:
+    def score_batch(self, requests: list[ScoreRequest], *,
+                    return_exceptions: bool = False) -> list[ScoreResponse | InvalidRequest]:
+        """Like the engine's: a bad request fails the call, or, with ``return_exceptions``, takes its error back."""
         self._record(requests)
-        return [self._respond(request) for request in requests]
+        outcomes: list[ScoreResponse | InvalidRequest] = []
+        for request in requests:
+            try:
+                outcomes.append(self._respond(request))
+            except InvalidRequest as error:
+                if not return_exceptions:
+                    raise
+                outcomes.append(error)
+        return outcomes
 
     async def ascore(self, request: ScoreRequest) -> ScoreResponse:
         return self.score(request)

@@ -70,6 +70,25 @@ async def test_batch_item_budget_splits_the_queue_in_arrival_order():
     assert backend.calls == [["first"], ["q0", "q1"], ["q2", "q3"], ["q4"]]
 
 
+async def test_merged_call_failing_as_a_whole_is_retried_one_request_at_a_time():
+    class FailsMerged(RecordingBackend):
+        def score_batch(self, requests, *, return_exceptions=False):
+            self._record(requests)
+            raise RuntimeError("out of memory")
+
+    backend = FailsMerged(hold_first_call=True)
+    batcher = await started(backend, batch_window_ms=1)
+    first = asyncio.create_task(batcher.submit(request("first")))
+    await wait_for_engine(backend)
+    others = [asyncio.create_task(batcher.submit(request(f"q{n}"))) for n in range(2)]
+    await asyncio.sleep(0.05)
+    backend.gate.set()
+    responses = await asyncio.gather(first, *others)
+    await batcher.stop()
+    assert [response.scores for response in responses] == [[3.0]] * 3
+    assert backend.calls == [["first"], ["q0", "q1"], ["q0"], ["q1"]]
+
+
 async def test_request_over_the_budget_on_its_own_still_runs_alone():
     backend = RecordingBackend()
     batcher = await started(backend, max_batch_items=2)
@@ -93,8 +112,7 @@ async def test_bad_request_in_a_merged_call_fails_only_its_own_caller():
     with pytest.raises(InvalidRequest):
         await bad
     await batcher.stop()
-    assert backend.calls[1] == ["good", "bad"]  # merged, failed, then each alone
-    assert backend.calls[2:] == [["good"], ["bad"]]
+    assert backend.calls[1:] == [["good", "bad"]]  # one call; the bad request got its own error back
 
 
 async def test_full_queue_refuses_with_overloaded_and_keeps_serving():

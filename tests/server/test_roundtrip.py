@@ -164,9 +164,9 @@ class EngineCallCounter:
         self.calls.append(1)
         return self.backend.score(request)
 
-    def score_batch(self, requests):
+    def score_batch(self, requests, **options):
         self.calls.append(len(requests))
-        return self.backend.score_batch(requests)
+        return self.backend.score_batch(requests, **options)
 
 
 async def test_concurrent_requests_are_scored_in_one_engine_call_with_unchanged_scores(lm, label_ids):

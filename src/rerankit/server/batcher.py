@@ -10,6 +10,7 @@ that just ended send again within a few ms, and so join this call instead of for
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from rerankit.errors import Overloaded
 from rerankit.schema import ScoreRequest, ScoreResponse
 from rerankit.server.limits import ServerConfig
 from rerankit.server.metrics import Metrics
+
+log = logging.getLogger("rerankit.server")
 
 BYTES_PER_TOKEN = 4  # the server does not tokenize: text items are budgeted at about 4 UTF-8 bytes a token
 
@@ -162,15 +165,16 @@ class Batcher:
 def score_each(backend: Backend, requests: list[ScoreRequest]) -> list[ScoreResponse | Exception]:
     """Score ``requests`` in one engine call where the backend can (``score_batch``), one by one otherwise.
 
-    When a merged call fails, each request is scored alone so that one bad request (a token id out of
-    the vocabulary, an item too long) fails only its own caller.
+    A request the engine refuses (a token id out of the vocabulary, an item too long) gets its own error back
+    and the others their scores. When the merged call fails as a whole (out of memory), each request is
+    scored alone, so that only the requests that fail alone fail.
     """
     score_batch = getattr(backend, "score_batch", None)
     if score_batch is not None and len(requests) > 1:
         try:
-            return list(score_batch(requests))
-        except Exception:  # noqa: BLE001 - isolate the culprit below; its own call raises the error again
-            pass
+            return list(score_batch(requests, return_exceptions=True))
+        except Exception as exc:  # noqa: BLE001 - retried one by one below, where each request meets its own error
+            log.warning("an engine call of %d requests failed (%r); scoring them one by one", len(requests), exc)
     outcomes: list[ScoreResponse | Exception] = []
     for request in requests:
         try:
