@@ -1,39 +1,75 @@
 """``EmbeddedBackend``: the Backend protocol over a model in this process.
 
-A request goes encode (template, tokens, checks) -> plan (length-sorted micro-batches) -> run (the runner chosen
-for the model) -> heads (scores at the read positions), and the per-batch results are scattered back to input order.
+Requests go encode (template, tokens, checks) -> plan (shared micro-batches under a token budget, the prefix shared
+among a request's items where that is exact) -> run (the runner chosen for the model) -> heads (scores at the read
+positions), and the results are scattered back to each request in input order. Scores stay on the device until the
+whole call has been launched; one copy to the host ends it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from rerankit.engine import heads
 from rerankit.engine.encode import EncodedRequest, encode_request, resolve_template
 from rerankit.engine.load import LoadedModel, load_model
-from rerankit.engine.plan import DEFAULT_MAX_BATCH_TOKENS, pack, plan_batches
+from rerankit.engine.plan import DEFAULT_MAX_BATCH_TOKENS, RequestParts, pack, plan_requests
 from rerankit.engine.runner import Runner, make_runner
-from rerankit.errors import InvalidRequest, ModelLoadError
+from rerankit.errors import InvalidRequest, ModelLoadError, RerankitError
 from rerankit.schema import ScoreRequest, ScoreResponse, ScoreResult, Usage
 from rerankit.templates import get_template
 
 PROGRESS_MIN_ITEMS = 256  # below this a call is quick enough that a progress bar is noise
 
 
+@dataclass
+class _Prepared:
+    """A checked and encoded request, with the head that scores it."""
+
+    request: ScoreRequest
+    encoded: EncodedRequest
+    head_key: tuple
+    query_tokens: int = 0  # tokens of the query's own forward (bi-encoder, late interaction)
+
+
+class _SliceOutput:
+    """What one head produced for a run of reads: their requests and items (host) and the scores (device).
+
+    Label log-probs and read states are dropped at once unless one of the requests asked for them, so the device
+    memory they hold goes back while the call runs on.
+    """
+
+    def __init__(self, requests: np.ndarray, items: np.ndarray, scores: heads.BatchScores,
+                 prepared: list[_Prepared]) -> None:
+        owners = [prepared[index].request for index in np.unique(requests).tolist()]
+        if not any(request.return_label_logprobs for request in owners):
+            scores.label_logprobs = None
+        if not any(request.return_pooled_hidden_states for request in owners):
+            scores.pooled = None
+        self.requests, self.items, self.scores = requests, items, scores
+
+
 class EmbeddedBackend:
     """Scores requests with a transformers model loaded here, on a GPU (bf16) or the CPU (float32).
 
     ``mode`` and ``template`` set this backend's defaults (a request may still name its own);
-    ``max_batch_tokens`` bounds the padded tokens of a micro-batch; ``show_progress`` None shows a progress bar
-    for calls of more than 256 items. Thread-safe: one lock serialises use of the model.
+    ``max_batch_tokens`` bounds the tokens of a micro-batch (padded tokens for the reference runner);
+    ``runner``: "auto" runs our packed forward where it supports the model, else the transformers model
+    ("reference", padded; it never shares prefixes); ``show_progress`` None shows a progress bar for calls of more
+    than 256 items. Thread-safe: one lock serialises use of the model.
     """
 
     def __init__(self, model: str, *, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                  mode: str | None = None, template: str | None = None,
-                 max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, show_progress: bool | None = None) -> None:
+                 max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, runner: str = "auto",
+                 show_progress: bool | None = None) -> None:
         self._loaded: LoadedModel | None = load_model(model, device=device, dtype=dtype)
         loaded = self._loaded
         if mode is not None and mode not in loaded.supported_modes:
@@ -45,7 +81,8 @@ class EmbeddedBackend:
         self._mode = mode
         self._template = template
         self._classify = heads.sequence_classifier(loaded.model) if loaded.kind == "sequence-classifier" else None
-        self._runner: Runner = make_runner(loaded)
+        self._runner: Runner = make_runner(loaded, runner)
+        self._heads: dict[tuple, heads.Head] = {}
         self.max_batch_tokens = max_batch_tokens
         self.show_progress = show_progress
         self._lock = threading.Lock()
@@ -55,14 +92,41 @@ class EmbeddedBackend:
         """The model path or hub id this backend was built with."""
         return self._model().name
 
+    @property
+    def runner(self) -> str:
+        """"packed" or "reference": the runner this backend uses."""
+        return "reference" if self._runner.padded else "packed"
+
     def score(self, request: ScoreRequest) -> ScoreResponse:
         """Score every item of ``request``; one result per item, in input order."""
-        with self._lock, torch.inference_mode():
-            return self._score(request, self._model())
+        return self.score_batch([request])[0]
 
     async def ascore(self, request: ScoreRequest) -> ScoreResponse:
         """``score`` on a worker thread, so the event loop keeps running."""
         return await asyncio.to_thread(self.score, request)
+
+    def score_batch(self, requests: list[ScoreRequest], *,
+                    return_exceptions: bool = False) -> list[ScoreResponse | RerankitError]:
+        """Score several requests in shared micro-batches; one response per request, in order.
+
+        Every request is checked and encoded before the model runs. A request that fails its checks raises its
+        ``RerankitError`` (``InvalidRequest``...) at once and nothing runs; with ``return_exceptions`` its error
+        takes its place in the list instead and the other requests are scored. An error while the model runs
+        (out of memory) is not any one request's fault and raises for the whole call.
+        """
+        with self._lock, torch.inference_mode():
+            loaded = self._model()
+            prepared: list[_Prepared | RerankitError] = []
+            for position, request in enumerate(requests):
+                try:
+                    prepared.append(self._prepare(request, loaded, position))
+                except RerankitError as error:
+                    if not return_exceptions:
+                        raise
+                    prepared.append(error)
+            valid = [entry for entry in prepared if isinstance(entry, _Prepared)]
+            responses = iter(self._run(valid, loaded) if valid else [])
+            return [next(responses) if isinstance(entry, _Prepared) else entry for entry in prepared]
 
     def close(self) -> None:
         """Drop the model; later calls raise ``ModelLoadError``."""
@@ -71,6 +135,7 @@ class EmbeddedBackend:
             self._loaded = None
             self._runner = None  # type: ignore[assignment]
             self._classify = None
+            self._heads = {}
             if on_gpu:
                 torch.cuda.empty_cache()
 
@@ -79,54 +144,127 @@ class EmbeddedBackend:
             raise ModelLoadError("this EmbeddedBackend is closed")
         return self._loaded
 
-    def _score(self, request: ScoreRequest, loaded: LoadedModel) -> ScoreResponse:
+    def _prepare(self, request: ScoreRequest, loaded: LoadedModel, position: int) -> _Prepared:
+        """Checks and token ids, and the key of the head that will score the request."""
         mode = request.mode or self._mode or loaded.default_mode
         if mode not in loaded.supported_modes:
             raise InvalidRequest("mode", f"{loaded.name!r} cannot score in mode {mode!r}; "
                                  f"it supports {', '.join(loaded.supported_modes)}")
         template = resolve_template(request, loaded, self._template, mode)
         encoded = encode_request(request, loaded, mode, template)
-        head, computed_tokens = self._head(request, encoded, loaded)
-        count = len(encoded.item_ids)
-        scores: list[float] = [0.0] * count
-        label_logprobs: list[list[float] | None] = [None] * count
-        pooled: list[list[float] | None] = [None] * count
-        batches = plan_batches(encoded.sequences(), self.max_batch_tokens, padded=self._runner.padded,
-                               causal=loaded.is_decoder)
+        if request.mis_delimiter_token_id is not None:
+            encoded = _without_delimiters(encoded)
+        if mode == "generative":
+            key: tuple = (mode, tuple(encoded.label_ids), request.apply_softmax, encoded.lone_label_sigmoid)
+        elif mode == "cross-encoder":
+            key = (mode,)
+        else:
+            key = (mode, position)  # each request has its own query
+        return _Prepared(request, encoded, key)
+
+    def _shares_prefix(self, entry: _Prepared) -> bool:
+        """MIS where it is exact and pays: a causal packed model, several items after a prefix, read at the end."""
+        encoded = entry.encoded
+        return (self._runner.supports_multi_item and entry.request.multi_item and len(encoded.item_ids) > 1
+                and len(encoded.prefix_ids) > 0 and not encoded.read_first
+                and encoded.mode in ("generative", "cross-encoder"))
+
+    def _run(self, prepared: list[_Prepared], loaded: LoadedModel) -> list[ScoreResponse]:
+        head_ids: dict[tuple, int] = {}
+        head_list: list[heads.Head] = []
+        parts = []
+        for index, entry in enumerate(prepared):
+            if entry.head_key not in head_ids:
+                head_ids[entry.head_key] = len(head_list)
+                head_list.append(self._head(entry, loaded))
+            head = head_list[head_ids[entry.head_key]]
+            parts.append(RequestParts.from_encoded(entry.encoded, share_prefix=self._shares_prefix(entry),
+                                                   head=head_ids[entry.head_key], own_batches=not head.reads_only))
+        plan = plan_requests(parts, self.max_batch_tokens, padded=self._runner.padded, causal=loaded.is_decoder,
+                             pin_memory=self._runner.pin_memory)
+        outputs: list[_SliceOutput] = []
+        computed = [entry.query_tokens for entry in prepared]
+        count = sum(len(entry.encoded.item_ids) for entry in prepared)
         show = self.show_progress if self.show_progress is not None else count > PROGRESS_MIN_ITEMS
         with tqdm(total=count, disable=not show, desc="rerankit", unit="item") as progress:
-            for batch in batches:
-                out = head(self._runner.forward(batch), batch)
-                keys = batch.item_indices.tolist()
-                for key, value in zip(keys, out.scores.float().cpu().tolist()):
-                    scores[key] = value
-                if request.return_label_logprobs and out.label_logprobs is not None:
-                    for key, values in zip(keys, out.label_logprobs.float().cpu().tolist()):
-                        label_logprobs[key] = values
-                if request.return_pooled_hidden_states and out.pooled is not None:
-                    for key, values in zip(keys, out.pooled.float().cpu().tolist()):
-                        pooled[key] = values
-                computed_tokens += batch.num_tokens
-                progress.update(len(keys))
-        results = [ScoreResult(index=index, score=scores[index], label_logprobs=label_logprobs[index],
-                               pooled_hidden_state=pooled[index]) for index in range(count)]
-        usage = Usage(prompt_tokens=encoded.prompt_tokens, computed_tokens=computed_tokens)
-        return ScoreResponse(results=results, model=loaded.name, usage=usage)
+            for micro in plan:
+                read_states = None
+                for key, start, end in micro.head_slices:
+                    head = head_list[key]
+                    if head.reads_only:
+                        if read_states is None:
+                            read_states = self._runner.forward_read(micro.batch)
+                        out = head.score(read_states[start:end], micro.batch)
+                    else:  # the request has this micro-batch to itself (own_batches)
+                        out = head.score(self._runner.forward(micro.batch), micro.batch)
+                    outputs.append(_SliceOutput(micro.read_requests[start:end], micro.read_items[start:end], out,
+                                                prepared))
+                for index, tokens in micro.request_tokens.items():
+                    computed[index] += tokens
+                progress.update(len(micro.read_items))
+        return self._responses(prepared, outputs, computed, loaded)
 
-    def _head(self, request: ScoreRequest, encoded: EncodedRequest, loaded: LoadedModel) -> tuple[heads.Head, int]:
-        """The head for the request's mode, and the tokens spent before the items (the query, encoded once)."""
-        if encoded.mode == "generative":
-            return heads.generative_head(loaded.model.get_output_embeddings(), encoded.label_ids,
-                                         apply_softmax=request.apply_softmax,
-                                         lone_label_sigmoid=encoded.lone_label_sigmoid), 0
-        if encoded.mode == "cross-encoder":
-            return heads.cross_encoder_head(self._classify), 0
+    def _responses(self, prepared: list[_Prepared], outputs: list[_SliceOutput], computed: list[int],
+                   loaded: LoadedModel) -> list[ScoreResponse]:
+        """Scatter the per-slice outputs back to requests and items; the one host sync of the call is here."""
+        scores = torch.cat([output.scores.scores.float() for output in outputs]).cpu().numpy()
+        requests = np.concatenate([output.requests for output in outputs])
+        items = np.concatenate([output.items for output in outputs])
+        label_logprobs: list[list] = [[None] * len(entry.encoded.item_ids) for entry in prepared]
+        pooled: list[list] = [[None] * len(entry.encoded.item_ids) for entry in prepared]
+        for output in outputs:
+            for name, wanted, table in (("label_logprobs", "return_label_logprobs", label_logprobs),
+                                        ("pooled", "return_pooled_hidden_states", pooled)):
+                values = getattr(output.scores, name)
+                if values is None:
+                    continue
+                rows = np.flatnonzero([getattr(prepared[index].request, wanted) for index in output.requests])
+                for index, item, row in zip(output.requests[rows].tolist(), output.items[rows].tolist(),
+                                            values[torch.from_numpy(rows)].float().cpu().tolist()):
+                    table[index][item] = row
+        order = np.lexsort((items, requests))
+        bounds = np.searchsorted(requests[order], np.arange(len(prepared) + 1))
+        responses = []
+        for index, entry in enumerate(prepared):
+            rows = order[bounds[index]:bounds[index + 1]]
+            if not np.array_equal(items[rows], np.arange(len(entry.encoded.item_ids))):
+                raise RuntimeError(f"the plan scored request {index}'s items {items[rows].tolist()}, not each once")
+            values = scores[rows].tolist()
+            results = [ScoreResult(index=item, score=values[item], label_logprobs=label_logprobs[index][item],
+                                   pooled_hidden_state=pooled[index][item]) for item in range(len(values))]
+            usage = Usage(prompt_tokens=entry.encoded.prompt_tokens, computed_tokens=computed[index])
+            responses.append(ScoreResponse(results=results, model=loaded.name, usage=usage))
+        return responses
+
+    def _head(self, entry: _Prepared, loaded: LoadedModel) -> heads.Head:
+        """The head for the request's mode; generative and cross-encoder heads are kept for later calls."""
+        encoded = entry.encoded
+        if encoded.mode in ("generative", "cross-encoder"):
+            if entry.head_key not in self._heads:
+                if encoded.mode == "generative":
+                    self._heads[entry.head_key] = heads.generative_head(
+                        loaded.model.get_output_embeddings(), encoded.label_ids,
+                        apply_softmax=entry.request.apply_softmax, lone_label_sigmoid=encoded.lone_label_sigmoid)
+                else:
+                    self._heads[entry.head_key] = heads.cross_encoder_head(self._classify)
+            return self._heads[entry.head_key]
         query = encoded.query_sequence()
         query_batch = pack([query], causal=loaded.is_decoder)
         query_hidden = self._runner.forward(query_batch)
+        entry.query_tokens = query_batch.num_tokens
         if encoded.mode == "bi-encoder":
             embedding = heads.pool(query_hidden, query_batch, loaded.pooling, loaded.normalize_embeddings)[0]
-            head: heads.Head = heads.bi_encoder_head(embedding, loaded.pooling, loaded.normalize_embeddings)
-        else:
-            head = heads.late_interaction_head(query_hidden, loaded.pooling, loaded.normalize_embeddings)
-        return head, query_batch.num_tokens
+            return heads.bi_encoder_head(embedding, loaded.pooling, loaded.normalize_embeddings)
+        return heads.late_interaction_head(query_hidden, loaded.pooling, loaded.normalize_embeddings)
+
+
+def _without_delimiters(encoded: EncodedRequest) -> EncodedRequest:
+    """SGLang's multi-item layout ``query<d>item1<d>item2<d>...`` scored as SGLang scores it.
+
+    In SGLang (FlashInfer's multi-item mask, positions set in ``_process_multi_item_scoring``) an item token
+    sees the query and the earlier tokens of its own item, never a delimiter; item positions continue the
+    query's; the label log-probs "at a delimiter" come from the item's last token. That is the raw pair
+    ``query + item`` read at its last token, so the delimiters are dropped here rather than computed and masked.
+    ``encode_request`` lays the request out as ``query <d> | item | <d>``; this strips both delimiters.
+    """
+    return dataclasses.replace(encoded, prefix_ids=encoded.prefix_ids[:-1], suffix_ids=encoded.suffix_ids[:-1])

@@ -1,8 +1,8 @@
-"""Heads: from final hidden states ``[T, d]`` of a packed batch to one score per sequence.
+"""Heads: from final hidden states of a packed batch to one score per read position.
 
-Only the states at the read positions are used, except for mean pooling and late interaction, which need every
-token of a sequence. The generative head never forms a ``[tokens x vocab]`` tensor: label log-probs come from
-the label-logprob kernel over the read positions.
+Most heads need the states at the read positions only (``Head.reads_only``), so the runner computes just those
+rows in its last layer; mean pooling and late interaction need every token of a sequence. The generative head
+never forms a ``[tokens x vocab]`` tensor: label log-probs come from the label-logprob kernel over the reads.
 """
 
 from __future__ import annotations
@@ -27,7 +27,13 @@ class BatchScores:
     pooled: torch.Tensor | None = None
 
 
-Head = Callable[[torch.Tensor, PackedBatch], BatchScores]
+@dataclass(frozen=True)
+class Head:
+    """``score(states, batch)``: with ``reads_only`` the states at the read positions ``[N, d]`` (in read order),
+    otherwise every token's state ``[T, d]`` of ``batch``."""
+
+    score: Callable[[torch.Tensor, PackedBatch], BatchScores]
+    reads_only: bool
 
 
 def generative_head(lm_head: torch.nn.Module, label_ids: list[int], *, apply_softmax: bool,
@@ -39,8 +45,7 @@ def generative_head(lm_head: torch.nn.Module, label_ids: list[int], *, apply_sof
     weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
     label_tensor = torch.tensor(label_ids, device=weight.device)
 
-    def head(hidden: torch.Tensor, batch: PackedBatch) -> BatchScores:
-        read = hidden[batch.read_positions.to(hidden.device)]
+    def score(read: torch.Tensor, batch: PackedBatch) -> BatchScores:
         if apply_softmax and lone_label_sigmoid:
             logits = read.float() @ weight[label_tensor].float().T
             if bias is not None:
@@ -51,7 +56,7 @@ def generative_head(lm_head: torch.nn.Module, label_ids: list[int], *, apply_sof
             logprobs = label_logprobs(read, weight, ids, full_vocab=not apply_softmax, lm_head_bias=bias)
         return BatchScores(logprobs[:, 0].exp(), logprobs, read)
 
-    return head
+    return Head(score, reads_only=True)
 
 
 def sequence_classifier(model: Any) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -78,18 +83,23 @@ def sequence_classifier(model: Any) -> Callable[[torch.Tensor], torch.Tensor]:
 def cross_encoder_head(classify: Callable[[torch.Tensor], torch.Tensor]) -> Head:
     """Sigmoid of a single logit, or the softmax probability of class 1 when there are several."""
 
-    def head(hidden: torch.Tensor, batch: PackedBatch) -> BatchScores:
-        read = hidden[batch.read_positions.to(hidden.device)]
+    def score(read: torch.Tensor, batch: PackedBatch) -> BatchScores:
         logits = classify(read).float()
         scores = logits[:, 0].sigmoid() if logits.shape[1] == 1 else logits.softmax(-1)[:, 1]
         return BatchScores(scores, pooled=read)
 
-    return head
+    return Head(score, reads_only=True)
 
 
-def pool(hidden: torch.Tensor, batch: PackedBatch, pooling: str, normalize: bool) -> torch.Tensor:
-    """One embedding per sequence: mean over its tokens, or its first (cls) / last token."""
-    if pooling == "mean":
+def pool(hidden: torch.Tensor, batch: PackedBatch, pooling: str, normalize: bool,
+         at_reads: bool = False) -> torch.Tensor:
+    """One embedding per sequence: mean over its tokens, or its first (cls) / last token.
+
+    ``at_reads``: ``hidden`` already holds the states at the read positions (cls / last-token pooling only).
+    """
+    if at_reads:
+        pooled = hidden.float()
+    elif pooling == "mean":
         cu = batch.cu_seqlens.to(hidden.device, torch.int64)
         lengths = cu[1:] - cu[:-1]
         segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=hidden.device), lengths)
@@ -103,20 +113,21 @@ def pool(hidden: torch.Tensor, batch: PackedBatch, pooling: str, normalize: bool
 
 def bi_encoder_head(query_embedding: torch.Tensor, pooling: str, normalize: bool) -> Head:
     """Cosine similarity between the query's pooled embedding and each item's."""
+    reads_only = pooling != "mean"
 
-    def head(hidden: torch.Tensor, batch: PackedBatch) -> BatchScores:
-        pooled = pool(hidden, batch, pooling, normalize)
+    def score(states: torch.Tensor, batch: PackedBatch) -> BatchScores:
+        pooled = pool(states, batch, pooling, normalize, at_reads=reads_only)
         scores = F.cosine_similarity(pooled, query_embedding[None, :].to(pooled.device), dim=-1)
         return BatchScores(scores, pooled=pooled)
 
-    return head
+    return Head(score, reads_only=reads_only)
 
 
 def late_interaction_head(query_tokens: torch.Tensor, pooling: str, normalize: bool) -> Head:
     """MaxSim: for each query token its best cosine over an item's tokens, summed over the query tokens."""
     query_unit = F.normalize(query_tokens.float(), dim=-1)
 
-    def head(hidden: torch.Tensor, batch: PackedBatch) -> BatchScores:
+    def score(hidden: torch.Tensor, batch: PackedBatch) -> BatchScores:
         cu = batch.cu_seqlens.to(hidden.device, torch.int64)
         lengths = cu[1:] - cu[:-1]
         segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=hidden.device), lengths)
@@ -125,4 +136,4 @@ def late_interaction_head(query_tokens: torch.Tensor, pooling: str, normalize: b
         best = best.scatter_reduce(1, segment.expand_as(similarity), similarity, reduce="amax")
         return BatchScores(best.sum(0), pooled=pool(hidden, batch, pooling, normalize))
 
-    return head
+    return Head(score, reads_only=False)

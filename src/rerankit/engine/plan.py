@@ -1,17 +1,93 @@
-"""Length-sorted micro-batches under a token budget, laid out as ``PackedBatch``es.
+"""Micro-batches under a token budget, packed without padding, sharing each request's prefix where that is exact.
 
-Sorting by length keeps the sequences of a batch alike, so a padded runner wastes little on padding; the
-budget counts padded tokens (longest x count) for a padded runner and real tokens for a packed one.
+Sequences lie end to end in a ``PackedBatch``. With prefix sharing (multi-item scoring, MIS) one sequence holds a
+request's prefix once, then one span per item (item + suffix); span positions restart where the prefix ends and the
+mask of ``batch.py`` lets a span see the prefix and itself only, so every item is computed as if it were alone. A
+request whose spans overflow the budget goes on in the next micro-batch with its prefix repeated there. Requests
+share micro-batches; the reads of a micro-batch are grouped by head, so each head runs once per micro-batch.
+
+A padded runner pays for padding, so for it the budget counts longest x count over length-sorted groups; for a
+packed runner it counts real tokens. Layouts are built with numpy over whole arrays, not per token: planning W1
+(100 pairs of ~324 tokens) takes well under a millisecond.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
 import torch
 
 from rerankit.engine.batch import PackedBatch
-from rerankit.engine.encode import Sequence
+from rerankit.engine.encode import EncodedRequest, Sequence
 
-DEFAULT_MAX_BATCH_TOKENS = 16384
+# Tokens per micro-batch for a packed runner. On an H100 (benchmarks/pairs.py --budgets, Qwen3-0.6B shape) 32k
+# tokens ran W1 and W2 as fast as 64k (GEMMs are saturated from ~8k tokens on) with less activation memory.
+DEFAULT_MAX_BATCH_TOKENS = 32768
+
+
+@dataclass
+class RequestParts:
+    """One request's token ids as the planner packs them, and how its items may be laid out.
+
+    share_prefix: the items follow one copy of the prefix (MIS); the caller decides that this is exact.
+    head:         reads are grouped by this key in a micro-batch; requests that score alike share one.
+    own_batches:  the head needs every token of its sequences, so no other request shares its micro-batches.
+    """
+
+    prefix: np.ndarray
+    items: list[np.ndarray]
+    suffix: np.ndarray
+    read_first: bool = False
+    share_prefix: bool = False
+    head: int = 0
+    own_batches: bool = False
+    prefix_types: np.ndarray | None = None
+    item_type: int = 0
+    suffix_types: np.ndarray | None = None
+    item_lengths: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.item_lengths = np.fromiter((len(item) for item in self.items), dtype=np.int64, count=len(self.items))
+
+    @classmethod
+    def from_encoded(cls, encoded: EncodedRequest, **layout) -> "RequestParts":
+        """The parts of an encoded request as int64 arrays; ``layout`` sets share_prefix, head, own_batches."""
+        lengths = [len(item) for item in encoded.item_ids]
+        flat = np.fromiter(itertools.chain.from_iterable(encoded.item_ids), dtype=np.int64, count=sum(lengths))
+        typed = encoded.prefix_types is not None and encoded.suffix_types is not None
+        return cls(
+            prefix=np.asarray(encoded.prefix_ids, dtype=np.int64),
+            items=np.split(flat, np.cumsum(lengths)[:-1]),
+            suffix=np.asarray(encoded.suffix_ids, dtype=np.int64),
+            read_first=encoded.read_first,
+            prefix_types=np.asarray(encoded.prefix_types, dtype=np.int64) if typed else None,
+            item_type=encoded.item_type,
+            suffix_types=np.asarray(encoded.suffix_types, dtype=np.int64) if typed else None,
+            **layout,
+        )
+
+    def pair_length(self, item: int) -> int:
+        """Tokens of item ``item`` scored alone: prefix + item + suffix."""
+        return len(self.prefix) + int(self.item_lengths[item]) + len(self.suffix)
+
+
+@dataclass
+class MicroBatch:
+    """A packed batch with what the backend needs to run its heads and scatter the results back.
+
+    read_requests / read_items: host copies of ``batch.request_ids`` / ``batch.item_indices``.
+    head_slices:    (head key, first read, end read) for each run of reads that one head scores.
+    request_tokens: tokens this micro-batch runs for each request (shared prefixes counted once).
+    """
+
+    batch: PackedBatch
+    read_requests: np.ndarray
+    read_items: np.ndarray
+    head_slices: list[tuple[int, int, int]]
+    request_tokens: dict[int, int]
 
 
 def group_by_length(lengths: list[int], max_batch_tokens: int, *, padded: bool) -> list[list[int]]:
@@ -34,32 +110,178 @@ def group_by_length(lengths: list[int], max_batch_tokens: int, *, padded: bool) 
     return groups
 
 
+def plan_requests(requests: list[RequestParts], max_batch_tokens: int, *, padded: bool, causal: bool,
+                  pin_memory: bool = False) -> Iterator[MicroBatch]:
+    """Every item of every request exactly once, in micro-batches of at most ``max_batch_tokens`` tokens.
+
+    A sequence longer than the budget gets a micro-batch alone. Micro-batches are built as they are consumed, so a
+    large call never holds all of them at once. ``pin_memory`` puts the tensors that go to the device in
+    page-locked memory, so that the runner's copies are asynchronous.
+    """
+    planner = _Planner(max_batch_tokens, padded, causal, pin_memory)
+    for index, parts in enumerate(requests):
+        if parts.own_batches:
+            yield from planner.flush()
+            yield from planner.add_pairs([(index, item) for item in range(len(parts.items))], requests)
+            yield from planner.flush()
+    for index, parts in enumerate(requests):
+        if parts.share_prefix and not parts.own_batches:
+            if padded:
+                raise ValueError("a padded runner cannot share a prefix among items")
+            yield from planner.add_shared(index, parts)
+    yield from planner.add_pairs([(index, item) for index, parts in enumerate(requests)
+                                  if not (parts.share_prefix or parts.own_batches)
+                                  for item in range(len(parts.items))], requests)
+    yield from planner.flush()
+
+
 def pack(sequences: list[Sequence], *, causal: bool) -> PackedBatch:
-    """Sequences end to end as one ``PackedBatch``: one span per sequence, no prefix sharing."""
-    lengths = torch.tensor([len(sequence.input_ids) for sequence in sequences], dtype=torch.int64)
-    starts = torch.cumsum(lengths, 0) - lengths
-    cu_seqlens = torch.zeros(len(sequences) + 1, dtype=torch.int32)
-    cu_seqlens[1:] = torch.cumsum(lengths, 0)
-    token_types = None
-    if sequences[0].token_type_ids is not None:
-        token_types = torch.tensor([t for sequence in sequences for t in sequence.token_type_ids], dtype=torch.int64)
-    return PackedBatch(
-        input_ids=torch.tensor([t for sequence in sequences for t in sequence.input_ids], dtype=torch.int64),
-        position_ids=torch.cat([torch.arange(int(length)) for length in lengths]),
-        cu_seqlens=cu_seqlens,
-        max_seqlen=int(lengths.max()),
-        prefix_lens=torch.zeros(len(sequences), dtype=torch.int32),
-        span_starts=torch.repeat_interleave(starts, lengths).to(torch.int32),
-        read_positions=starts + torch.tensor([sequence.read_offset for sequence in sequences]),
-        item_indices=torch.tensor([sequence.key for sequence in sequences], dtype=torch.int64),
-        request_ids=torch.zeros(len(sequences), dtype=torch.int64),
-        causal=causal,
-        token_type_ids=token_types,
-    )
+    """Whole sequences end to end as one ``PackedBatch`` (one span each), keyed by ``Sequence.key``."""
+    builder = _Builder()
+    for sequence in sequences:
+        types = None if sequence.token_type_ids is None else [np.asarray(sequence.token_type_ids, dtype=np.int64)]
+        builder.add_sequence(0, 0, [np.asarray(sequence.input_ids, dtype=np.int64)], types, sequence.read_offset,
+                             sequence.key)
+    return builder.build(causal, pin_memory=False).batch
 
 
-def plan_batches(sequences: list[Sequence], max_batch_tokens: int, *, padded: bool,
-                 causal: bool) -> list[PackedBatch]:
-    """Sequences grouped by length under ``max_batch_tokens`` and packed, longest batch first."""
-    groups = group_by_length([len(sequence.input_ids) for sequence in sequences], max_batch_tokens, padded=padded)
-    return [pack([sequences[index] for index in group], causal=causal) for group in groups]
+class _Planner:
+    """Fills one micro-batch at a time; each method yields the micro-batches it closes."""
+
+    def __init__(self, budget: int, padded: bool, causal: bool, pin_memory: bool) -> None:
+        self.budget, self.padded, self.causal, self.pin_memory = budget, padded, causal, pin_memory
+        self.builder = _Builder()
+
+    def flush(self) -> Iterator[MicroBatch]:
+        if self.builder.tokens:
+            yield self.builder.build(self.causal, self.pin_memory)
+            self.builder = _Builder()
+
+    def add_pairs(self, units: list[tuple[int, int]], requests: list[RequestParts]) -> Iterator[MicroBatch]:
+        """One sequence per (request, item), longest first."""
+        lengths = [requests[index].pair_length(item) for index, item in units]
+        if self.padded:
+            yield from self.flush()
+            for group in group_by_length(lengths, self.budget, padded=True):
+                for position in group:
+                    self.builder.add_pair(units[position][0], requests[units[position][0]], units[position][1])
+                yield from self.flush()
+            return
+        for position in sorted(range(len(units)), key=lambda position: -lengths[position]):
+            if self.builder.tokens and self.builder.tokens + lengths[position] > self.budget:
+                yield from self.flush()
+            index, item = units[position]
+            self.builder.add_pair(index, requests[index], item)
+
+    def add_shared(self, index: int, parts: RequestParts) -> Iterator[MicroBatch]:
+        """The request's spans after its prefix, as many per micro-batch as fit, the prefix again in each."""
+        spans = parts.item_lengths + len(parts.suffix)
+        prefix = len(parts.prefix)
+        start = 0
+        while start < len(spans):
+            room = self.budget - self.builder.tokens
+            if self.builder.tokens and room < prefix + spans[start]:
+                yield from self.flush()
+                room = self.budget
+            filled = prefix + np.cumsum(spans[start:])
+            count = max(1, int(np.searchsorted(filled, room, side="right")))
+            self.builder.add_shared(index, parts, np.arange(start, start + count))
+            start += count
+
+
+class _Builder:
+    """Collects the sequences of one micro-batch as array pieces; ``build`` lays them out with numpy."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.ids: list[np.ndarray] = []
+        self.types: list[np.ndarray] = []
+        self.segment_lengths: list[np.ndarray] = []  # a sequence is segments: a shared prefix, then spans
+        self.segment_positions: list[np.ndarray] = []  # the position id of each segment's first token
+        self.sequence_lengths: list[int] = []
+        self.prefix_lengths: list[int] = []
+        self.read_positions: list[np.ndarray] = []
+        self.read_items: list[np.ndarray] = []
+        self.read_requests: list[np.ndarray] = []
+        self.read_heads: list[np.ndarray] = []
+        self.request_tokens: dict[int, int] = {}
+
+    def add_pair(self, index: int, parts: RequestParts, item: int) -> None:
+        item_ids = parts.items[item]
+        types = None
+        if parts.prefix_types is not None:
+            types = [parts.prefix_types, np.full(len(item_ids), parts.item_type, dtype=np.int64), parts.suffix_types]
+        length = parts.pair_length(item)
+        self.add_sequence(index, parts.head, [parts.prefix, item_ids, parts.suffix], types,
+                          0 if parts.read_first else length - 1, item)
+
+    def add_sequence(self, index: int, head: int, pieces: list[np.ndarray], types: list[np.ndarray] | None,
+                     read_offset: int, item: int) -> None:
+        """One sequence, one span, read at ``read_offset``."""
+        length = sum(len(piece) for piece in pieces)
+        self.ids += pieces
+        if types is not None:
+            self.types += types
+        self._add(index, head, np.array([length]), np.zeros(1, dtype=np.int64), 0, np.array([read_offset]),
+                  np.array([item]))
+
+    def add_shared(self, index: int, parts: RequestParts, items: np.ndarray) -> None:
+        """One MIS sequence: the prefix, then a span (item + suffix) per item, each read at its last token."""
+        prefix = len(parts.prefix)
+        spans = parts.item_lengths[items] + len(parts.suffix)
+        self.ids.append(parts.prefix)
+        for item in items.tolist():
+            self.ids += (parts.items[item], parts.suffix)
+        self._add(index, parts.head, np.concatenate(([prefix], spans)),
+                  np.concatenate(([0], np.full(len(spans), prefix))), prefix, prefix + np.cumsum(spans) - 1, items)
+
+    def _add(self, index: int, head: int, segments: np.ndarray, positions: np.ndarray, prefix_length: int,
+             reads: np.ndarray, items: np.ndarray) -> None:
+        length = int(segments.sum())
+        self.segment_lengths.append(segments)
+        self.segment_positions.append(positions)
+        self.sequence_lengths.append(length)
+        self.prefix_lengths.append(prefix_length)
+        self.read_positions.append(reads + self.tokens)
+        self.read_items.append(items)
+        self.read_requests.append(np.full(len(items), index, dtype=np.int64))
+        self.read_heads.append(np.full(len(items), head, dtype=np.int64))
+        self.request_tokens[index] = self.request_tokens.get(index, 0) + length
+        self.tokens += length
+
+    def build(self, causal: bool, pin_memory: bool) -> MicroBatch:
+        lengths = np.concatenate(self.segment_lengths)
+        starts = np.cumsum(lengths) - lengths
+        # A token's position counts from its segment's first position; a token sees its own segment from its start
+        # (for a sequence's first segment that is the sequence start, so a prefix sees itself causally).
+        positions = np.arange(self.tokens) - np.repeat(starts - np.concatenate(self.segment_positions), lengths)
+        span_starts = np.repeat(starts, lengths)
+        cu_seqlens = np.concatenate(([0], np.cumsum(self.sequence_lengths)))
+        heads = np.concatenate(self.read_heads)
+        order = np.argsort(heads, kind="stable")
+        heads = heads[order]
+        bounds = np.flatnonzero(np.diff(heads)) + 1
+        first = np.concatenate(([0], bounds)).tolist()
+        last = np.concatenate((bounds, [len(heads)])).tolist()
+        read_requests = np.concatenate(self.read_requests)[order]
+        read_items = np.concatenate(self.read_items).astype(np.int64)[order]
+
+        def device_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            tensor = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+            return tensor.pin_memory() if pin_memory else tensor
+
+        batch = PackedBatch(
+            input_ids=device_tensor(np.concatenate(self.ids), torch.int64),
+            position_ids=device_tensor(positions, torch.int64),
+            cu_seqlens=device_tensor(cu_seqlens, torch.int32),
+            max_seqlen=max(self.sequence_lengths),
+            prefix_lens=device_tensor(np.asarray(self.prefix_lengths), torch.int32),
+            span_starts=device_tensor(span_starts, torch.int32),
+            read_positions=device_tensor(np.concatenate(self.read_positions)[order], torch.int64),
+            item_indices=torch.from_numpy(read_items),
+            request_ids=torch.from_numpy(read_requests),
+            causal=causal,
+            token_type_ids=device_tensor(np.concatenate(self.types), torch.int64) if self.types else None,
+        )
+        slices = [(int(heads[start]), start, end) for start, end in zip(first, last)]
+        return MicroBatch(batch, read_requests, read_items, slices, self.request_tokens)

@@ -1,37 +1,79 @@
-"""Model runners: turn a ``PackedBatch`` into the final hidden state of every token, ``[T, d]``.
+"""Model runners: turn a ``PackedBatch`` into final hidden states, of every token or of the read positions only.
 
+``PackedRunner`` runs our own padding-free forward (``engine.models``) over the packed batch, MIS included.
 ``ReferenceRunner`` runs the transformers model itself on a right-padded batch and drops the padding again: slow,
-but it is the reference that faster runners are checked against. A runner is chosen per model by ``make_runner``;
-a packed runner (our own forward over ``cu_seqlens``) plugs in there with the same ``forward`` contract.
+but it is the reference that the packed runner is checked against, and the fallback for other architectures.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 import torch
 
 from rerankit.engine.batch import PackedBatch
 from rerankit.engine.load import LoadedModel
+from rerankit.engine.models import PackedDecoder, PackedEncoder, build_packed_model
+from rerankit.errors import InvalidRequest, ModelLoadError
+
+RUNNERS = ("auto", "packed", "reference")
 
 
 class Runner(Protocol):
-    """Runs the body of a model over packed batches."""
+    """Runs the body of a model over packed batches built on the host."""
 
     padded: bool  # True when the runner pays for padding, so the planner budgets longest x count
+    supports_multi_item: bool  # True when batches may share a prefix among item spans (MIS)
+    pin_memory: bool  # True when the planner should build batches in page-locked memory
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
-        """Final hidden states ``[batch.num_tokens, d]`` in packed order, on the model's device.
-
-        The planner builds ``batch`` on the CPU; the runner moves what it needs.
-        """
+        """Final hidden states ``[batch.num_tokens, d]`` in packed order, on the model's device."""
         ...
+
+    def forward_read(self, batch: PackedBatch) -> torch.Tensor:
+        """Final hidden states ``[N, d]`` at ``batch.read_positions``, in that order, on the model's device."""
+        ...
+
+
+class PackedRunner:
+    """Our packed forward over the loaded model's weights; one launch sequence per micro-batch, no host syncs."""
+
+    padded = False
+
+    def __init__(self, loaded: LoadedModel, model: PackedDecoder | PackedEncoder) -> None:
+        self.model = model
+        self.device = loaded.device
+        self.supports_multi_item = loaded.is_decoder
+        self.pin_memory = loaded.device.type == "cuda"
+
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        """Every token's final state (pooling heads)."""
+        return self.model.forward(self._on_device(batch))
+
+    def forward_read(self, batch: PackedBatch) -> torch.Tensor:
+        """The final states at the read positions; the last layer runs on those rows only."""
+        return self.model.forward_read(self._on_device(batch))
+
+    def _on_device(self, batch: PackedBatch) -> PackedBatch:
+        # Only what the model reads moves; item and request ids stay on the host for scattering results.
+        # The planner pinned these tensors, so the copies are queued without waiting.
+        if batch.input_ids.device == self.device:
+            return batch
+        moved = {name: getattr(batch, name).to(self.device, non_blocking=True)
+                 for name in ("input_ids", "position_ids", "cu_seqlens", "prefix_lens", "span_starts",
+                              "read_positions")}
+        if batch.token_type_ids is not None:
+            moved["token_type_ids"] = batch.token_type_ids.to(self.device, non_blocking=True)
+        return dataclasses.replace(batch, **moved)
 
 
 class ReferenceRunner:
     """The transformers base model (the body under the LM / classification head) on right-padded batches."""
 
     padded = True
+    supports_multi_item = False
+    pin_memory = False
 
     def __init__(self, loaded: LoadedModel) -> None:
         self.body = loaded.model.base_model
@@ -58,7 +100,22 @@ class ReferenceRunner:
         hidden = self.body(**inputs).last_hidden_state
         return hidden[keep.to(self.device)]
 
+    def forward_read(self, batch: PackedBatch) -> torch.Tensor:
+        """The padded forward, then the rows at the read positions."""
+        return self.forward(batch)[batch.read_positions.to(self.device)]
 
-def make_runner(loaded: LoadedModel) -> Runner:
-    """The runner for ``loaded``: today always the reference runner."""
+
+def make_runner(loaded: LoadedModel, runner: str = "auto") -> Runner:
+    """The runner for ``loaded``: "packed" (our forward), "reference" (transformers, padded), or "auto": packed
+    when ``engine.models`` runs this architecture, else the reference."""
+    if runner not in RUNNERS:
+        raise InvalidRequest("runner", f"must be one of {', '.join(RUNNERS)}, got {runner!r}")
+    if runner == "reference":
+        return ReferenceRunner(loaded)
+    model = build_packed_model(loaded.model)
+    if model is not None:
+        return PackedRunner(loaded, model)
+    if runner == "packed":
+        raise ModelLoadError(f"there is no packed forward for {type(loaded.model).__name__} "
+                             f"(model_type {loaded.config.model_type!r}); use runner='auto' or 'reference'")
     return ReferenceRunner(loaded)
