@@ -60,10 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", help="cpu, cuda, cuda:1, ...")
     serve.add_argument("--dtype", help="float32, bfloat16, float16")
     serve.add_argument("--api-key", help="require this key as a Bearer token (default: $RERANKIT_API_KEY)")
-    serve.add_argument("--served-model-name", help="the model name the routes report and accept")
+    serve.add_argument("--served-model-name", help="the model name /v1/models and the responses report")
     serve.add_argument("--max-batch-items", type=_positive_int, help="items merged into one engine call at most")
     serve.add_argument("--batch-window-ms", type=float, help="how long a request waits for others to batch with")
     serve.add_argument("--max-items-per-request", type=_positive_int, help="refuse requests with more items")
+    serve.add_argument("--max-batch-tokens", type=_positive_int, help="tokens merged into one engine call at most")
+    serve.add_argument("--max-tokens-per-item", type=_positive_int, help="refuse items with more tokens")
+    serve.add_argument("--max-queue-requests", type=_positive_int, help="answer 429 when this many requests wait")
+    serve.add_argument("--max-body-bytes", type=_positive_int, help="answer 413 to larger request bodies")
+    serve.add_argument("--no-batching", dest="batching", action="store_false",
+                       help="score one request per engine call (to measure what batching gains)")
     serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     serve.set_defaults(run=run_serve)
     return parser
@@ -108,7 +114,9 @@ def run_serve(args: argparse.Namespace) -> int:
         raise RerankitError(f"the server needs {' and '.join(missing)}: pip install 'rerankit[server]'")
     serve(args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype, api_key=args.api_key,
           log_level=args.log_level, served_model_name=args.served_model_name, max_batch_items=args.max_batch_items,
-          batch_window_ms=args.batch_window_ms, max_items_per_request=args.max_items_per_request)
+          batch_window_ms=args.batch_window_ms, max_items_per_request=args.max_items_per_request,
+          max_batch_tokens=args.max_batch_tokens, max_tokens_per_item=args.max_tokens_per_item,
+          max_queue_requests=args.max_queue_requests, max_body_bytes=args.max_body_bytes, batching=args.batching)
     return 0
 
 
