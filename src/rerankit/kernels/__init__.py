@@ -1,0 +1,1 @@
+"""Triton kernels, one per module, each beside its plain-torch reference."""
