@@ -2,14 +2,22 @@
 
 Workloads (DESIGN.md section 8), random weights in the real shapes, the Qwen3-Reranker template:
   W1  1 query x 100 docs, doc lengths uniform in [64, 448) tokens       (Qwen3-Reranker-0.6B shape)
-  W2  64 queries x 100 docs (throughput)                                 (0.6B)
+  W2  64 queries x 100 docs (throughput), one ``score_batch`` call       (0.6B)
   W3  1 query x 20 docs, p50/p99 latency                                 (0.6B)
+  LI  long instruction: a ~1,024-token prefix, 100 items of 128 tokens  (the MIS workload of issue 4)
   W4  W1 on the 4B and 8B shapes, and a BERT-large cross-encoder          (--w4)
-  LI  long instruction: a 1,024-token prefix, 100 items of 128 tokens     (MIS workload of issue 4)
-Baselines: transformers as the Qwen3-Reranker model card does it (left-padded batch, full logits at every
-position) and the same with ``logits_to_keep=1``. Ours runs with multi-item scoring on and off.
+Ours runs with multi-item scoring (MIS, the default) and without (``multi_item=False``, packed pairs). Baselines:
+transformers as the Qwen3-Reranker model card does it (left-padded batch, logits at every position) and the same
+with ``logits_to_keep=1``. They score query by query, so on W2 they run the first ``--baseline-queries`` queries
+and their rate on those is their W2 rate.
 
-Run on a GPU:  PYTHONPATH=src python benchmarks/pairs.py [--w4] [--out results.json]
+body_mfu counts the matmul FLOPs of the tokens a variant must compute at the least (no padding; MIS: the prefix
+once per micro-batch) against the H100's dense bf16 peak. peak_gib is the memory a call allocates above what was
+resident (both models' weights). ``--budgets`` times ours at several micro-batch budgets; ``--profile`` writes a
+torch.profiler table of one W1 call and the host time of each engine phase.
+
+    PYTHONPATH=src python benchmarks/pairs.py --out results.json --profile profile_w1.txt --budgets 8192,16384,...
+
 Prints one JSON object per measurement, then a table.
 """
 
@@ -31,9 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny_models import build_decoder_tokenizer  # noqa: E402  (the small BPE tokenizer with chat tokens)
 
 from rerankit.engine import EmbeddedBackend  # noqa: E402
+from rerankit.engine.plan import RequestParts, plan_requests  # noqa: E402
 from rerankit.schema import ScoreRequest  # noqa: E402
+from rerankit.templates import get_template  # noqa: E402
 
-PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16, datasheet; MFU is quoted against it
+PEAK_BF16_FLOPS = 989e12  # H100 SXM dense bf16, datasheet; MFU is quoted against it
 SHAPES = {
     "0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                  head_dim=128, intermediate_size=3072, tie_word_embeddings=True),
@@ -43,6 +53,7 @@ SHAPES = {
                head_dim=128, intermediate_size=12288, tie_word_embeddings=False),
 }
 VOCAB = 151669
+QUERY = "what is the capital of france and why is it famous"
 
 
 @dataclass
@@ -51,12 +62,14 @@ class Workload:
     queries: list[str]
     docs: list[list[str]]  # per query
     instruction: str | None = None
+    latency: bool = False
+    repeats: int = 3
 
 
 def single_token_words(tokenizer) -> list[str]:
     """Words that the tokenizer keeps as one token after a space, so a doc of n words is n tokens."""
     words = []
-    for token, _ in tokenizer.get_vocab().items():
+    for token in tokenizer.get_vocab():
         word = tokenizer.convert_tokens_to_string([token]).strip()
         if word.isalpha() and len(tokenizer(" " + word, add_special_tokens=False)["input_ids"]) == 1:
             words.append(word)
@@ -85,13 +98,24 @@ def build_decoder_dir(root: Path, shape: str) -> Path:
     return folder
 
 
-def body_flops(config, lengths: list[int], prefix_shared: bool = False) -> float:
-    """Matmul FLOPs of the transformer body for sequences of these lengths (no lm_head), causal attention."""
+def body_flops(config, tokens: int, attended: int) -> float:
+    """Matmul FLOPs of the transformer body (no lm_head): ``tokens`` rows through the linear layers, and
+    ``attended`` (query, key) pairs through QK and PV."""
     d, layers = config.hidden_size, config.num_hidden_layers
     heads, kv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     per_token = 2 * layers * (d * (heads + 2 * kv) * hd + heads * hd * d + 3 * d * config.intermediate_size)
-    attention = sum(2 * layers * heads * hd * n * n for n in lengths)  # QK and PV, causal half of 4*n^2
-    return per_token * sum(lengths) + attention
+    return per_token * tokens + 4 * layers * heads * hd * attended
+
+
+def causal_pairs(length: int) -> int:
+    return length * (length + 1) // 2
+
+
+def attended_pairs(prefix: int, spans: list[int], shared: bool) -> int:
+    """(query, key) pairs that one request's items attend, the prefix computed once (MIS) or once per item."""
+    if shared:
+        return causal_pairs(prefix) + sum(span * prefix + causal_pairs(span) for span in spans)
+    return sum(causal_pairs(prefix + span) for span in spans)
 
 
 def time_call(fn, repeats: int) -> list[float]:
@@ -105,10 +129,10 @@ def time_call(fn, repeats: int) -> list[float]:
     return times
 
 
-def measure(fn, repeats: int) -> tuple[list[float], float]:
-    """Warm up twice, then time; also the peak memory the calls allocate above what was resident."""
-    fn()
-    fn()
+def measure(fn, repeats: int, warmups: int) -> tuple[list[float], float]:
+    """Warm up, then time; also the peak memory the calls allocate above what was resident."""
+    for _ in range(warmups):
+        fn()
     torch.cuda.synchronize()
     resident = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -116,11 +140,9 @@ def measure(fn, repeats: int) -> tuple[list[float], float]:
     return times, (torch.cuda.max_memory_allocated() - resident) / 2**30
 
 
-def model_card_scores(model, tokenizer, backend: EmbeddedBackend, query: str, docs: list[str],
-                      instruction: str | None, keep_one: bool, batch_size: int = 100) -> torch.Tensor:
+def model_card_scores(model, tokenizer, query: str, docs: list[str], instruction: str | None, keep_one: bool,
+                      batch_size: int = 100) -> torch.Tensor:
     """The model card's way: whole prompts, left-padded batch, logits at the last position, softmax over no/yes."""
-    from rerankit.templates import get_template
-
     template = get_template("qwen3-reranker")
     yes, no = tokenizer.convert_tokens_to_ids("yes"), tokenizer.convert_tokens_to_ids("no")
     prompts = [template.prefix(instruction, query) + template.item(doc) + template.suffix(instruction) for doc in docs]
@@ -135,102 +157,166 @@ def model_card_scores(model, tokenizer, backend: EmbeddedBackend, query: str, do
     return torch.cat(scores)
 
 
-def run_workload(workload: Workload, model, tokenizer, backend: EmbeddedBackend, config, repeats: int,
-                 results: list[dict], latency: bool = False) -> None:
-    pairs = sum(len(docs) for docs in workload.docs)
-    requests = [ScoreRequest(query=q, items=docs, instruction=workload.instruction, template="qwen3-reranker")
-                for q, docs in zip(workload.queries, workload.docs)]
-    reference = backend.score(requests[0].model_copy(update={"multi_item": False}))
-    pair_lengths = _pair_lengths(backend, requests)
-    tokens = sum(pair_lengths)
+def requests_of(workload: Workload, multi_item: bool, queries: int | None = None) -> list[ScoreRequest]:
+    return [ScoreRequest(query=q, items=docs, instruction=workload.instruction, template="qwen3-reranker",
+                         multi_item=multi_item) for q, docs in list(zip(workload.queries, workload.docs))[:queries]]
 
-    def ours(multi_item: bool):
-        batch = [r.model_copy(update={"multi_item": multi_item}) for r in requests]
-        score_batch = getattr(backend, "score_batch", None)
-        return (lambda: score_batch(batch)) if score_batch else (lambda: [backend.score(r) for r in batch])
 
-    def baseline(keep_one: bool):
-        return lambda: [model_card_scores(model, tokenizer, backend, q, docs, workload.instruction, keep_one)
-                        for q, docs in zip(workload.queries, workload.docs)]
+def encoded_layout(backend: EmbeddedBackend, requests: list[ScoreRequest]) -> list[tuple[int, list[int]]]:
+    """(prefix length, span lengths) of each request as the engine encodes it."""
+    loaded = backend._model()
+    layouts = []
+    for position, request in enumerate(requests):
+        encoded = backend._prepare(request, loaded, position).encoded
+        layouts.append((len(encoded.prefix_ids), [len(item) + len(encoded.suffix_ids) for item in encoded.item_ids]))
+    return layouts
 
-    variants = {"rerankit-mis": ours(True), "rerankit-packed": ours(False),
-                "transformers-keep1": baseline(True), "transformers-modelcard": baseline(False)}
-    ours_scores = torch.tensor(reference.scores)
-    card = model_card_scores(model, tokenizer, backend, workload.queries[0], workload.docs[0], workload.instruction,
-                             True).float().cpu()
-    mis_scores = torch.tensor(backend.score(requests[0]).scores)
-    for name, fn in variants.items():
+
+def row_for(workload: Workload, variant: str, times: list[float], peak: float, pairs: int, tokens: int,
+            flops: float) -> dict:
+    median = statistics.median(times)
+    row = {"workload": workload.name, "variant": variant, "pairs": pairs, "tokens": tokens,
+           "pairs_per_s": pairs / median, "tokens_per_s": tokens / median,
+           "body_mfu": flops / median / PEAK_BF16_FLOPS, "peak_gib": peak, "median_s": median}
+    if workload.latency:
+        ordered = sorted(times)
+        row["p50_ms"] = 1000 * statistics.median(ordered)
+        row["p99_ms"] = 1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return row
+
+
+def run_workload(workload: Workload, model, tokenizer, backend: EmbeddedBackend, baseline_queries: int,
+                 results: list[dict]) -> None:
+    layouts = encoded_layout(backend, requests_of(workload, False))
+    pair_lengths = [prefix + span for prefix, spans in layouts for span in spans]
+    rows = []
+    for variant, multi_item in (("rerankit-mis", True), ("rerankit-packed", False)):
+        batch = requests_of(workload, multi_item)
+        tokens = sum(response.usage.computed_tokens for response in backend.score_batch(batch))
+        attended = sum(attended_pairs(prefix, spans, multi_item) for prefix, spans in layouts)
+        times, peak = measure(lambda: backend.score_batch(batch), workload.repeats, 1 if len(batch) > 1 else 2)
+        rows.append(row_for(workload, variant, times, peak, len(pair_lengths), tokens,
+                            body_flops(model.config, tokens, attended)))
+    queries = min(len(workload.queries), baseline_queries)
+    baseline_pairs = sum(len(docs) for docs in workload.docs[:queries])
+    baseline_lengths = pair_lengths[:baseline_pairs]
+    baseline_flops = body_flops(model.config, sum(baseline_lengths), sum(map(causal_pairs, baseline_lengths)))
+    for variant, keep_one in (("transformers-keep1", True), ("transformers-modelcard", False)):
+        def baseline():
+            return [model_card_scores(model, tokenizer, q, docs, workload.instruction, keep_one)
+                    for q, docs in zip(workload.queries[:queries], workload.docs[:queries])]
+
         try:
-            times, peak = measure(fn, repeats)
+            times, peak = measure(baseline, workload.repeats if queries == 1 else 1, 1)
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
-            results.append({"workload": workload.name, "variant": name, "error": "oom"})
+            rows.append({"workload": workload.name, "variant": variant, "error": "oom"})
             continue
-        median = statistics.median(times)
-        row = {"workload": workload.name, "variant": name, "pairs": pairs, "tokens": tokens,
-               "pairs_per_s": pairs / median, "tokens_per_s": tokens / median,
-               "body_mfu": body_flops(config, pair_lengths) / median / PEAK_BF16_FLOPS,
-               "peak_gib_above_resident": peak, "median_s": median}
-        if latency:
-            ordered = sorted(times)
-            row["p50_ms"] = 1000 * ordered[len(ordered) // 2]
-            row["p99_ms"] = 1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+        rows.append(row_for(workload, variant, times, peak, baseline_pairs, sum(baseline_lengths), baseline_flops))
+    for row in rows:
         results.append(row)
         print(json.dumps(row), flush=True)
+    first = requests_of(workload, True, 1)[0]
+    shared = torch.tensor(backend.score(first).scores)
+    packed = torch.tensor(backend.score(first.model_copy(update={"multi_item": False})).scores)
+    card = model_card_scores(model, tokenizer, first.query, list(first.items), workload.instruction, True).float()
+    rate = {row["variant"]: row["pairs_per_s"] for row in rows if "error" not in row}
     check = {"workload": workload.name, "check": "scores",
-             "max_abs_diff_packed_vs_modelcard": float((ours_scores - card).abs().max()),
-             "max_abs_diff_mis_vs_packed": float((mis_scores - ours_scores).abs().max())}
+             "max_abs_diff_packed_vs_keep1": float((packed - card.cpu()).abs().max()),
+             "max_abs_diff_mis_vs_packed": float((shared - packed).abs().max())}
+    for name in ("rerankit-packed", "transformers-keep1", "transformers-modelcard"):
+        if name in rate:
+            check[f"mis_over_{name.split('-')[1]}"] = rate["rerankit-mis"] / rate[name]
     results.append(check)
     print(json.dumps(check), flush=True)
 
 
-def _pair_lengths(backend: EmbeddedBackend, requests: list[ScoreRequest]) -> list[int]:
-    from rerankit.engine.encode import encode_request, resolve_template
+def budget_sweep(workload: Workload, backend: EmbeddedBackend, budgets: list[int], queries: int,
+                 results: list[dict]) -> None:
+    """Ours at several micro-batch budgets (the choice of DEFAULT_MAX_BATCH_TOKENS)."""
+    default = backend.max_batch_tokens
+    for budget in budgets:
+        backend.max_batch_tokens = budget
+        for variant, multi_item in (("rerankit-mis", True), ("rerankit-packed", False)):
+            batch = requests_of(workload, multi_item, queries)
+            pairs = sum(len(request.items) for request in batch)
+            times, peak = measure(lambda: backend.score_batch(batch), 2, 1)
+            row = {"workload": f"{workload.name}x{len(batch)}", "variant": variant, "budget": budget,
+                   "pairs_per_s": pairs / statistics.median(times), "peak_gib": peak}
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    backend.max_batch_tokens = default
 
+
+def profile_w1(workload: Workload, backend: EmbeddedBackend, path: Path, results: list[dict]) -> None:
+    """Where a W1 call's time goes: host time of each engine phase, and a torch.profiler kernel table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    requests = requests_of(workload, True)
     loaded = backend._model()
-    lengths = []
-    for request in requests:
-        template = resolve_template(request, loaded, None, "generative")
-        lengths += encode_request(request, loaded, "generative", template).pair_lengths
-    return lengths
+    phases = {}
+    begun = time.perf_counter()
+    prepared = [backend._prepare(request, loaded, position) for position, request in enumerate(requests)]
+    phases["encode_ms"] = 1000 * (time.perf_counter() - begun)
+    begun = time.perf_counter()
+    parts = [RequestParts.from_encoded(entry.encoded, share_prefix=backend._shares_prefix(entry))
+             for entry in prepared]
+    micro = list(plan_requests(parts, backend.max_batch_tokens, padded=False, causal=True,
+                               pin_memory=backend._runner.pin_memory))
+    phases["plan_ms"] = 1000 * (time.perf_counter() - begun)
+    phases["micro_batches"] = len(micro)
+    torch.cuda.synchronize()
+    begun = time.perf_counter()
+    backend.score_batch(requests)
+    torch.cuda.synchronize()
+    phases["call_ms"] = 1000 * (time.perf_counter() - begun)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        backend.score_batch(requests)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    on_gpu = [event for event in events if event.device_type == torch.autograd.DeviceType.CUDA]
+    phases["gpu_kernel_ms"] = sum(event.self_device_time_total for event in on_gpu) / 1000
+    phases["host_ms_not_on_gpu"] = phases["call_ms"] - phases["gpu_kernel_ms"]
+    table = events.table(sort_by="self_device_time_total", row_limit=30)
+    path.write_text(json.dumps(phases, indent=1) + "\n\n" + table + "\n\nby host time:\n"
+                    + events.table(sort_by="self_cpu_time_total", row_limit=20))
+    results.append({"workload": workload.name, "profile": phases})
+    print(json.dumps({"profile": phases}), flush=True)
 
 
-def decoder_workloads(words: list[str], rng: random.Random, include: set[str]) -> list[tuple[Workload, bool, int]]:
-    query = "what is the capital of france and why is it famous"
+def decoder_workloads(words: list[str], rng: random.Random, include: set[str]) -> list[Workload]:
     out = []
     if "W1" in include:
-        out.append((Workload("W1", [query], [make_docs(words, 100, 64, 448, rng)]), False, 5))
+        out.append(Workload("W1", [QUERY], [make_docs(words, 100, 64, 448, rng)], repeats=5))
     if "W2" in include:
-        out.append((Workload("W2", [f"{query} {i}" for i in range(64)],
-                             [make_docs(words, 100, 64, 448, rng) for _ in range(64)]), False, 2))
+        out.append(Workload("W2", [f"{QUERY} {i}" for i in range(64)],
+                            [make_docs(words, 100, 64, 448, rng) for _ in range(64)], repeats=2))
     if "W3" in include:
-        out.append((Workload("W3", [query], [make_docs(words, 20, 64, 448, rng)]), True, 50))
+        out.append(Workload("W3", [QUERY], [make_docs(words, 20, 64, 448, rng)], latency=True, repeats=50))
     if "LI" in include:
         instruction = " ".join(rng.choice(words) for _ in range(1000))
-        out.append((Workload("LI", [query], [make_docs(words, 100, 128, 129, rng)], instruction), False, 5))
+        out.append(Workload("LI", [QUERY], [make_docs(words, 100, 128, 129, rng)], instruction, repeats=5))
     return out
 
 
 def bert_large_workload(root: Path, results: list[dict], repeats: int) -> None:
     """W4 cross-encoder: a BERT-large-shaped BertForSequenceClassification, 1 query x 100 docs."""
-    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from tiny_models import _copy_wordpiece_tokenizer
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
 
     folder = root / "bert-large-ce-random"
     folder.mkdir(parents=True, exist_ok=True)
-    config = BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
-                        num_labels=1, max_position_embeddings=512)
+    rng = random.Random(1)
+    words = sorted({"".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(6)) for _ in range(5000)})
+    vocab = {token: index for index, token in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words])}
+    tokenizer = BertTokenizerFast(vocab=vocab)
+    tokenizer.save_pretrained(folder)
+    config = BertConfig(vocab_size=len(vocab), hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                        intermediate_size=4096, num_labels=1, max_position_embeddings=512)
     with torch.device("cuda"):
         model = BertForSequenceClassification(config).to(torch.bfloat16).eval()
     model.save_pretrained(folder)
-    _copy_wordpiece_tokenizer(folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    rng = random.Random(1)
-    vocab_words = [w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 2][:5000]
-    docs = [" ".join(rng.choice(vocab_words) for _ in range(rng.randrange(64, 448))) for _ in range(100)]
-    query = "what is the capital of france"
+    docs = [" ".join(rng.choice(words) for _ in range(rng.randrange(64, 448))) for _ in range(100)]
+    query = "capital france"
     backend = EmbeddedBackend(str(folder), device="cuda", dtype="bfloat16")
     request = ScoreRequest(query=query, items=docs, max_tokens_per_item=448)
 
@@ -240,10 +326,10 @@ def bert_large_workload(root: Path, results: list[dict], repeats: int) -> None:
         return model(**inputs).logits
 
     for name, fn in {"rerankit": lambda: backend.score(request), "transformers-padded": baseline}.items():
-        times, peak = measure(fn, repeats)
+        times, peak = measure(fn, repeats, 2)
         median = statistics.median(times)
         row = {"workload": "W4-bert-large", "variant": name, "pairs": 100, "pairs_per_s": 100 / median,
-               "peak_gib_above_resident": peak, "median_s": median}
+               "peak_gib": peak, "median_s": median}
         results.append(row)
         print(json.dumps(row), flush=True)
     backend.close()
@@ -255,6 +341,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="W1,W2,W3,LI")
     parser.add_argument("--w4", action="store_true", help="also the 4B/8B shapes and the BERT-large cross-encoder")
+    parser.add_argument("--baseline-queries", type=int, default=8, help="W2 queries the baselines run")
+    parser.add_argument("--budgets", default="", help="micro-batch budgets to sweep on W1 and W2, e.g. 8192,32768")
+    parser.add_argument("--sweep-queries", type=int, default=16, help="W2 queries in the budget sweep")
+    parser.add_argument("--profile", default=None, help="write a profile of one W1 call here")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -269,14 +359,29 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(folder)
         tokenizer.padding_side = "left"
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
+        begun = time.perf_counter()
         backend = EmbeddedBackend(str(folder), device="cuda", dtype="bfloat16")
+        weights = sum(p.numel() * p.element_size() for p in backend._model().model.parameters()) / 2**30
+        results.append({"shape": shape, "runner": backend.runner, "weights_gib": weights,
+                        "max_batch_tokens": backend.max_batch_tokens, "load_s": time.perf_counter() - begun})
+        print(json.dumps(results[-1]), flush=True)
         words = single_token_words(tokenizer)
-        rng = random.Random(0)
+        workloads = decoder_workloads(words, random.Random(0), shape_workloads)
         with torch.inference_mode():
-            for workload, latency, repeats in decoder_workloads(words, rng, shape_workloads):
+            begun = time.perf_counter()
+            backend.score_batch(requests_of(workloads[0], True) + requests_of(workloads[0], False))
+            results.append({"shape": shape, "first_call_s (compile)": time.perf_counter() - begun})
+            for workload in workloads:
                 if shape != "0.6b":
                     workload.name = f"W4-{shape}"
-                run_workload(workload, model, tokenizer, backend, model.config, repeats, results, latency)
+                run_workload(workload, model, tokenizer, backend, args.baseline_queries, results)
+            if shape == "0.6b" and args.budgets:
+                budgets = [int(budget) for budget in args.budgets.split(",")]
+                for workload in workloads:
+                    if workload.name in ("W1", "W2"):
+                        budget_sweep(workload, backend, budgets, args.sweep_queries, results)
+            if shape == "0.6b" and args.profile and workloads[0].name == "W1":
+                profile_w1(workloads[0], backend, Path(args.profile), results)
         backend.close()
         del model
         torch.cuda.empty_cache()
@@ -290,18 +395,20 @@ def main() -> None:
 
 def print_table(results: list[dict]) -> None:
     print(f"\n{results[0]['device']}")
-    print(f"{'workload':<16}{'variant':<24}{'pairs/s':>10}{'tok/s':>12}{'MFU':>7}{'peakGiB':>9}{'p50ms':>8}{'p99ms':>8}")
+    print(f"{'workload':<14}{'variant':<24}{'budget':>7}{'pairs/s':>9}{'tok/s':>10}{'MFU':>7}{'peakGiB':>8}"
+          f"{'p50ms':>7}{'p99ms':>7}")
     for row in results[1:]:
-        if "variant" not in row:
-            print(f"{row['workload']:<16}check: " + ", ".join(f"{k}={v:.2e}" for k, v in row.items()
-                                                            if isinstance(v, float)))
-            continue
-        if "error" in row:
-            print(f"{row['workload']:<16}{row['variant']:<24}{row['error']:>10}")
-            continue
-        print(f"{row['workload']:<16}{row['variant']:<24}{row['pairs_per_s']:>10.0f}{row.get('tokens_per_s', 0):>12.0f}"
-              f"{row.get('body_mfu', 0):>7.1%}{row['peak_gib_above_resident']:>9.2f}"
-              f"{row.get('p50_ms', float('nan')):>8.1f}{row.get('p99_ms', float('nan')):>8.1f}")
+        if "check" in row:
+            print(f"{row['workload']:<14}check: " + ", ".join(f"{k}={v:.3g}" for k, v in row.items()
+                                                          if isinstance(v, float)))
+        elif "error" in row:
+            print(f"{row['workload']:<14}{row['variant']:<24}{row['error']:>16}")
+        elif "variant" in row:
+            print(f"{row['workload']:<14}{row['variant']:<24}{row.get('budget', ''):>7}{row['pairs_per_s']:>9.0f}"
+                  f"{row.get('tokens_per_s', 0):>10.0f}{row.get('body_mfu', 0):>7.1%}{row['peak_gib']:>8.2f}"
+                  f"{row.get('p50_ms', float('nan')):>7.1f}{row.get('p99_ms', float('nan')):>7.1f}")
+        else:
+            print(json.dumps(row))
 
 
 if __name__ == "__main__":

@@ -123,6 +123,8 @@ def backends(models):
     def get(model: str, runner: str, **options) -> EmbeddedBackend:
         key = (model, runner, tuple(sorted(options.items())))
         if key not in made:
+            if runner == "packed":  # share prefixes on the CPU too, where it is exact but not the default
+                options = {"multi_item": True, **options}
             made[key] = EmbeddedBackend(str(models[model]), runner=runner, **options)
         return made[key]
 

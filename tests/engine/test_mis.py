@@ -27,7 +27,7 @@ def lm_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lm(lm_path):
-    return EmbeddedBackend(str(lm_path), device="cpu", runner="packed")
+    return EmbeddedBackend(str(lm_path), device="cpu", runner="packed", multi_item=True)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,8 @@ def assert_same_results(response, expected, tolerance=EXACT):
 
 @pytest.mark.parametrize("budget", [16, 64, 10**6])
 def test_mis_scores_equal_per_pair_scores_for_random_layouts(lm_path, reference, budget):
-    backend = EmbeddedBackend(str(lm_path), device="cpu", runner="packed", max_batch_tokens=budget)
+    backend = EmbeddedBackend(str(lm_path), device="cpu", runner="packed", multi_item=True,
+                              max_batch_tokens=budget)
     vocab = backend._model().vocab_size
     rng = random.Random(budget)
     for _ in range(6):
@@ -87,7 +88,7 @@ def test_template_mis_equals_per_pair_and_reads_the_same_states(lm, reference, i
 def test_decoder_cross_encoder_shares_the_prefix_exactly(tmp_path):
     path = make_decoder(tmp_path / "qwen3-cls", "cls", seed=1)
     request = ScoreRequest(query=QUERY, items=DOCS)
-    shared = EmbeddedBackend(str(path), device="cpu", runner="packed").score(request)
+    shared = EmbeddedBackend(str(path), device="cpu", runner="packed", multi_item=True).score(request)
     alone = EmbeddedBackend(str(path), device="cpu", runner="reference").score(request)
     torch.testing.assert_close(torch.tensor(shared.scores), torch.tensor(alone.scores), atol=EXACT, rtol=0)
     assert shared.usage.computed_tokens < alone.usage.computed_tokens
@@ -98,20 +99,23 @@ def test_split_request_repeats_its_prefix_once_per_micro_batch(lm_path):
     request = ScoreRequest(query=list(range(20, 20 + prefix)), items=[[40 + i] * item_length for i in range(count)],
                            label_token_ids=[30, 31])
     budget = prefix + 3 * item_length  # three spans a micro-batch: 3 + 3 + 1
-    split = EmbeddedBackend(str(lm_path), device="cpu", runner="packed", max_batch_tokens=budget).score(request)
-    whole = EmbeddedBackend(str(lm_path), device="cpu", runner="packed").score(request)
+    split = EmbeddedBackend(str(lm_path), device="cpu", runner="packed", multi_item=True,
+                            max_batch_tokens=budget).score(request)
+    whole = EmbeddedBackend(str(lm_path), device="cpu", runner="packed", multi_item=True).score(request)
     torch.testing.assert_close(torch.tensor(split.scores), torch.tensor(whole.scores), atol=EXACT, rtol=0)
     assert whole.usage.computed_tokens == prefix + count * item_length
     assert split.usage.computed_tokens == 3 * prefix + count * item_length
     assert split.usage.prompt_tokens == whole.usage.prompt_tokens == count * (prefix + item_length)
 
 
-def test_multi_item_off_or_reference_runner_compute_every_pair(lm, reference):
+def test_multi_item_off_or_reference_runner_compute_every_pair(lm_path, lm, reference):
     request = ScoreRequest(query=QUERY, items=DOCS, template="qwen3-reranker")
     off = lm.score(request.model_copy(update={"multi_item": False}))
     assert off.usage.computed_tokens == off.usage.prompt_tokens
     assert reference.score(request).usage.computed_tokens == off.usage.prompt_tokens
     assert lm.score(request).usage.computed_tokens < off.usage.prompt_tokens
+    cpu_default = EmbeddedBackend(str(lm_path), device="cpu")  # the CPU's dense-mask attention: MIS would cost more
+    assert cpu_default.runner == "packed" and cpu_default.score(request).usage == off.usage
 
 
 def sglang_multi_item_scores(model, query: list[int], items: list[list[int]], delimiter: int,
@@ -161,7 +165,7 @@ def test_raw_delimiter_mis_scores_as_sglang_does(lm_path, lm, reference):
 
 
 def test_score_batch_equals_separate_calls_in_fewer_micro_batches(lm_path):
-    backend = EmbeddedBackend(str(lm_path), device="cpu", runner="packed", max_batch_tokens=300)
+    backend = EmbeddedBackend(str(lm_path), device="cpu", runner="packed", multi_item=True, max_batch_tokens=300)
     vocab = backend._model().vocab_size
     rng = random.Random(5)
     requests = [

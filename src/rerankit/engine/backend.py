@@ -62,14 +62,16 @@ class EmbeddedBackend:
     ``mode`` and ``template`` set this backend's defaults (a request may still name its own);
     ``max_batch_tokens`` bounds the tokens of a micro-batch (padded tokens for the reference runner);
     ``runner``: "auto" runs our packed forward where it supports the model, else the transformers model
-    ("reference", padded; it never shares prefixes); ``show_progress`` None shows a progress bar for calls of more
-    than 256 items. Thread-safe: one lock serialises use of the model.
+    ("reference", padded; it never shares prefixes); ``multi_item`` allows prefix sharing (MIS) for requests that
+    ask for it (``ScoreRequest.multi_item``, the default): None where it pays (the packed runner on CUDA), True
+    wherever the runner can (exact on the CPU too, but slower there). ``show_progress`` None shows a progress bar
+    for calls of more than 256 items. Thread-safe: one lock serialises use of the model.
     """
 
     def __init__(self, model: str, *, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                  mode: str | None = None, template: str | None = None,
                  max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, runner: str = "auto",
-                 show_progress: bool | None = None) -> None:
+                 multi_item: bool | None = None, show_progress: bool | None = None) -> None:
         self._loaded: LoadedModel | None = load_model(model, device=device, dtype=dtype)
         loaded = self._loaded
         if mode is not None and mode not in loaded.supported_modes:
@@ -82,6 +84,7 @@ class EmbeddedBackend:
         self._template = template
         self._classify = heads.sequence_classifier(loaded.model) if loaded.kind == "sequence-classifier" else None
         self._runner: Runner = make_runner(loaded, runner)
+        self._multi_item = self._runner.multi_item_pays if multi_item is None else multi_item
         self._heads: dict[tuple, heads.Head] = {}
         self.max_batch_tokens = max_batch_tokens
         self.show_progress = show_progress
@@ -165,7 +168,8 @@ class EmbeddedBackend:
     def _shares_prefix(self, entry: _Prepared) -> bool:
         """MIS where it is exact and pays: a causal packed model, several items after a prefix, read at the end."""
         encoded = entry.encoded
-        return (self._runner.supports_multi_item and entry.request.multi_item and len(encoded.item_ids) > 1
+        return (self._multi_item and self._runner.supports_multi_item and entry.request.multi_item
+                and len(encoded.item_ids) > 1
                 and len(encoded.prefix_ids) > 0 and not encoded.read_first
                 and encoded.mode in ("generative", "cross-encoder"))
 
