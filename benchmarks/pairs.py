@@ -13,10 +13,10 @@ and their rate on those is their W2 rate.
 
 body_mfu counts the matmul FLOPs of the tokens a variant must compute at the least (no padding; MIS: the prefix
 once per micro-batch) against the H100's dense bf16 peak. peak_gib is the memory a call allocates above what was
-resident (both models' weights). ``--budgets`` times ours at several micro-batch budgets; ``--profile`` writes a
-torch.profiler table of one W1 call and the host time of each engine phase.
+resident (both models' weights). ``--budgets`` times ours at several micro-batch budgets; ``--profile`` writes, for
+one W1 and one W3 call, the host time of each engine phase, GPU time by kernel kind and a torch.profiler table.
 
-    PYTHONPATH=src python benchmarks/pairs.py --out results.json --profile profile_w1.txt --budgets 8192,16384,...
+    PYTHONPATH=src python benchmarks/pairs.py --out results.json --profile profiles/ --budgets 8192,16384,32768
 
 Prints one JSON object per measurement, then a table.
 """
@@ -248,13 +248,23 @@ def budget_sweep(workload: Workload, backend: EmbeddedBackend, budgets: list[int
     backend.max_batch_tokens = default
 
 
-def profile_w1(workload: Workload, backend: EmbeddedBackend, path: Path, results: list[dict]) -> None:
-    """Where a W1 call's time goes: host time of each engine phase, and a torch.profiler kernel table."""
+KERNEL_KINDS = (("attention", ("prefix_attention",)), ("label head", ("label_logprobs", "vocab_partial")),
+                ("gemm", ("nvjet", "gemm", "cutlass", "sm90_xmma")), ("copy", ("memcpy", "memset")),
+                ("fused elementwise (compiled)", ("triton_",)))
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, marks in KERNEL_KINDS if any(mark in lowered for mark in marks)), "other")
+
+
+def profile_call(workload: Workload, backend: EmbeddedBackend, folder: Path, results: list[dict]) -> None:
+    """Where one call's time goes: host time of each engine phase, GPU time by kernel kind, a profiler table."""
     from torch.profiler import ProfilerActivity, profile
 
     requests = requests_of(workload, True)
     loaded = backend._model()
-    phases = {}
+    phases: dict = {}
     begun = time.perf_counter()
     prepared = [backend._prepare(request, loaded, position) for position, request in enumerate(requests)]
     phases["encode_ms"] = 1000 * (time.perf_counter() - begun)
@@ -265,23 +275,26 @@ def profile_w1(workload: Workload, backend: EmbeddedBackend, path: Path, results
                                pin_memory=backend._runner.pin_memory))
     phases["plan_ms"] = 1000 * (time.perf_counter() - begun)
     phases["micro_batches"] = len(micro)
-    torch.cuda.synchronize()
-    begun = time.perf_counter()
-    backend.score_batch(requests)
-    torch.cuda.synchronize()
-    phases["call_ms"] = 1000 * (time.perf_counter() - begun)
+    times = time_call(lambda: backend.score_batch(requests), 5)
+    phases["call_ms"] = 1000 * statistics.median(times)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         backend.score_batch(requests)
         torch.cuda.synchronize()
     events = prof.key_averages()
-    on_gpu = [event for event in events if event.device_type == torch.autograd.DeviceType.CUDA]
-    phases["gpu_kernel_ms"] = sum(event.self_device_time_total for event in on_gpu) / 1000
-    phases["host_ms_not_on_gpu"] = phases["call_ms"] - phases["gpu_kernel_ms"]
+    kernels = [event for event in events if event.device_type == torch.autograd.DeviceType.CUDA]
+    phases["gpu_kernel_ms"] = sum(event.self_device_time_total for event in kernels) / 1000
+    phases["gpu_idle_ms"] = phases["call_ms"] - phases["gpu_kernel_ms"]
+    by_kind: dict[str, float] = {}
+    for event in kernels:
+        kind = kernel_kind(event.key)
+        by_kind[kind] = by_kind.get(kind, 0.0) + event.self_device_time_total / 1000
+    phases["gpu_ms_by_kind"] = by_kind
     table = events.table(sort_by="self_device_time_total", row_limit=30)
-    path.write_text(json.dumps(phases, indent=1) + "\n\n" + table + "\n\nby host time:\n"
-                    + events.table(sort_by="self_cpu_time_total", row_limit=20))
+    host = events.table(sort_by="self_cpu_time_total", row_limit=20)
+    (folder / f"profile_{workload.name}.txt").write_text(
+        json.dumps(phases, indent=1) + "\n\n" + table + "\n\nby host time:\n" + host)
     results.append({"workload": workload.name, "profile": phases})
-    print(json.dumps({"profile": phases}), flush=True)
+    print(json.dumps({"workload": workload.name, "profile": phases}), flush=True)
 
 
 def decoder_workloads(words: list[str], rng: random.Random, include: set[str]) -> list[Workload]:
@@ -344,7 +357,7 @@ def main() -> None:
     parser.add_argument("--baseline-queries", type=int, default=8, help="W2 queries the baselines run")
     parser.add_argument("--budgets", default="", help="micro-batch budgets to sweep on W1 and W2, e.g. 8192,32768")
     parser.add_argument("--sweep-queries", type=int, default=16, help="W2 queries in the budget sweep")
-    parser.add_argument("--profile", default=None, help="write a profile of one W1 call here")
+    parser.add_argument("--profile", default=None, help="folder for profiles of one W1 and one W3 call")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -380,8 +393,10 @@ def main() -> None:
                 for workload in workloads:
                     if workload.name in ("W1", "W2"):
                         budget_sweep(workload, backend, budgets, args.sweep_queries, results)
-            if shape == "0.6b" and args.profile and workloads[0].name == "W1":
-                profile_w1(workloads[0], backend, Path(args.profile), results)
+            if shape == "0.6b" and args.profile:
+                for workload in workloads:
+                    if workload.name in ("W1", "W3"):
+                        profile_call(workload, backend, Path(args.profile), results)
         backend.close()
         del model
         torch.cuda.empty_cache()

@@ -1,6 +1,6 @@
 """The packed runner (our forward, prefix sharing on) against the reference runner (transformers, padded).
 
-Tiny models with weights spread wide enough (initializer_range 0.1, BERT 0.3) that their scores differ by more than the
+Tiny models with weights spread wide enough (initializer_range 0.1, BERT 0.2) that their scores differ by more than the
 ranking margin, so a swapped or misplaced item shows. Tokenizers are built here, so the GPU tests need no
 packaged model.
 """
@@ -31,7 +31,7 @@ DOCS = [
 ]
 MARGIN = 0.05  # rankings must agree wherever the reference scores differ by more than this
 WIDE_INIT = 0.1
-BERT_INIT = 0.3  # post-LayerNorm blocks pull the states together; wider weights keep the scores apart
+BERT_INIT = 0.2  # post-LayerNorm blocks pull the states together; wider weights keep the scores apart
 
 
 def make_decoder(folder: Path, kind: str, seed: int = 0) -> Path:
@@ -59,7 +59,7 @@ def make_bert(folder: Path, kind: str, seed: int = 0) -> Path:
     vocab = {token: index for index, token in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words])}
     tokenizer = BertTokenizerFast(vocab=vocab, do_lower_case=True)
     tokenizer.save_pretrained(folder)
-    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, max_position_embeddings=512, num_labels=1,
                         initializer_range=BERT_INIT, architectures=["BertModel"] if kind == "embedder" else None)
     torch.manual_seed(seed)
@@ -181,6 +181,19 @@ def test_auto_runner_falls_back_to_the_reference_for_other_architectures(tmp_pat
         EmbeddedBackend(str(tmp_path / "gpt2"), device="cpu", runner="packed")
     with pytest.raises(InvalidRequest, match="runner"):
         EmbeddedBackend(str(tmp_path / "gpt2"), device="cpu", runner="fast")
+
+
+@pytest.mark.gpu
+def test_auto_runner_keeps_head_sizes_the_cuda_kernel_cannot_tile_on_the_reference(tmp_path):
+    from transformers import BertForSequenceClassification
+
+    folder = make_bert(tmp_path / "bert-d8", "cross-encoder")
+    model = BertForSequenceClassification.from_pretrained(folder)
+    model.config.num_attention_heads = 8  # head size 64 / 8 = 8: below tl.dot's 16
+    model.save_pretrained(folder)
+    assert EmbeddedBackend(str(folder), device="cuda").runner == "reference"
+    with pytest.raises(ModelLoadError, match="power of two"):
+        EmbeddedBackend(str(folder), device="cuda", runner="packed")
 
 
 @pytest.mark.gpu

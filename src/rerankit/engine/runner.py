@@ -118,9 +118,19 @@ def make_runner(loaded: LoadedModel, runner: str = "auto") -> Runner:
     if runner == "reference":
         return ReferenceRunner(loaded)
     model = build_packed_model(loaded.model)
-    if model is not None:
+    reason = None
+    if model is None:
+        reason = (f"there is no packed forward for {type(loaded.model).__name__} "
+                  f"(model_type {loaded.config.model_type!r})")
+    elif loaded.device.type == "cuda" and not _kernel_takes_head_dim(model.head_dim):
+        reason = f"the packed attention kernel needs a head size that is a power of two >= 16, not {model.head_dim}"
+    if reason is None:
         return PackedRunner(loaded, model)
     if runner == "packed":
-        raise ModelLoadError(f"there is no packed forward for {type(loaded.model).__name__} "
-                             f"(model_type {loaded.config.model_type!r}); use runner='auto' or 'reference'")
+        raise ModelLoadError(f"{reason}; use runner='auto' or 'reference'")
     return ReferenceRunner(loaded)
+
+
+def _kernel_takes_head_dim(head_dim: int) -> bool:
+    # kernels/prefix_attention.py tiles a head with tl.arange (a power of two) and tl.dot (K >= 16).
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
