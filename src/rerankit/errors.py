@@ -37,6 +37,13 @@ class RequestTooLarge(InvalidRequest):
         self.limit = limit
 
 
+class Unauthorized(RerankitError):
+    """The server has an API key and the request did not carry it."""
+
+    status_code = 401
+    error_type = "unauthorized"
+
+
 class ModelLoadError(RerankitError):
     """The model could not be found, loaded, or used in the asked mode."""
 

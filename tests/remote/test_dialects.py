@@ -119,6 +119,14 @@ def test_dialect_refuses_what_its_server_cannot_honour(name, field, value):
     assert refused.value.field == field
 
 
+@pytest.mark.parametrize("name", TEXT_DIALECTS)
+def test_request_breaking_two_limits_gets_the_same_refusal_on_every_text_route(name):
+    request = ScoreRequest(query="q", items=DOCS, item_first=True, apply_softmax=False)
+    with pytest.raises(InvalidRequest) as refused:
+        get_dialect(name).encode_request(request, None)
+    assert refused.value.field == "apply_softmax"
+
+
 def test_classifier_on_sglang_score_refuses_label_logprobs_without_labels():
     request = ScoreRequest(query="q", items=DOCS, return_label_logprobs=True)
     with pytest.raises(InvalidRequest, match="return_label_logprobs"):
@@ -214,8 +222,10 @@ BAD_BODIES = [
     ("vllm-score", {"text_1": "q", "text_2": ["a"], "use_activation": False}, "use_activation"),
     ("vllm-rerank", {"query": "q", "documents": ["a"], "truncate_prompt_tokens": 128}, "truncate_prompt_tokens"),
     ("vllm-rerank", {"query": "q", "documents": ["a"], "frobnicate": 1}, "frobnicate"),
+    ("vllm-rerank", {"query": "q", "documents": ["a"], "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
     ("sglang-score", {"query": "q", "items": ["a"], "label_token_ids": [1], "temperature": 0.5}, "temperature"),
     ("sglang-score", {"query": "q", "items": ["a"], "label_token_ids": [[1], [2]]}, "label_token_ids"),
+    ("sglang-score", {"query": "q", "items": ["a"], "embed_override_token_id": 0}, "embed_override_token_id"),
     ("sglang-rerank", {"query": "q", "documents": [""], "top_n": 0}, "top_n"),
     ("cohere", {"query": "q", "documents": ["a"], "rank_fields": ["title"]}, "rank_fields"),
     ("cohere", {"query": "  ", "documents": ["a"]}, "query"),
@@ -241,6 +251,8 @@ def test_server_parse_fills_the_peers_defaults():
     tei = get_dialect("tei").parse_request({"query": "q", "texts": ["a"], "truncate": True,
                                             "truncation_direction": "Left"})
     assert tei.truncation == "start"
+    empty = get_dialect("vllm-score").parse_request({"queries": "q", "documents": ["a"], "chat_template_kwargs": {}})
+    assert empty.items == ["a"], "an empty mapping is the same as leaving the field out"
 
 
 def test_sglang_score_answers_every_label_probability():

@@ -5,15 +5,8 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass
 
-from rerankit.errors import RequestTooLarge, RerankitError
+from rerankit.errors import RequestTooLarge, Unauthorized
 from rerankit.schema import ScoreRequest
-
-
-class Unauthorized(RerankitError):
-    """The server has an API key and the request did not carry it."""
-
-    status_code = 401
-    error_type = "unauthorized"
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,10 @@ from typing import Any, Awaitable, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from rerankit.errors import InvalidRequest, Overloaded, RerankitError
-from rerankit.remote.dialects import cohere, get_dialect, sglang, tei, vllm
-from rerankit.remote.dialects.common import Dialect
+from rerankit.errors import InvalidRequest, Overloaded, RerankitError, Unauthorized
+from rerankit.remote.dialects import Dialect, get_dialect
 from rerankit.server.batcher import Batcher
-from rerankit.server.limits import ServerConfig, Unauthorized, bound_request, check_api_key, check_body_size
+from rerankit.server.limits import ServerConfig, bound_request, check_api_key, check_body_size
 
 log = logging.getLogger("rerankit.server")
 
@@ -38,13 +37,6 @@ ROUTES: dict[str, tuple[str, ...]] = {
     "/v2/rerank": ("cohere", "vllm-rerank"),
 }
 METHODS: dict[str, tuple[str, ...]] = {"/v1/rerank": ("POST", "PUT")}  # SGLang takes PUT there too
-# The fields each dialect's request body may hold, from its wire model.
-WIRE_FIELDS: dict[str, frozenset[str]] = {
-    name: frozenset(model.model_fields) for name, model in (
-        ("vllm-generative", vllm.GenerativeScoringBody), ("vllm-score", vllm.ScoreBody),
-        ("vllm-rerank", vllm.RerankBody), ("sglang-score", sglang.ScoreBody), ("sglang-rerank", sglang.RerankBody),
-        ("cohere", cohere.RerankBody), ("tei", tei.RerankBody))
-}
 
 
 def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
@@ -81,9 +73,7 @@ def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
 def dialect_for(dialects: list[Dialect], body: Any) -> Dialect:
     """The dialect that answers ``body`` on a path shared by ``dialects`` (see the module's docstring)."""
     fields = set(body) if isinstance(body, dict) else set()
-    if fields <= WIRE_FIELDS[dialects[0].name]:
-        return dialects[0]
-    return next((dialect for dialect in dialects[1:] if fields <= WIRE_FIELDS[dialect.name]), dialects[0])
+    return next((dialect for dialect in dialects if fields <= dialect.wire_fields), dialects[0])
 
 
 async def read_body(request: Request, config: ServerConfig) -> bytes:

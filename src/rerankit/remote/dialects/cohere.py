@@ -14,16 +14,14 @@ from rerankit.remote.dialects.common import (
     Dialect,
     WireBody,
     build_request,
-    document_text,
     in_input_order,
     new_id,
+    param_first,
     parse_wire,
     prompt_tokens_of,
-    ranked_top,
-    refuse,
-    require_texts,
+    ranked_results,
+    refuse_for_own_head,
     response,
-    scored,
     single_text,
     text_list,
     with_model,
@@ -46,11 +44,8 @@ class RerankBody(WireBody):
 
 def encode_request(request: ScoreRequest, model: str | None) -> tuple[str, dict[str, Any]]:
     """Rerank body with ``model`` (Cohere requires it) and ``max_tokens_per_doc``; no ``top_n``."""
-    require_texts(request, ENDPOINT)
-    refuse(request, ENDPOINT, mode=(None, "cross-encoder"), template=(None,), label_token_ids=(None,),
-           labels=(None,), apply_softmax=(True,), item_first=(False,), add_special_tokens=(True,),
-           instruction=(None,), return_pooled_hidden_states=(False,), return_label_logprobs=(False,),
-           truncation=("end", "none"), mis_delimiter_token_id=(None,))
+    refuse_for_own_head(request, ENDPOINT, mode=(None, "cross-encoder"), instruction=(None,),
+                        truncation=("end", "none"))
     body: dict[str, Any] = {"query": request.query, "documents": list(request.items)}
     if request.max_tokens_per_item is not None:
         if request.truncation == "none":
@@ -62,12 +57,12 @@ def encode_request(request: ScoreRequest, model: str | None) -> tuple[str, dict[
 
 def decode_response(body: Any, request: ScoreRequest, model: str | None = None) -> ScoreResponse:
     """``{"results": [{"index", "relevance_score"}]}``; tokens from Jina/Infinity ``usage`` or Cohere ``meta``."""
-    results = [scored(entry["index"], entry["relevance_score"]) for entry in body["results"]]
+    results = in_input_order(body["results"], "relevance_score", len(request.items), ENDPOINT)
     tokens = prompt_tokens_of(body.get("usage"))
     meta_tokens = (body.get("meta") or {}).get("tokens")
     if not tokens and isinstance(meta_tokens, dict):
         tokens = int(meta_tokens.get("input_tokens") or 0)
-    return response(in_input_order(results, len(request.items), ENDPOINT), body, model, tokens)
+    return response(results, body, model, tokens)
 
 
 def parse_request(body: Any) -> ScoreRequest:
@@ -81,12 +76,7 @@ def parse_request(body: Any) -> ScoreRequest:
 def encode_response(response_: ScoreResponse, request: ScoreRequest, model: str | None = None,
                     return_documents: bool = False) -> dict[str, Any]:
     """Cohere v2 body: results best first, cut to ``top_n``; input tokens in ``meta.tokens``."""
-    results = []
-    for result in ranked_top(response_, request):
-        entry: dict[str, Any] = {"index": result.index, "relevance_score": result.score}
-        if return_documents:
-            entry["document"] = {"text": document_text(request, result.index)}
-        results.append(entry)
+    results = ranked_results(response_, request, "relevance_score", "document.text", return_documents)
     meta = {"api_version": {"version": "2"},
             "tokens": {"input_tokens": response_.usage.prompt_tokens, "output_tokens": 0}}
     return {"id": new_id("rerank"), "results": results, "meta": meta}
@@ -99,10 +89,11 @@ def documents_requested(body: Any) -> bool:
 
 def error_body(status: int, message: str, param: str | None = None, kind: str | None = None) -> dict[str, Any]:
     """Cohere's ``{"message": ...}`` (the field, when known, leads the message)."""
-    return {"message": message if param is None or message.startswith(param) else f"{param}: {message}"}
+    return {"message": param_first(message, param)}
 
 
 COHERE = Dialect(
     name="cohere", paths=("/v2/rerank", "/v1/rerank"), max_items=1000,
     encode_request=encode_request, decode_response=decode_response, parse_request=parse_request,
-    encode_response=encode_response, error_body=error_body, documents_requested=documents_requested)
+    encode_response=encode_response, error_body=error_body, request_body=RerankBody,
+    documents_requested=documents_requested)

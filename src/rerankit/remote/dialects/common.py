@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from rerankit.errors import InvalidRequest, RemoteError
-from rerankit.schema import ScoreRequest, ScoreResponse, ScoreResult, Usage
+from rerankit.schema import ErrorDetail, ScoreRequest, ScoreResponse, ScoreResult, Usage
 from rerankit.templates import RAW, get_template
 
 # Why a field cannot travel to a server, when the bare "cannot honour" says too little.
@@ -30,6 +30,18 @@ _REASONS = {
     "max_tokens_per_item": "it has no per-item token limit",
     "label_token_ids": "it scores with the model's own head",
 }
+# The one value (rerankit's default) that a route scoring with the model's own head takes for these fields.
+_OWN_HEAD: dict[str, tuple[Any, ...]] = {
+    "template": (None,), "label_token_ids": (None,), "labels": (None,), "apply_softmax": (True,),
+    "item_first": (False,), "add_special_tokens": (True,), "return_pooled_hidden_states": (False,),
+    "return_label_logprobs": (False,), "mis_delimiter_token_id": (None,),
+}
+
+
+class WireBody(BaseModel):
+    """Base of the server-side request models: unknown fields are refused, not dropped."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 @dataclass(frozen=True)
@@ -37,7 +49,8 @@ class Dialect:
     """One wire format, both ways: client (encode request, decode response), server (parse, encode, errors).
 
     ``paths`` are the routes that speak it, the first being where the client posts; ``max_items`` is the
-    most items the client puts in one request unless told otherwise.
+    most items the client puts in one request unless told otherwise; ``request_body`` is the server's model of
+    a request body.
     """
 
     name: str
@@ -48,7 +61,13 @@ class Dialect:
     parse_request: Callable[[Any], ScoreRequest]
     encode_response: Callable[..., Any]
     error_body: Callable[..., dict[str, Any]]
+    request_body: type[WireBody]
     documents_requested: Callable[[Any], bool] = lambda body: False
+
+    @property
+    def wire_fields(self) -> frozenset[str]:
+        """The fields a request body in this dialect may hold (the server routes tell dialects apart by them)."""
+        return frozenset(self.request_body.model_fields)
 
     def decode(self, body: Any, request: ScoreRequest, model: str | None = None) -> ScoreResponse:
         """``decode_response`` with a malformed body turned into a ``RemoteError``."""
@@ -58,19 +77,25 @@ class Dialect:
             raise RemoteError(f"malformed {self.name} response ({type(exc).__name__}: {exc})") from exc
 
 
-class WireBody(BaseModel):
-    """Base of the server-side request models: unknown fields are refused, not dropped."""
-
-    model_config = ConfigDict(extra="forbid")
-
-
 def refuse(request: ScoreRequest, endpoint: str, **allowed: tuple[Any, ...]) -> None:
-    """Raise ``InvalidRequest`` for the first named field whose value is not among its allowed values."""
-    for field, values in allowed.items():
+    """Raise ``InvalidRequest`` for the first field, in the schema's order, whose value is not allowed."""
+    # The schema's order, not the caller's: a request breaking two limits gets the same error on every route.
+    order = list(ScoreRequest.model_fields)
+    for field, values in sorted(allowed.items(), key=lambda limit: order.index(limit[0])):
         value = getattr(request, field)
         if value not in values:
             reason = _REASONS.get(field, f"it takes only {', '.join(repr(v) for v in values)}")
             raise InvalidRequest(field, f"{endpoint} cannot honour {field}={value!r}: {reason}")
+
+
+def refuse_for_own_head(request: ScoreRequest, endpoint: str, **allowed: tuple[Any, ...]) -> None:
+    """``refuse`` for a route that scores texts with the model's own head (``/score``, ``/rerank`` styles).
+
+    Such a route takes texts only, formats no prompt, has no label ids, returns one score per item and does no
+    multi-item scoring; ``allowed`` adds the route's own limits (mode, instruction, truncation...).
+    """
+    require_texts(request, endpoint)
+    refuse(request, endpoint, **_OWN_HEAD, **allowed)
 
 
 def require_texts(request: ScoreRequest, endpoint: str) -> None:
@@ -110,8 +135,9 @@ def with_model(body: dict[str, Any], model: str | None) -> dict[str, Any]:
     return body
 
 
-def in_input_order(results: Iterable[ScoreResult], count: int, dialect: str) -> list[ScoreResult]:
-    """Results put back in input order by ``index``; every item must come back exactly once."""
+def in_input_order(entries: Iterable[Any], score_field: str, count: int, dialect: str) -> list[ScoreResult]:
+    """Wire entries ``{"index", score_field}`` as results in input order; every item must come back exactly once."""
+    results = [scored(entry["index"], entry[score_field]) for entry in entries]
     by_index: dict[int, ScoreResult] = {}
     for result in results:
         if not 0 <= result.index < count:
@@ -196,6 +222,12 @@ def wire_refuse(field: str, value: Any, allowed: tuple[Any, ...], why: str) -> N
         raise InvalidRequest(field, f"{value!r} is not offered: {why}")
 
 
+def wire_refuse_set(wire: WireBody, fields: Iterable[str], why: str) -> None:
+    """Server side: refuse any of ``fields`` that the body sets (null or an empty mapping is not set)."""
+    for field in fields:
+        wire_refuse(field, getattr(wire, field), (None, {}), why)
+
+
 def single_text(value: Any, field: str) -> str:
     """A wire field that must hold one text (a one-element list is accepted, as vLLM broadcasts it)."""
     if isinstance(value, list) and len(value) == 1:
@@ -213,12 +245,25 @@ def text_list(value: Any, field: str) -> list[str]:
     return texts
 
 
-def ranked_top(response_: ScoreResponse, request: ScoreRequest) -> list[ScoreResult]:
-    """Results best first, cut to the request's ``top_n``: the order of rerank-style wire responses."""
-    return response_.ranked(request.top_n)
+def ranked_results(response_: ScoreResponse, request: ScoreRequest, score_field: str, document_field: str,
+                   return_documents: bool) -> list[dict[str, Any]]:
+    """Rerank-style wire results: best first, cut to ``top_n``, each ``{"index", score_field}``.
+
+    With ``return_documents`` each also holds its item's text under ``document_field``; a dotted field nests it
+    (``"document.text"``: ``{"document": {"text": ...}}``).
+    """
+    results = []
+    for result in response_.ranked(request.top_n):
+        entry: dict[str, Any] = {"index": result.index, score_field: result.score}
+        if return_documents:
+            outer, _, inner = document_field.partition(".")
+            text = _document_text(request, result.index)
+            entry[outer] = {inner: text} if inner else text
+        results.append(entry)
+    return results
 
 
-def document_text(request: ScoreRequest, index: int) -> str:
+def _document_text(request: ScoreRequest, index: int) -> str:
     """The text of item ``index`` (token-id items are written out as ids)."""
     item = request.items[index]
     return item if isinstance(item, str) else " ".join(str(token) for token in item)
@@ -237,6 +282,16 @@ def error_type(status: int) -> str:
         return HTTPStatus(status).phrase.title().replace(" ", "") + "Error"
     except ValueError:
         return "Error"
+
+
+def openai_error(status: int, message: str, param: str | None, kind: str | None) -> dict[str, Any]:
+    """``{"message", "type", "param", "code"}``, the error object of vLLM and SGLang (the status in ``code``)."""
+    return ErrorDetail(message=message, type=kind or error_type(status), param=param, code=status).model_dump()
+
+
+def param_first(message: str, param: str | None) -> str:
+    """The message led by the field it is about, for error bodies that have no field of their own."""
+    return message if param is None or message.startswith(param) else f"{param}: {message}"
 
 
 def read_error(body: Any) -> tuple[str | None, str | None]:

@@ -14,22 +14,22 @@ from rerankit.remote.dialects.common import (
     Dialect,
     WireBody,
     build_request,
-    document_text,
-    error_type,
     in_input_order,
+    openai_error,
     openai_usage,
     parse_wire,
     probability_logs,
     prompt_tokens_of,
-    ranked_top,
+    ranked_results,
     raw_prompt_parts,
     refuse,
-    require_texts,
+    refuse_for_own_head,
     response,
     scored,
     single_text,
     text_list,
     wire_refuse,
+    wire_refuse_set,
     with_model,
 )
 from rerankit.schema import ScoreRequest, ScoreResponse
@@ -95,11 +95,8 @@ def encode_score_request(request: ScoreRequest, model: str | None) -> tuple[str,
 
 def encode_rerank_request(request: ScoreRequest, model: str | None) -> tuple[str, dict[str, Any]]:
     """``/v1/rerank`` body; the instruction travels as ``instruct``, documents are not echoed back."""
-    require_texts(request, RERANK)
-    refuse(request, RERANK, mode=(None, "generative", "cross-encoder"), template=(None,), label_token_ids=(None,),
-           labels=(None,), apply_softmax=(True,), item_first=(False,), add_special_tokens=(True,),
-           return_pooled_hidden_states=(False,), return_label_logprobs=(False,), max_tokens_per_item=(None,),
-           truncation=("end", "none"), mis_delimiter_token_id=(None,))
+    refuse_for_own_head(request, RERANK, mode=(None, "generative", "cross-encoder"), max_tokens_per_item=(None,),
+                        truncation=("end", "none"))
     body: dict[str, Any] = {"query": request.query, "documents": list(request.items), "return_documents": False}
     if request.instruction is not None:
         body["instruct"] = request.instruction
@@ -129,9 +126,9 @@ def decode_score_response(body: Any, request: ScoreRequest, model: str | None = 
 
 def decode_rerank_response(body: Any, request: ScoreRequest, model: str | None = None) -> ScoreResponse:
     """A JSON list of ``{"score", "index"}`` sorted by score, put back in input order."""
-    results = [scored(entry["index"], entry["score"]) for entry in body]
+    results = in_input_order(body, "score", len(request.items), RERANK)
     prompt_tokens = sum(prompt_tokens_of(entry.get("meta_info")) for entry in body)
-    return response(in_input_order(results, len(request.items), RERANK), None, model, prompt_tokens)
+    return response(results, None, model, prompt_tokens)
 
 
 # Server side ------------------------------------------------------------------------------------------
@@ -142,8 +139,8 @@ def parse_score_request(body: Any) -> ScoreRequest:
     wire_refuse("temperature", wire.temperature, (1.0,), "label logits are not tempered")
     wire_refuse("return_token_logprobs", wire.return_token_logprobs, (False,), "not offered")
     wire_refuse("score_extraction_token", wire.score_extraction_token, (None,), "scores are read at the item's end")
-    for field in ("embed_override_token_id", "query_embed_overrides", "item_embed_overrides"):
-        wire_refuse(field, getattr(wire, field), (None,), "embedding overrides are not offered")
+    wire_refuse_set(wire, ("embed_override_token_id", "query_embed_overrides", "item_embed_overrides"),
+                    "embedding overrides are not offered")
     labels = wire.label_token_ids
     if labels is not None and any(isinstance(label, list) for label in labels):
         raise InvalidRequest("label_token_ids", "one list per item is not offered: give one list for all items")
@@ -177,13 +174,7 @@ def encode_score_response(response_: ScoreResponse, request: ScoreRequest, model
 def encode_rerank_response(response_: ScoreResponse, request: ScoreRequest, model: str | None = None,
                            return_documents: bool = True) -> list[dict[str, Any]]:
     """``/v1/rerank`` body: a list best first, cut to ``top_n``."""
-    results = []
-    for result in ranked_top(response_, request):
-        entry: dict[str, Any] = {"score": result.score, "index": result.index}
-        if return_documents:
-            entry["document"] = document_text(request, result.index)
-        results.append(entry)
-    return results
+    return ranked_results(response_, request, "score", "document", return_documents)
 
 
 def documents_requested(body: Any) -> bool:
@@ -193,16 +184,16 @@ def documents_requested(body: Any) -> bool:
 
 def error_body(status: int, message: str, param: str | None = None, kind: str | None = None) -> dict[str, Any]:
     """``{"object": "error", "message", "type", "param", "code"}``."""
-    return {"object": "error", "message": message, "type": kind or error_type(status), "param": param,
-            "code": status}
+    return {"object": "error", **openai_error(status, message, param, kind)}
 
 
 SGLANG_SCORE = Dialect(
     name="sglang-score", paths=("/v1/score",), max_items=256,
     encode_request=encode_score_request, decode_response=decode_score_response,
-    parse_request=parse_score_request, encode_response=encode_score_response, error_body=error_body)
+    parse_request=parse_score_request, encode_response=encode_score_response, error_body=error_body,
+    request_body=ScoreBody)
 SGLANG_RERANK = Dialect(
     name="sglang-rerank", paths=("/v1/rerank",), max_items=256,
     encode_request=encode_rerank_request, decode_response=decode_rerank_response,
     parse_request=parse_rerank_request, encode_response=encode_rerank_response, error_body=error_body,
-    documents_requested=documents_requested)
+    request_body=RerankBody, documents_requested=documents_requested)

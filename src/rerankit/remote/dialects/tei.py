@@ -12,14 +12,12 @@ from rerankit.remote.dialects.common import (
     Dialect,
     WireBody,
     build_request,
-    document_text,
     in_input_order,
+    param_first,
     parse_wire,
-    ranked_top,
-    refuse,
-    require_texts,
+    ranked_results,
+    refuse_for_own_head,
     response,
-    scored,
     single_text,
     text_list,
     wire_refuse,
@@ -46,11 +44,8 @@ class RerankBody(WireBody):
 
 def encode_request(request: ScoreRequest, model: str | None) -> tuple[str, dict[str, Any]]:
     """``/rerank`` body with sigmoid-activated scores and rerankit's truncation; TEI serves one model."""
-    require_texts(request, ENDPOINT)
-    refuse(request, ENDPOINT, mode=(None, "cross-encoder"), template=(None,), label_token_ids=(None,),
-           labels=(None,), apply_softmax=(True,), item_first=(False,), add_special_tokens=(True,),
-           instruction=(None,), return_pooled_hidden_states=(False,), return_label_logprobs=(False,),
-           max_tokens_per_item=(None,), mis_delimiter_token_id=(None,))
+    refuse_for_own_head(request, ENDPOINT, mode=(None, "cross-encoder"), instruction=(None,),
+                        max_tokens_per_item=(None,))
     body: dict[str, Any] = {"query": request.query, "texts": list(request.items), "raw_scores": False,
                             "return_text": False, "truncate": request.truncation != "none"}
     if request.truncation != "none":
@@ -60,8 +55,7 @@ def encode_request(request: ScoreRequest, model: str | None) -> tuple[str, dict[
 
 def decode_response(body: Any, request: ScoreRequest, model: str | None = None) -> ScoreResponse:
     """A JSON list of ``{"index", "score"}`` sorted by score, put back in input order (no token counts)."""
-    results = [scored(entry["index"], entry["score"]) for entry in body]
-    return response(in_input_order(results, len(request.items), ENDPOINT), None, model, 0)
+    return response(in_input_order(body, "score", len(request.items), ENDPOINT), None, model, 0)
 
 
 def parse_request(body: Any) -> ScoreRequest:
@@ -76,13 +70,7 @@ def parse_request(body: Any) -> ScoreRequest:
 def encode_response(response_: ScoreResponse, request: ScoreRequest, model: str | None = None,
                     return_documents: bool = False) -> list[dict[str, Any]]:
     """A list best first; ``text`` when ``return_text`` was asked."""
-    results = []
-    for result in ranked_top(response_, request):
-        entry: dict[str, Any] = {"index": result.index, "score": result.score}
-        if return_documents:
-            entry["text"] = document_text(request, result.index)
-        results.append(entry)
-    return results
+    return ranked_results(response_, request, "score", "text", return_documents)
 
 
 def documents_requested(body: Any) -> bool:
@@ -92,11 +80,11 @@ def documents_requested(body: Any) -> bool:
 
 def error_body(status: int, message: str, param: str | None = None, kind: str | None = None) -> dict[str, Any]:
     """TEI's ``{"error": message, "error_type": "Validation" | "Overloaded" | ...}``."""
-    text = message if param is None or message.startswith(param) else f"{param}: {message}"
-    return {"error": text, "error_type": kind or _ERROR_TYPES.get(status, "Backend")}
+    return {"error": param_first(message, param), "error_type": kind or _ERROR_TYPES.get(status, "Backend")}
 
 
 TEI = Dialect(
     name="tei", paths=("/rerank",), max_items=32,
     encode_request=encode_request, decode_response=decode_response, parse_request=parse_request,
-    encode_response=encode_response, error_body=error_body, documents_requested=documents_requested)
+    encode_response=encode_response, error_body=error_body, request_body=RerankBody,
+    documents_requested=documents_requested)

@@ -15,26 +15,25 @@ from rerankit.remote.dialects.common import (
     Dialect,
     WireBody,
     build_request,
-    document_text,
-    error_type,
     in_input_order,
     new_id,
     now,
+    openai_error,
     openai_usage,
     parse_wire,
     prompt_tokens_of,
-    ranked_top,
+    ranked_results,
     raw_prompt_parts,
     refuse,
-    require_texts,
+    refuse_for_own_head,
     response,
-    scored,
     single_text,
     text_list,
     wire_refuse,
+    wire_refuse_set,
     with_model,
 )
-from rerankit.schema import ErrorBody, ErrorDetail, ScoreRequest, ScoreResponse
+from rerankit.schema import ScoreRequest, ScoreResponse
 from rerankit.templates import RAW
 
 GENERATIVE = "vLLM /generative_scoring"
@@ -116,11 +115,7 @@ def encode_generative_request(request: ScoreRequest, model: str | None) -> tuple
 
 def _pooling_options(request: ScoreRequest, endpoint: str) -> dict[str, Any]:
     """The refusals and truncation fields common to ``/score`` and ``/rerank``."""
-    require_texts(request, endpoint)
-    refuse(request, endpoint, mode=POOLING_MODES, template=(None,), label_token_ids=(None,), labels=(None,),
-           apply_softmax=(True,), item_first=(False,), add_special_tokens=(True,),
-           return_pooled_hidden_states=(False,), return_label_logprobs=(False,), truncation=("end", "none"),
-           mis_delimiter_token_id=(None,))
+    refuse_for_own_head(request, endpoint, mode=POOLING_MODES, truncation=("end", "none"))
     options: dict[str, Any] = {}
     if request.instruction is not None:
         options["instruction"] = request.instruction
@@ -148,16 +143,14 @@ def encode_rerank_request(request: ScoreRequest, model: str | None) -> tuple[str
 
 def decode_data_response(body: Any, request: ScoreRequest, model: str | None = None) -> ScoreResponse:
     """``{"data": [{"index", "score"}]}`` of ``/generative_scoring`` and ``/score``."""
-    results = [scored(entry["index"], entry["score"]) for entry in body["data"]]
-    return response(in_input_order(results, len(request.items), "vLLM"), body, model,
-                    prompt_tokens_of(body.get("usage")))
+    results = in_input_order(body["data"], "score", len(request.items), "vLLM")
+    return response(results, body, model, prompt_tokens_of(body.get("usage")))
 
 
 def decode_rerank_response(body: Any, request: ScoreRequest, model: str | None = None) -> ScoreResponse:
     """``{"results": [{"index", "relevance_score"}]}`` sorted by score, put back in input order."""
-    results = [scored(entry["index"], entry["relevance_score"]) for entry in body["results"]]
-    return response(in_input_order(results, len(request.items), "vLLM /rerank"), body, model,
-                    prompt_tokens_of(body.get("usage")))
+    results = in_input_order(body["results"], "relevance_score", len(request.items), "vLLM /rerank")
+    return response(results, body, model, prompt_tokens_of(body.get("usage")))
 
 
 # Server side ------------------------------------------------------------------------------------------
@@ -179,8 +172,7 @@ def _pooling_request(wire: PoolingFields, query: str, documents: list[str], name
     wire_refuse("truncation_side", wire.truncation_side, (None, "right"), "the query is never cut")
     wire_refuse("truncate_prompt_tokens", wire.truncate_prompt_tokens, (None, -1),
                 "a whole-prompt cap is not offered; use max_tokens_per_doc, or -1 for the model's limit")
-    for field in ("chat_template_kwargs", "mm_processor_kwargs"):
-        wire_refuse(field, getattr(wire, field) or None, (None,), "not offered")
+    wire_refuse_set(wire, ("chat_template_kwargs", "mm_processor_kwargs"), "not offered")
     cuts = wire.truncate_prompt_tokens == -1 or wire.max_tokens_per_doc > 0
     return build_request(names, query=query, items=documents, instruction=wire.instruction, top_n=top_n,
                          max_tokens_per_item=wire.max_tokens_per_doc or None,
@@ -218,12 +210,7 @@ def encode_data_response(response_: ScoreResponse, request: ScoreRequest, model:
 def encode_rerank_response(response_: ScoreResponse, request: ScoreRequest, model: str | None = None,
                            return_documents: bool = True) -> dict[str, Any]:
     """``/rerank`` body: best first, cut to ``top_n``, each with its document (vLLM always echoes it)."""
-    results = []
-    for result in ranked_top(response_, request):
-        entry: dict[str, Any] = {"index": result.index, "relevance_score": result.score}
-        if return_documents:
-            entry["document"] = {"text": document_text(request, result.index)}
-        results.append(entry)
+    results = ranked_results(response_, request, "relevance_score", "document.text", return_documents)
     tokens = response_.usage.prompt_tokens
     return {"id": new_id("rerank"), "model": model or response_.model, "results": results,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
@@ -231,20 +218,21 @@ def encode_rerank_response(response_: ScoreResponse, request: ScoreRequest, mode
 
 def error_body(status: int, message: str, param: str | None = None, kind: str | None = None) -> dict[str, Any]:
     """``{"error": {"message", "type", "param", "code"}}``, the HTTP status in ``code``."""
-    detail = ErrorDetail(message=message, type=kind or error_type(status), param=param, code=status)
-    return ErrorBody(error=detail).model_dump()
+    return {"error": openai_error(status, message, param, kind)}
 
 
 VLLM_GENERATIVE = Dialect(
     name="vllm-generative", paths=("/generative_scoring",), max_items=256,
     encode_request=encode_generative_request, decode_response=decode_data_response,
-    parse_request=parse_generative_request, encode_response=encode_data_response, error_body=error_body)
+    parse_request=parse_generative_request, encode_response=encode_data_response, error_body=error_body,
+    request_body=GenerativeScoringBody)
 VLLM_SCORE = Dialect(
     name="vllm-score", paths=("/score", "/v1/score"), max_items=256,
     encode_request=encode_score_request, decode_response=decode_data_response,
-    parse_request=parse_score_request, encode_response=encode_data_response, error_body=error_body)
+    parse_request=parse_score_request, encode_response=encode_data_response, error_body=error_body,
+    request_body=ScoreBody)
 VLLM_RERANK = Dialect(
     name="vllm-rerank", paths=("/rerank", "/v1/rerank", "/v2/rerank"), max_items=256,
     encode_request=encode_rerank_request, decode_response=decode_rerank_response,
     parse_request=parse_rerank_request, encode_response=encode_rerank_response, error_body=error_body,
-    documents_requested=lambda body: True)
+    request_body=RerankBody, documents_requested=lambda body: True)
