@@ -3,10 +3,6 @@ MiniLM behind rerankit's HTTP server (URL models)."""
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-
 import pytest
 from fake_backends import WordOverlapBackend
 
@@ -30,20 +26,9 @@ def minilm_backend():
 @pytest.fixture(scope="session")
 def minilm_url(minilm_backend):
     """``minilm_backend`` served by rerankit's HTTP app on a loopback port, for the adapters' URL models."""
-    import uvicorn
+    from live_server import live_server
 
     from rerankit.server.app import create_app
 
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(minilm_backend), log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(10)
-    listener.close()
+    with live_server(create_app(minilm_backend)) as url:
+        yield url

@@ -6,42 +6,11 @@ started once per session, over the same ``EmbeddedBackend`` objects the tests co
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-from contextlib import contextmanager
-from typing import Iterator
-
 import pytest
-import uvicorn
-from fastapi import FastAPI
+from live_server import live_server
 
 from rerankit.server.app import create_app
 from rerankit.server.limits import ServerConfig
-
-
-@contextmanager
-def live_server(app: FastAPI) -> Iterator[str]:
-    """Serve ``app`` on loopback until the block ends; yields the base URL."""
-    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted sockets only then; without it Nagle's
-    # algorithm and delayed ACKs add ~40 ms to every response.
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        listener.close()
 
 
 # The long window makes a held-back lone request obvious; the small limits are what the limit tests hit.

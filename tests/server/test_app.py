@@ -8,7 +8,7 @@ import threading
 
 import httpx
 import pytest
-from conftest import live_server
+from live_server import live_server
 from server_fakes import RecordingBackend
 from wire_models import ERROR_MODELS, VllmError
 

@@ -25,8 +25,17 @@ async def started(backend: RecordingBackend, **config: object) -> Batcher:
     return batcher
 
 
-async def wait_for_engine(backend: RecordingBackend) -> None:
+async def queued_behind_first_call(backend: RecordingBackend, batcher: Batcher, queued: list[ScoreRequest],
+                                   settle_s: float = 0.05) -> tuple[asyncio.Task, list[asyncio.Task]]:
+    """Submit "first", wait until the backend holds it on its gate, then submit ``queued`` behind it.
+
+    Returns the tasks of "first" and of the queued requests, ``settle_s`` after the last one was submitted.
+    """
+    first = asyncio.create_task(batcher.submit(request("first")))
     await asyncio.to_thread(backend.entered.wait, 5)
+    tasks = [asyncio.create_task(batcher.submit(queued_request)) for queued_request in queued]
+    await asyncio.sleep(settle_s)
+    return first, tasks
 
 
 async def test_lone_request_on_idle_engine_is_not_held_for_the_window():
@@ -44,10 +53,7 @@ async def test_lone_request_on_idle_engine_is_not_held_for_the_window():
 async def test_requests_arriving_while_the_engine_runs_share_the_next_call():
     backend = RecordingBackend(hold_first_call=True)
     batcher = await started(backend, batch_window_ms=1)
-    first = asyncio.create_task(batcher.submit(request("first")))
-    await wait_for_engine(backend)
-    others = [asyncio.create_task(batcher.submit(request(f"q{n}"))) for n in range(5)]
-    await asyncio.sleep(0.05)
+    first, others = await queued_behind_first_call(backend, batcher, [request(f"q{n}") for n in range(5)])
     assert batcher.queue_depth == 5
     backend.gate.set()
     responses = await asyncio.gather(first, *others)
@@ -60,10 +66,7 @@ async def test_requests_arriving_while_the_engine_runs_share_the_next_call():
 async def test_batch_item_budget_splits_the_queue_in_arrival_order():
     backend = RecordingBackend(hold_first_call=True)
     batcher = await started(backend, batch_window_ms=1, max_batch_items=4)
-    first = asyncio.create_task(batcher.submit(request("first")))
-    await wait_for_engine(backend)
-    others = [asyncio.create_task(batcher.submit(request(f"q{n}", items=2))) for n in range(5)]
-    await asyncio.sleep(0.05)
+    first, others = await queued_behind_first_call(backend, batcher, [request(f"q{n}", items=2) for n in range(5)])
     backend.gate.set()
     await asyncio.gather(first, *others)
     await batcher.stop()
@@ -78,10 +81,7 @@ async def test_merged_call_failing_as_a_whole_is_retried_one_request_at_a_time()
 
     backend = FailsMerged(hold_first_call=True)
     batcher = await started(backend, batch_window_ms=1)
-    first = asyncio.create_task(batcher.submit(request("first")))
-    await wait_for_engine(backend)
-    others = [asyncio.create_task(batcher.submit(request(f"q{n}"))) for n in range(2)]
-    await asyncio.sleep(0.05)
+    first, others = await queued_behind_first_call(backend, batcher, [request(f"q{n}") for n in range(2)])
     backend.gate.set()
     responses = await asyncio.gather(first, *others)
     await batcher.stop()
@@ -101,11 +101,7 @@ async def test_request_over_the_budget_on_its_own_still_runs_alone():
 async def test_bad_request_in_a_merged_call_fails_only_its_own_caller():
     backend = RecordingBackend(hold_first_call=True)
     batcher = await started(backend, batch_window_ms=1)
-    first = asyncio.create_task(batcher.submit(request("first")))
-    await wait_for_engine(backend)
-    good = asyncio.create_task(batcher.submit(request("good")))
-    bad = asyncio.create_task(batcher.submit(request("bad")))
-    await asyncio.sleep(0.05)
+    first, (good, bad) = await queued_behind_first_call(backend, batcher, [request("good"), request("bad")])
     backend.gate.set()
     await first
     assert (await good).scores == [3.0]
@@ -118,10 +114,8 @@ async def test_bad_request_in_a_merged_call_fails_only_its_own_caller():
 async def test_full_queue_refuses_with_overloaded_and_keeps_serving():
     backend = RecordingBackend(hold_first_call=True)
     batcher = await started(backend, max_queue_requests=2)
-    first = asyncio.create_task(batcher.submit(request("first")))
-    await wait_for_engine(backend)
-    queued = [asyncio.create_task(batcher.submit(request(f"q{n}"))) for n in range(2)]
-    await asyncio.sleep(0.02)
+    first, queued = await queued_behind_first_call(backend, batcher, [request(f"q{n}") for n in range(2)],
+                                                   settle_s=0.02)
     with pytest.raises(Overloaded, match="max_queue_requests"):
         await batcher.submit(request("one too many"))
     backend.gate.set()
@@ -133,10 +127,7 @@ async def test_full_queue_refuses_with_overloaded_and_keeps_serving():
 async def test_no_batching_scores_one_request_per_engine_call():
     backend = RecordingBackend(hold_first_call=True)
     batcher = await started(backend, batching=False)
-    first = asyncio.create_task(batcher.submit(request("first")))
-    await wait_for_engine(backend)
-    others = [asyncio.create_task(batcher.submit(request(f"q{n}"))) for n in range(3)]
-    await asyncio.sleep(0.05)
+    first, others = await queued_behind_first_call(backend, batcher, [request(f"q{n}") for n in range(3)])
     backend.gate.set()
     await asyncio.gather(first, *others)
     await batcher.stop()
@@ -158,10 +149,7 @@ async def test_sequential_lone_requests_are_never_held_for_the_window():
 async def test_request_queued_behind_a_call_waits_out_the_window_for_company():
     backend = RecordingBackend(hold_first_call=True)
     batcher = await started(backend, batch_window_ms=300)
-    first = asyncio.create_task(batcher.submit(request("first")))
-    await wait_for_engine(backend)
-    queued = asyncio.create_task(batcher.submit(request("queued")))
-    await asyncio.sleep(0.01)
+    first, (queued,) = await queued_behind_first_call(backend, batcher, [request("queued")], settle_s=0.01)
     backend.gate.set()
     await first
     late = asyncio.create_task(batcher.submit(request("late")))  # a caller answered by the first call
@@ -173,10 +161,7 @@ async def test_request_queued_behind_a_call_waits_out_the_window_for_company():
 async def test_stop_fails_queued_requests_instead_of_leaving_them_waiting():
     backend = RecordingBackend(hold_first_call=True)
     batcher = await started(backend)
-    first = asyncio.create_task(batcher.submit(request("first")))
-    await wait_for_engine(backend)
-    queued = asyncio.create_task(batcher.submit(request("queued")))
-    await asyncio.sleep(0.02)
+    first, (queued,) = await queued_behind_first_call(backend, batcher, [request("queued")], settle_s=0.02)
     backend.gate.set()
     await batcher.stop()
     results = await asyncio.gather(first, queued, return_exceptions=True)

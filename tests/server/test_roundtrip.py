@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from conftest import live_server
+from live_server import live_server
 from wire_models import RESPONSE_MODELS, SORTED_RESPONSES
 
 from rerankit.remote import DIALECTS, RemoteBackend
