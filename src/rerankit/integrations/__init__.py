@@ -1,6 +1,8 @@
 """Adapters for RAG frameworks: ``rerankit.integrations.langchain`` and ``rerankit.integrations.llama_index``.
 
-This package imports neither framework; each adapter module imports only its own.
+This package imports neither framework; each adapter module imports only its own. Both frameworks' components
+are pydantic models, so the settings their adapters share are pydantic models here (``RerankSettings``,
+``EmbedSettings``) that each adapter mixes into its framework's base class.
 """
 
 from __future__ import annotations
@@ -8,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import threading
 from typing import Any, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from rerankit.backend import Backend
 from rerankit.errors import RerankitError
@@ -108,3 +112,57 @@ async def aembed_texts(lazy: LazyBackend, texts: list[str]) -> list[list[float]]
         return []
     backend = await lazy.aget()
     return embeddings_of(await backend.ascore(embedding_request(texts)), backend.model_name)
+
+
+class RerankSettings(BaseModel):
+    """What a reranking adapter is given: a ``model`` (path, hub id, server URL or list of URLs; None is the packaged
+    MiniLM) with ``backend_options``, or an already-built ``reranker`` or ``backend``; ``top_n`` and extra request
+    fields. The backend is built on first use.
+    """
+
+    model: str | list[str] | None = Field(default=None, description="Model path, hub id, or server URL(s).")
+    top_n: int | None = Field(default=3, ge=1, description="How many to keep, best first; None keeps all.")
+    backend_options: dict[str, Any] = Field(
+        default_factory=dict, description="Options for the backend built from `model` (device, dtype, dialect, ...).")
+    request_options: dict[str, Any] = Field(
+        default_factory=dict, description="Extra ScoreRequest fields (instruction, template, max_tokens_per_item, ...).")
+    reranker: Reranker | None = Field(default=None, exclude=True, description="A ready Reranker to score with.")
+    backend: Backend | None = Field(default=None, exclude=True, description="A ready Backend to score with.")
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    _backend: LazyBackend = PrivateAttr()
+
+    @model_validator(mode="after")
+    def _one_source_of_scores(self) -> "RerankSettings":
+        check_request_options(self.request_options)
+        self._backend = adapter_backend(self.model, self.backend_options, self.reranker, self.backend)
+        return self
+
+    def close(self) -> None:
+        """Release the model or connections built from ``model``; a passed-in backend stays open."""
+        self._backend.close()
+
+
+class EmbedSettings(BaseModel):
+    """What an embedding adapter is given: a bi-encoder ``model`` (path or hub id of a sentence-transformers model;
+    None is the packaged all-MiniLM-L6-v2) with ``backend_options``, or a ready ``backend``. The model loads on
+    first use.
+    """
+
+    model: str | None = Field(default=None, description="Bi-encoder path or hub id; None is the packaged MiniLM.")
+    backend_options: dict[str, Any] = Field(default_factory=dict, description="Options for the embedded engine.")
+    backend: Backend | None = Field(default=None, exclude=True, description="A ready Backend to embed with.")
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    _backend: LazyBackend = PrivateAttr()
+
+    @model_validator(mode="after")
+    def _one_source_of_embeddings(self) -> "EmbedSettings":
+        self._backend = adapter_backend(self.model, self.backend_options, None, self.backend)
+        return self
+
+    def close(self) -> None:
+        """Release a model built from ``model``; a passed-in backend stays open."""
+        self._backend.close()

@@ -11,48 +11,27 @@ Needs only ``langchain-core``. The model loads (or the connection opens) on the 
 from __future__ import annotations
 
 from copy import deepcopy
-from typing import Any, Sequence
+from typing import Sequence
 
 from langchain_core.callbacks import Callbacks
 from langchain_core.documents import BaseDocumentCompressor, Document
 from langchain_core.embeddings import Embeddings
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import ConfigDict
 
-from rerankit.backend import Backend
-from rerankit.integrations import (LazyBackend, adapter_backend, aembed_texts, check_request_options,
-                                  embed_texts)
-from rerankit.reranker import Reranker
+from rerankit.integrations import EmbedSettings, RerankSettings, aembed_texts, embed_texts
 from rerankit.schema import ScoreRequest, ScoreResponse
 
 RELEVANCE_SCORE = "relevance_score"
 
 
-class RerankitRerank(BaseDocumentCompressor):
+class RerankitRerank(RerankSettings, BaseDocumentCompressor):
     """Reranks documents with rerankit and keeps the ``top_n`` best, each scored in ``metadata["relevance_score"]``.
 
-    Give a ``model`` (path, hub id, server URL or list of URLs; None is the packaged MiniLM) with
-    ``backend_options``, or an already-built ``reranker`` or ``backend``. Input documents are never modified:
-    the returned ones are copies.
+    Give a ``model`` with ``backend_options``, or a ready ``reranker`` or ``backend`` (see ``RerankSettings``).
+    Input documents are never modified: the returned ones are copies.
     """
 
-    model: str | list[str] | None = Field(default=None, description="Model path, hub id, or server URL(s).")
-    top_n: int | None = Field(default=3, ge=1, description="How many documents to keep; None keeps all.")
-    backend_options: dict[str, Any] = Field(
-        default_factory=dict, description="Options for the backend built from `model` (device, dtype, dialect, ...).")
-    request_options: dict[str, Any] = Field(
-        default_factory=dict, description="Extra ScoreRequest fields (instruction, template, max_tokens_per_item, ...).")
-    reranker: Reranker | None = Field(default=None, exclude=True, description="A ready Reranker to score with.")
-    backend: Backend | None = Field(default=None, exclude=True, description="A ready Backend to score with.")
-
-    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
-
-    _backend: LazyBackend = PrivateAttr()
-
-    @model_validator(mode="after")
-    def _one_source_of_scores(self) -> "RerankitRerank":
-        check_request_options(self.request_options)
-        self._backend = adapter_backend(self.model, self.backend_options, self.reranker, self.backend)
-        return self
+    model_config = ConfigDict(extra="forbid")
 
     def compress_documents(self, documents: Sequence[Document], query: str,
                            callbacks: Callbacks | None = None) -> Sequence[Document]:
@@ -71,10 +50,6 @@ class RerankitRerank(BaseDocumentCompressor):
         response = await backend.ascore(self._request(documents, query))
         return self._ranked_copies(documents, response)
 
-    def close(self) -> None:
-        """Release the model or connections built from ``model``; a passed-in backend stays open."""
-        self._backend.close()
-
     def _request(self, documents: Sequence[Document], query: str) -> ScoreRequest:
         return ScoreRequest(query=query, items=[document.page_content for document in documents],
                             top_n=self.top_n, **self.request_options)
@@ -88,26 +63,14 @@ class RerankitRerank(BaseDocumentCompressor):
         return ranked
 
 
-
-class RerankitEmbeddings(BaseModel, Embeddings):
+class RerankitEmbeddings(EmbedSettings, Embeddings):
     """LangChain embeddings from a bi-encoder run by rerankit: the packaged all-MiniLM-L6-v2 when ``model`` is None.
 
-    Give a ``model`` (path or hub id of a sentence-transformers model) with ``backend_options``, or a ready
-    ``backend`` (e.g. the one a ``RerankitRerank`` shares). The model loads on the first call.
+    Give a ``model`` with ``backend_options``, or a ready ``backend``, e.g. the one a ``RerankitRerank`` shares
+    (see ``EmbedSettings``).
     """
 
-    model: str | None = Field(default=None, description="Bi-encoder path or hub id; None is the packaged MiniLM.")
-    backend_options: dict[str, Any] = Field(default_factory=dict, description="Options for the embedded engine.")
-    backend: Backend | None = Field(default=None, exclude=True, description="A ready Backend to embed with.")
-
-    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
-
-    _backend: LazyBackend = PrivateAttr()
-
-    @model_validator(mode="after")
-    def _one_source_of_embeddings(self) -> "RerankitEmbeddings":
-        self._backend = adapter_backend(self.model, self.backend_options, None, self.backend)
-        return self
+    model_config = ConfigDict(extra="forbid")
 
     def embed_documents(self, texts: list[str]) -> list[list[float]]:
         """One embedding per text."""
@@ -124,7 +87,3 @@ class RerankitEmbeddings(BaseModel, Embeddings):
     async def aembed_query(self, text: str) -> list[float]:
         """Async twin of ``embed_query``."""
         return (await aembed_texts(self._backend, [text]))[0]
-
-    def close(self) -> None:
-        """Release a model built from ``model``; a passed-in backend stays open."""
-        self._backend.close()

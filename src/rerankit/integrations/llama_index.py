@@ -9,51 +9,30 @@ Needs only ``llama-index-core``. The model loads (or the connection opens) on th
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator, List, Optional
+from typing import Iterator, List, Optional
 
 from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
-from llama_index.core.bridge.pydantic import Field, PrivateAttr, model_validator
+from llama_index.core.bridge.pydantic import model_validator
 from llama_index.core.callbacks import CBEventType, EventPayload
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.events.rerank import ReRankEndEvent, ReRankStartEvent
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
-from rerankit.backend import Backend
 from rerankit.defaults import DEFAULT_MODEL_NAME
 from rerankit.errors import InvalidRequest
-from rerankit.integrations import (LazyBackend, adapter_backend, aembed_texts, check_request_options,
-                                  embed_texts)
-from rerankit.reranker import Reranker
+from rerankit.integrations import EmbedSettings, RerankSettings, aembed_texts, embed_texts
 from rerankit.schema import ScoreRequest, ScoreResponse
 
 dispatcher = get_dispatcher(__name__)
 
 
-class RerankitRerank(BaseNodePostprocessor):
+class RerankitRerank(RerankSettings, BaseNodePostprocessor):
     """Reranks nodes with rerankit and keeps the ``top_n`` best, with ``NodeWithScore.score`` set to the new score.
 
-    Give a ``model`` (path, hub id, server URL or list of URLs; None is the packaged MiniLM) with
-    ``backend_options``, or an already-built ``reranker`` or ``backend``. The input nodes are not modified:
-    new ``NodeWithScore`` objects wrap the same nodes.
+    Give a ``model`` with ``backend_options``, or a ready ``reranker`` or ``backend`` (see ``RerankSettings``).
+    The input nodes are not modified: new ``NodeWithScore`` objects wrap the same nodes.
     """
-
-    model: Optional[str | list[str]] = Field(default=None, description="Model path, hub id, or server URL(s).")
-    top_n: Optional[int] = Field(default=3, ge=1, description="How many nodes to keep; None keeps all.")
-    backend_options: dict[str, Any] = Field(
-        default_factory=dict, description="Options for the backend built from `model` (device, dtype, dialect, ...).")
-    request_options: dict[str, Any] = Field(
-        default_factory=dict, description="Extra ScoreRequest fields (instruction, template, max_tokens_per_item, ...).")
-    reranker: Optional[Reranker] = Field(default=None, exclude=True, description="A ready Reranker to score with.")
-    backend: Optional[Backend] = Field(default=None, exclude=True, description="A ready Backend to score with.")
-
-    _backend: LazyBackend = PrivateAttr()
-
-    @model_validator(mode="after")
-    def _one_source_of_scores(self) -> "RerankitRerank":
-        check_request_options(self.request_options)
-        self._backend = adapter_backend(self.model, self.backend_options, self.reranker, self.backend)
-        return self
 
     @classmethod
     def class_name(cls) -> str:
@@ -78,10 +57,6 @@ class RerankitRerank(BaseNodePostprocessor):
         with self._reranking_events(nodes, query_bundle, backend.model_name) as reranked:
             reranked.extend(_ranked_nodes(nodes, await backend.ascore(self._request(nodes, query)), self.top_n))
         return reranked
-
-    def close(self) -> None:
-        """Release the model or connections built from ``model``; a passed-in backend stays open."""
-        self._backend.close()
 
     def _request(self, nodes: List[NodeWithScore], query: str) -> ScoreRequest:
         items = [node.node.get_content(metadata_mode=MetadataMode.EMBED) for node in nodes]
@@ -108,22 +83,15 @@ class RerankitRerank(BaseNodePostprocessor):
         dispatcher.event(ReRankEndEvent(nodes=reranked))
 
 
-class RerankitEmbedding(BaseEmbedding):
+class RerankitEmbedding(EmbedSettings, BaseEmbedding):
     """LlamaIndex embeddings from a bi-encoder run by rerankit: the packaged all-MiniLM-L6-v2 when ``model`` is None.
 
-    Give a ``model`` (path or hub id of a sentence-transformers model) with ``backend_options``, or a ready
-    ``backend``. The model loads on the first call; ``model_name`` (for LlamaIndex's events) follows ``model``.
+    Give a ``model`` with ``backend_options``, or a ready ``backend`` (see ``EmbedSettings``); ``model_name``
+    (for LlamaIndex's events) follows ``model``.
     """
 
-    model: Optional[str] = Field(default=None, description="Bi-encoder path or hub id; None is the packaged MiniLM.")
-    backend_options: dict[str, Any] = Field(default_factory=dict, description="Options for the embedded engine.")
-    backend: Optional[Backend] = Field(default=None, exclude=True, description="A ready Backend to embed with.")
-
-    _backend: LazyBackend = PrivateAttr()
-
     @model_validator(mode="after")
-    def _one_source_of_embeddings(self) -> "RerankitEmbedding":
-        self._backend = adapter_backend(self.model, self.backend_options, None, self.backend)
+    def _name_after_model(self) -> "RerankitEmbedding":
         if self.model_name == "unknown":
             self.model_name = self.model or DEFAULT_MODEL_NAME
         return self
@@ -146,10 +114,6 @@ class RerankitEmbedding(BaseEmbedding):
 
     async def _aget_text_embeddings(self, texts: List[str]) -> List[Embedding]:
         return await aembed_texts(self._backend, texts)
-
-    def close(self) -> None:
-        """Release a model built from ``model``; a passed-in backend stays open."""
-        self._backend.close()
 
 
 def _query_text(query_bundle: Optional[QueryBundle]) -> str:
