@@ -125,7 +125,8 @@ class RerankSettings(BaseModel):
     backend_options: dict[str, Any] = Field(
         default_factory=dict, description="Options for the backend built from `model` (device, dtype, dialect, ...).")
     request_options: dict[str, Any] = Field(
-        default_factory=dict, description="Extra ScoreRequest fields (instruction, template, max_tokens_per_item, ...).")
+        default_factory=dict,
+        description="Extra ScoreRequest fields (instruction, template, max_tokens_per_item, ...).")
     reranker: Reranker | None = Field(default=None, exclude=True, description="A ready Reranker to score with.")
     backend: Backend | None = Field(default=None, exclude=True, description="A ready Backend to score with.")
 
