@@ -11,10 +11,11 @@ import torch
 
 from rerankit.engine import EmbeddedBackend
 from rerankit.engine.batch import attention_allowed
-from rerankit.engine.encode import EncodedRequest
+from rerankit.engine.encode import EncodedRequest, encode_request
 from rerankit.engine.plan import RequestParts, plan_requests
 from rerankit.errors import InvalidRequest
 from rerankit.schema import ScoreRequest
+from rerankit.templates import get_template
 from test_fast_path import DOCS, QUERY, make_decoder
 
 EXACT = 1e-5
@@ -162,6 +163,21 @@ def test_raw_delimiter_mis_scores_as_sglang_does(lm_path, lm, reference):
             torch.testing.assert_close(torch.tensor(backend.score(delimited).scores), expected, atol=EXACT, rtol=0)
         # SGLang's delimiters are never attended to: the scores are those of the plain raw pairs.
         assert_same_results(lm.score(delimited), lm.score(plain))
+
+
+def test_raw_delimiter_request_is_laid_out_as_its_query_and_item_pairs(lm):
+    loaded = lm._model()
+    room = loaded.max_length - 3
+    request = ScoreRequest(query=[5, 6, 7], items=[[8, 9], [10], [11] * room], label_token_ids=[30, 31],
+                           mis_delimiter_token_id=3, truncation="none")
+    encoded = encode_request(request, loaded, "generative", get_template("raw"))
+    assert (encoded.prefix_ids, encoded.item_ids, encoded.suffix_ids) == ([5, 6, 7], request.items, [])
+    with pytest.raises(InvalidRequest, match="items\\[0\\]"):  # the item's room is what the query leaves
+        encode_request(request.model_copy(update={"items": [[11] * (room + 1)]}), loaded, "generative",
+                       get_template("raw"))
+    with pytest.raises(InvalidRequest, match="mis_delimiter_token_id"):
+        encode_request(request.model_copy(update={"mis_delimiter_token_id": loaded.vocab_size}), loaded,
+                       "generative", get_template("raw"))
 
 
 def test_score_batch_equals_separate_calls_in_fewer_micro_batches(lm_path):

@@ -9,7 +9,6 @@ whole call has been launched; one copy to the host ends it.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import threading
 from dataclasses import dataclass
 
@@ -155,8 +154,6 @@ class EmbeddedBackend:
                                  f"it supports {', '.join(loaded.supported_modes)}")
         template = resolve_template(request, loaded, self._template, mode)
         encoded = encode_request(request, loaded, mode, template)
-        if request.mis_delimiter_token_id is not None:
-            encoded = _without_delimiters(encoded)
         if mode == "generative":
             key: tuple = (mode, tuple(encoded.label_ids), request.apply_softmax, encoded.lone_label_sigmoid)
         elif mode == "cross-encoder":
@@ -261,14 +258,3 @@ class EmbeddedBackend:
             return heads.bi_encoder_head(embedding, loaded.pooling, loaded.normalize_embeddings)
         return heads.late_interaction_head(query_hidden, loaded.pooling, loaded.normalize_embeddings)
 
-
-def _without_delimiters(encoded: EncodedRequest) -> EncodedRequest:
-    """SGLang's multi-item layout ``query<d>item1<d>item2<d>...`` scored as SGLang scores it.
-
-    In SGLang (FlashInfer's multi-item mask, positions set in ``_process_multi_item_scoring``) an item token
-    sees the query and the earlier tokens of its own item, never a delimiter; item positions continue the
-    query's; the label log-probs "at a delimiter" come from the item's last token. That is the raw pair
-    ``query + item`` read at its last token, so the delimiters are dropped here rather than computed and masked.
-    ``encode_request`` lays the request out as ``query <d> | item | <d>``; this strips both delimiters.
-    """
-    return dataclasses.replace(encoded, prefix_ids=encoded.prefix_ids[:-1], suffix_ids=encoded.suffix_ids[:-1])

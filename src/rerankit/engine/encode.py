@@ -1,15 +1,18 @@
 """From a ScoreRequest to token ids: template, one tokenization per part, truncation, and the request checks
 that need the model (vocabulary, labels, modes).
 
-Every pair sequence is ``prefix_ids + item_ids[i] + suffix_ids``. The prefix (instruction + query) is tokenized
-once per request, each item once, the suffix once. Truncation shortens the item only, so the suffix where the
-label is read always survives. Bi-encoder and late-interaction requests also carry the query as its own sequence.
+Every pair sequence is ``prefix_ids + item_ids[i] + suffix_ids``. The prefix (instruction + query) and the items
+of a request go to the tokenizer in one batched call; the parts that do not depend on the query (separator, suffix,
+label words, special-token layout) are tokenized once per tokenizer and kept. Truncation shortens the item only, so
+the suffix where the label is read always survives. Bi-encoder and late-interaction requests also carry the query
+as its own sequence.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from rerankit.engine.load import LoadedModel
 from rerankit.errors import InvalidRequest
@@ -17,6 +20,10 @@ from rerankit.schema import ScoreRequest
 from rerankit.templates import RAW, Template, detect_template, get_template
 
 QUERY_KEY = -1  # the key of a bi-encoder's query sequence; items are keyed by their index
+MAX_CACHED_PER_TOKENIZER = 256  # instructions and label words come from requests: keep the newest only
+
+_Value = TypeVar("_Value")
+_CACHE: weakref.WeakKeyDictionary[Any, dict[tuple, Any]] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -90,7 +97,11 @@ class SpecialLayout:
 
 
 def special_layout(tokenizer: Any, pair: bool) -> SpecialLayout:
-    """Find the tokenizer's special-token layout by encoding two one-token sentinels and locating them."""
+    """The tokenizer's special-token layout, found once per tokenizer by locating two one-token sentinels."""
+    return _cached(tokenizer, ("layout", pair), lambda: _find_special_layout(tokenizer, pair))
+
+
+def _find_special_layout(tokenizer: Any, pair: bool) -> SpecialLayout:
     first = tokenizer("a", add_special_tokens=False)["input_ids"]
     second = tokenizer("b", add_special_tokens=False)["input_ids"]
     encoded = tokenizer("a", "b" if pair else None, add_special_tokens=True, return_token_type_ids=True)
@@ -175,49 +186,82 @@ def _check_fields_apply(request: ScoreRequest, mode: str, template: Template | N
 
 
 def _tokenize(tokenizer: Any, texts: list[str]) -> list[list[int]]:
-    """Token ids of each text, without the tokenizer's special tokens."""
-    return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    """Token ids of each text, without the tokenizer's special tokens, in one batched call.
+
+    A fast tokenizer is called through its Rust backend without character offsets, which nothing here reads:
+    ids equal the wrapper's, ~25% faster on W1's items. The backend is set up as the wrapper sets it per call.
+    """
+    if not texts:
+        return []
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "encode_batch_fast"):
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+    if backend.truncation is not None:
+        backend.no_truncation()
+    if backend.padding is not None:
+        backend.no_padding()
+    split_special_tokens = bool(getattr(tokenizer, "split_special_tokens", False))
+    if backend.encode_special_tokens != split_special_tokens:
+        backend.encode_special_tokens = split_special_tokens
+    return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=False)]
+
+
+@dataclass(frozen=True)
+class _TemplateIds:
+    """A template's token ids that do not depend on the query, for one tokenizer and instruction."""
+
+    bos: list[int]
+    separator: list[int]
+    suffix: list[int]
+    empty_item: list[int]  # the item text with no document: an item's leading tokens that match it are the template's
+
+
+def _template_ids(tokenizer: Any, template: Template, instruction: str | None) -> _TemplateIds:
+    def tokenize() -> _TemplateIds:
+        separator, suffix, empty_item = _tokenize(tokenizer, [template.separator, template.suffix(instruction),
+                                                              template.item("")])
+        bos = tokenizer.bos_token_id
+        with_bos = template.add_bos and bos is not None and bos != tokenizer.pad_token_id
+        return _TemplateIds([bos] if with_bos else [], separator, suffix, empty_item)
+
+    return _cached(tokenizer, ("template", template, instruction), tokenize)
 
 
 def _encode_text(request: ScoreRequest, loaded: LoadedModel, template: Template, mode: str) -> EncodedRequest:
-    """A text template: [bos] prefix sep | item | sep suffix, each part tokenized on its own."""
+    """A text template: [bos] prefix sep | item | sep suffix; the prefix and the items in one tokenizer call."""
     if not isinstance(request.query, str):
         raise InvalidRequest("query", f"template {template.name!r} needs the query as text, not token ids")
     if request.items_are_token_ids:
         raise InvalidRequest("items", f"template {template.name!r} needs texts, not token ids")
-    tokenizer = loaded.tokenizer
-    prefix, separator, suffix, empty_item = _tokenize(tokenizer, [
-        template.prefix(request.instruction, request.query), template.separator, template.suffix(request.instruction),
-        template.item(""),
-    ])
-    bos = tokenizer.bos_token_id
-    if template.add_bos and bos is not None and bos != tokenizer.pad_token_id:
-        prefix = [bos] + prefix
-    items = _tokenize(tokenizer, [template.item(doc) for doc in request.items])
-    encoded = EncodedRequest(mode, prefix + separator, [], separator + suffix, [], read_first=False)
+    parts = _template_ids(loaded.tokenizer, template, request.instruction)
+    prefix, *items = _tokenize(loaded.tokenizer, [template.prefix(request.instruction, request.query),
+                                                  *map(template.item, request.items)])
+    encoded = EncodedRequest(mode, parts.bos + prefix + parts.separator, [], parts.separator + parts.suffix, [],
+                             read_first=False)
     encoded.item_ids = _fit_items(items, request, loaded, len(encoded.prefix_ids) + len(encoded.suffix_ids),
-                                  lead=lambda item: _common_prefix(item, empty_item))
+                                  lead_ids=parts.empty_item)
     return encoded
 
 
 def _encode_raw(request: ScoreRequest, loaded: LoadedModel) -> EncodedRequest:
-    """vLLM/SGLang raw layout: query ids (special tokens per the request) and item ids (none), concatenated."""
+    """vLLM/SGLang raw layout: query ids (special tokens per the request) and item ids (none), concatenated.
+
+    SGLang's multi-item layout ``query<d>item1<d>item2<d>...`` (``mis_delimiter_token_id``) is laid out as the
+    pairs ``query + item``: there an item token sees the query and the earlier tokens of its own item, never a
+    delimiter, its positions continue the query's, and the label log-probs "at a delimiter" come from the item's
+    last token. So the delimiters are neither computed nor masked; they are left out.
+    """
     tokenizer = loaded.tokenizer
     if isinstance(request.query, str):
         query = tokenizer(request.query, add_special_tokens=request.add_special_tokens)["input_ids"]
     else:
         query = _query_ids(request, loaded)
     items = _item_ids(request, loaded)
-    delimiter = request.mis_delimiter_token_id
-    if delimiter is not None:
-        _check_vocab([delimiter], loaded.vocab_size, "mis_delimiter_token_id")
-        prefix, suffix = query + [delimiter], [delimiter]  # SGLang's multi-item layout, one item at a time
-    elif request.item_first:
-        prefix, suffix = [], query
-    else:
-        prefix, suffix = query, []
+    if request.mis_delimiter_token_id is not None:
+        _check_vocab([request.mis_delimiter_token_id], loaded.vocab_size, "mis_delimiter_token_id")
+    prefix, suffix = ([], query) if request.item_first else (query, [])
     encoded = EncodedRequest("generative", prefix, [], suffix, [], read_first=False)
-    encoded.item_ids = _fit_items(items, request, loaded, len(prefix) + len(suffix), lead=lambda item: 0)
+    encoded.item_ids = _fit_items(items, request, loaded, len(prefix) + len(suffix))
     return encoded
 
 
@@ -232,7 +276,7 @@ def _encode_pair(request: ScoreRequest, loaded: LoadedModel) -> EncodedRequest:
         encoded.prefix_types = layout.before_types + [layout.first_type] * len(query) + layout.between_types
         encoded.item_type = layout.second_type
         encoded.suffix_types = list(layout.after_types)
-    encoded.item_ids = _fit_items(items, request, loaded, len(prefix) + len(layout.after), lead=lambda item: 0)
+    encoded.item_ids = _fit_items(items, request, loaded, len(prefix) + len(layout.after))
     return encoded
 
 
@@ -240,14 +284,14 @@ def _encode_single(request: ScoreRequest, loaded: LoadedModel, mode: str) -> Enc
     """Bi-encoder / late interaction: the query and each item as their own sequences, with special tokens."""
     layout = special_layout(loaded.tokenizer, pair=False)
     fixed = len(layout.before) + len(layout.after)
-    query = _fit(_query_ids(request, loaded), loaded.max_length - fixed, request.truncation, 0, "query")
+    query = _fit(_query_ids(request, loaded), loaded.max_length - fixed, request.truncation, "query")
     encoded = EncodedRequest(mode, list(layout.before), [], list(layout.after), [],
                              read_first=loaded.pooling == "cls", query_ids=layout.before + query + layout.after)
     if "token_type_ids" in loaded.tokenizer.model_input_names:
         encoded.prefix_types = list(layout.before_types)
         encoded.item_type = layout.first_type
         encoded.suffix_types = list(layout.after_types)
-    encoded.item_ids = _fit_items(_item_ids(request, loaded), request, loaded, fixed, lead=lambda item: 0)
+    encoded.item_ids = _fit_items(_item_ids(request, loaded), request, loaded, fixed)
     return encoded
 
 
@@ -267,25 +311,30 @@ def _item_ids(request: ScoreRequest, loaded: LoadedModel) -> list[list[int]]:
 
 
 def _fit_items(items: list[list[int]], request: ScoreRequest, loaded: LoadedModel, fixed: int,
-               lead: Callable[[list[int]], int]) -> list[list[int]]:
-    """Cut each item to what the model length (and ``max_tokens_per_item``) leaves after prefix and suffix."""
+               lead_ids: list[int] | None = None) -> list[list[int]]:
+    """Cut each item to what the model length (and ``max_tokens_per_item``) leaves after prefix and suffix.
+
+    ``lead_ids``: the template's item text without a document; cutting at the start keeps an item's tokens that
+    match it.
+    """
     room = loaded.max_length - fixed
     if room < 1:
         raise InvalidRequest("query", f"the prompt around each item takes {fixed} tokens, which leaves no room for "
                              f"an item within the model's limit of {loaded.max_length} tokens")
     limit = min(room, request.max_tokens_per_item or room)
-    return [_fit(item, limit, request.truncation, lead(item), f"items[{index}]") for index, item in enumerate(items)]
+    return [item if len(item) <= limit else _fit(item, limit, request.truncation, f"items[{index}]", lead_ids)
+            for index, item in enumerate(items)]
 
 
-def _fit(ids: list[int], limit: int, policy: str, lead: int, field: str) -> list[int]:
-    """``ids`` cut to ``limit`` tokens at the end, or at the start keeping the template's ``lead`` tokens."""
+def _fit(ids: list[int], limit: int, policy: str, field: str, lead_ids: list[int] | None = None) -> list[int]:
+    """``ids`` cut to ``limit`` tokens at the end, or at the start keeping the tokens it shares with ``lead_ids``."""
     if len(ids) <= limit:
         return ids
     if policy == "none" or limit < 1:
         raise InvalidRequest(field, f"has {len(ids)} tokens; the limit is {max(limit, 0)} (truncation={policy!r})")
     if policy == "end":
         return ids[:limit]
-    kept_lead = min(lead, limit)
+    kept_lead = min(_common_prefix(ids, lead_ids or []), limit)
     return ids[:kept_lead] + ids[len(ids) - (limit - kept_lead):]
 
 
@@ -314,7 +363,8 @@ def _label_ids(request: ScoreRequest, loaded: LoadedModel, template: Template) -
         if not labels:
             raise InvalidRequest("label_token_ids", "raw scoring needs label_token_ids (or labels)")
         ids = []
-        for label, label_ids in zip(labels, _tokenize(loaded.tokenizer, labels)):
+        tokenized = _cached(loaded.tokenizer, ("labels", tuple(labels)), lambda: _tokenize(loaded.tokenizer, labels))
+        for label, label_ids in zip(labels, tokenized):
             if len(label_ids) != 1:
                 raise InvalidRequest(field, f"{label!r} is {len(label_ids)} tokens for this tokenizer; "
                                      "each label must be a single token")
@@ -323,3 +373,13 @@ def _label_ids(request: ScoreRequest, loaded: LoadedModel, template: Template) -
     if len(set(ids)) != len(ids):
         raise InvalidRequest(field, f"holds the same token twice ({ids})")
     return ids
+
+
+def _cached(tokenizer: Any, key: tuple, compute: Callable[[], _Value]) -> _Value:
+    """``compute()`` once per tokenizer and ``key``; the newest entries of each tokenizer are kept."""
+    entries = _CACHE.setdefault(tokenizer, {})
+    if key not in entries:
+        if len(entries) >= MAX_CACHED_PER_TOKENIZER:
+            entries.pop(next(iter(entries)))
+        entries[key] = compute()
+    return entries[key]
