@@ -1,4 +1,5 @@
 import os
+import random
 import warnings
 
 import pytest
@@ -76,6 +77,44 @@ def test_backend_matches_dense_mask_reference(backend, layout_name):
         warnings.simplefilter("ignore")  # eager FlexAttention warns that it is unfused
         got = packed_attention(q, k, v, batch, scale=0.25, backend=backend)
     torch.testing.assert_close(got, dense_reference(q, k, v, batch, 0.25), atol=1e-4, rtol=1e-4)
+
+
+def random_layout(rng: random.Random, causal: bool) -> list[tuple[int, list[int]]]:
+    """Plain sequences and (when causal) MIS sequences of ragged prefixes and spans, length-1 ones included."""
+    layout = []
+    for _ in range(rng.randint(1, 6)):
+        if causal and rng.random() < 0.6:
+            spans = [rng.choice([1, rng.randint(1, 8), rng.randint(9, 40)]) for _ in range(rng.randint(1, 12))]
+            layout.append((rng.choice([1, rng.randint(2, 30)]), spans))
+        else:
+            layout.append((0, [rng.choice([1, rng.randint(2, 50)])]))
+    return layout
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("max_span_keys", [attention.MAX_SPAN_KEYS, 40])
+def test_sdpa_spans_match_the_dense_mask_on_ragged_packs(monkeypatch, causal, max_span_keys):
+    monkeypatch.setattr(attention, "MAX_SPAN_KEYS", max_span_keys)  # 40 splits the groups further
+    rng = random.Random(int(causal) + max_span_keys)
+    for _ in range(12):
+        batch = make_batch(random_layout(rng, causal), causal)
+        q, k, v = random_qkv(batch.num_tokens, 4, 2, 16)
+        got = packed_attention(q, k, v, batch, scale=0.25, backend="sdpa")
+        torch.testing.assert_close(got, dense_reference(q, k, v, batch, 0.25), atol=1e-5, rtol=1e-5)
+
+
+def test_sdpa_gives_each_span_its_prefix_and_its_own_keys_only():
+    prefix, spans = 80, [30 + 9 * i % 91 for i in range(50)]
+    batch = make_batch([(prefix, spans), (0, [120])])
+    groups = attention.span_groups(batch)
+    assert sorted(torch.cat([group.targets for group in groups]).tolist()) == list(range(batch.num_tokens))
+    for group in groups:
+        count, width = group.queries.shape
+        assert group.keys.shape[1] <= prefix + width and width <= max(spans)
+        assert group.queries.min() >= 0 and group.queries.max() < batch.num_tokens
+    padded_keys = sum(group.keys.numel() for group in groups)
+    assert padded_keys < 1.3 * (len(spans) * prefix + sum(spans) + prefix + 120)
+    assert len(groups) < 10
 
 
 def test_block_mask_is_built_once_per_batch(monkeypatch):

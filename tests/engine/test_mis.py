@@ -115,8 +115,10 @@ def test_multi_item_off_or_reference_runner_compute_every_pair(lm_path, lm, refe
     assert off.usage.computed_tokens == off.usage.prompt_tokens
     assert reference.score(request).usage.computed_tokens == off.usage.prompt_tokens
     assert lm.score(request).usage.computed_tokens < off.usage.prompt_tokens
-    cpu_default = EmbeddedBackend(str(lm_path), device="cpu")  # the CPU's dense-mask attention: MIS would cost more
-    assert cpu_default.runner == "packed" and cpu_default.score(request).usage == off.usage
+    cpu_default = EmbeddedBackend(str(lm_path), device="cpu")  # span-wise SDPA: MIS costs less than pairs on CPU too
+    assert cpu_default.runner == "packed" and cpu_default.score(request).usage == lm.score(request).usage
+    cpu_off = EmbeddedBackend(str(lm_path), device="cpu", multi_item=False)
+    assert cpu_off.score(request).usage == off.usage
 
 
 def sglang_multi_item_scores(model, query: list[int], items: list[list[int]], delimiter: int,

@@ -308,23 +308,30 @@ def test_group_by_length_places_every_index_once_within_the_budget():
                 assert cost <= budget or len(group) == 1
 
 
-def test_no_item_is_lost_or_duplicated_for_any_batch_budget(tiny_qwen3_lm):
+@pytest.mark.parametrize("multi_item", [False, True])
+def test_no_item_is_lost_or_duplicated_for_any_batch_budget(tiny_qwen3_lm, multi_item):
     rng = random.Random(1)
     words = "the quick brown fox jumps over the lazy dog Paris capital France gravity".split()
     items = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 40))) for _ in range(40)]
     request = ScoreRequest(query=QUERY, items=items, return_label_logprobs=True)
-    runs = [EmbeddedBackend(str(tiny_qwen3_lm), device="cpu", max_batch_tokens=budget).score(request)
+    runs = [EmbeddedBackend(str(tiny_qwen3_lm), device="cpu", max_batch_tokens=budget,
+                            multi_item=multi_item).score(request)
             for budget in (1, 300, 2000, 10**6)]
     one_by_one = torch.tensor(runs[0].scores)
     assert len(set(runs[0].scores)) == len(set(items))  # scores tell the items apart, so a swap would show
-    for response in runs[1:]:
+    for before, response in zip(runs, runs[1:]):
         torch.testing.assert_close(torch.tensor(response.scores), one_by_one, atol=1e-5, rtol=0)
-        assert response.usage == runs[0].usage
+        if multi_item:  # a larger budget repeats the shared prefix in fewer micro-batches
+            assert response.usage.prompt_tokens == runs[0].usage.prompt_tokens
+            assert response.usage.computed_tokens <= before.usage.computed_tokens
+        else:
+            assert response.usage == runs[0].usage
+    assert (runs[-1].usage.computed_tokens < runs[0].usage.computed_tokens) == multi_item
 
 
 def test_usage_counts_pair_tokens(lm_backend, tiny_qwen3_lm):
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_lm)
-    response = lm_backend.score(ScoreRequest(query=QUERY, items=DOCS))
+    response = lm_backend.score(ScoreRequest(query=QUERY, items=DOCS, multi_item=False))
     expected = sum(len(_qwen3_pair_ids(tokenizer, QUERY, doc)) for doc in DOCS)
     assert response.usage.prompt_tokens == response.usage.computed_tokens == expected
 

@@ -4,7 +4,9 @@ Backends (all compute the mask of :func:`rerankit.engine.batch.attention_allowed
   triton  our shared-prefix kernel (rerankit.kernels.prefix_attention); CUDA, or CPU under TRITON_INTERPRET=1
   flex    torch FlexAttention with a BlockMask built once per batch; compiled on CUDA, eager on CPU
   varlen  torch.nn.attention.varlen.varlen_attn (flash attention); CUDA, plain packed attention only (no MIS)
-  sdpa    one torch SDPA call per sequence with a boolean mask; the reference and the CPU default
+  sdpa    torch SDPA over spans: the CPU default. Every span (a MIS prefix, an item span, a whole plain sequence)
+          attends to its sequence's prefix keys and its own keys only, and spans of about one length run as one
+          padded call, so no [L, L] mask over a whole MIS sequence is ever built
 """
 
 from __future__ import annotations
@@ -15,14 +17,20 @@ import threading
 import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 import triton
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from rerankit.engine.batch import PackedBatch
-from rerankit.kernels.prefix_attention import prefix_attention, prefix_attention_reference
+from rerankit.kernels.prefix_attention import prefix_attention
 
 BACKENDS = ("triton", "flex", "varlen", "sdpa")
+# The sdpa backend pads the spans of one call to the longest: a span joins a call while it is at least this
+# fraction of the call's longest span, and a call gathers at most MAX_SPAN_KEYS key rows (span copies of the prefix).
+SPAN_LENGTH_RATIO = 0.75
+MAX_SPAN_KEYS = 1 << 16
 
 
 def available_backends(device: torch.device | str) -> list[str]:
@@ -55,8 +63,7 @@ def packed_attention(
         return prefix_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, batch.prefix_lens,
                                 batch.span_starts, batch.causal, scale)
     if backend == "sdpa":
-        return prefix_attention_reference(q, k, v, batch.cu_seqlens, batch.max_seqlen, batch.prefix_lens,
-                                          batch.span_starts, batch.causal, scale)
+        return _sdpa(q, k, v, batch, scale)
     if backend == "flex":
         return _flex(q, k, v, batch, scale)
     if backend == "varlen":
@@ -65,11 +72,30 @@ def packed_attention(
 
 
 @dataclass
+class _SpanGroup:
+    """Spans of about one length, padded to the longest, that one SDPA call attends.
+
+    queries: [n, L] packed index of each query row; a padding row repeats its span's last token.
+    keys:    [n, S] packed index of each key: the span's prefix (padded to the group's longest), then the span.
+    mask:    which keys each row sees, broadcastable to [n, 1, L, S]; None when plain causal (or full) attention
+             over the group's padded spans is exact: no prefix, and padding rows only ever follow real ones.
+    rows / targets: the real rows of the flattened [n * L] output, and the packed index each one goes to.
+    """
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    mask: torch.Tensor | None
+    rows: torch.Tensor
+    targets: torch.Tensor
+
+
+@dataclass
 class _BatchState:
     """What a backend derives from a batch once and reuses in every layer."""
 
     multi_item: bool
     block_mask: BlockMask | None = None
+    span_groups: list[_SpanGroup] | None = None
 
 
 # A forward pass calls every layer with the same batch object; a few live entries cover the
@@ -89,6 +115,92 @@ def _batch_state(batch: PackedBatch) -> _BatchState:
             _STATES.pop(next(iter(_STATES)))
         _STATES[id(batch)] = (weakref.ref(batch), state)
         return state
+
+
+def _sdpa(q, k, v, batch, scale):
+    state = _batch_state(batch)
+    if state.span_groups is None:
+        state.span_groups = span_groups(batch)
+    out = torch.empty_like(q)
+    for group in state.span_groups:
+        heads_first = [x[index].transpose(1, 2) for x, index in ((q, group.queries), (k, group.keys), (v, group.keys))]
+        attended = F.scaled_dot_product_attention(*heads_first, attn_mask=group.mask,
+                                                  is_causal=group.mask is None and batch.causal, scale=scale,
+                                                  enable_gqa=q.shape[1] != k.shape[1])
+        out[group.targets] = attended.transpose(1, 2).flatten(0, 1)[group.rows]
+    return out
+
+
+def span_groups(batch: PackedBatch) -> list[_SpanGroup]:
+    """The batch's spans in padded groups for the sdpa backend, with the index and mask tensors of each group.
+
+    A span is a run of tokens with one ``span_starts``: a MIS prefix (it sees itself causally), an item span (it
+    sees its sequence's prefix and itself causally), or a whole plain sequence. A group holds spans with a prefix
+    or spans without, longest first, each at least ``SPAN_LENGTH_RATIO`` of the group's longest.
+    """
+    cu = batch.cu_seqlens.cpu().numpy().astype(np.int64)
+    total = batch.num_tokens
+    if batch.causal:
+        starts = np.flatnonzero(batch.span_starts.cpu().numpy() == np.arange(total))
+        sequence = np.searchsorted(cu, starts, side="right") - 1
+        prefixes = np.where(starts == cu[sequence], 0, batch.prefix_lens.cpu().numpy()[sequence])
+    else:  # an encoder sequence sees itself whole; MIS is never planned for encoders
+        starts = cu[:-1][cu[1:] > cu[:-1]]
+        sequence = np.searchsorted(cu, starts, side="right") - 1
+        prefixes = np.zeros(len(starts), dtype=np.int64)
+    lengths = np.diff(np.append(starts, total))
+    order = np.lexsort((-lengths, prefixes > 0))
+    groups: list[_SpanGroup] = []
+    members: list[int] = []
+    widest = 0
+
+    def close() -> None:
+        picked = np.asarray(members)
+        groups.append(_span_group(starts[picked], lengths[picked], cu[sequence[picked]], prefixes[picked],
+                                  batch.causal, batch.input_ids.device))
+
+    for span in order.tolist():
+        if members:
+            head = members[0]
+            fits = ((prefixes[span] > 0) == (prefixes[head] > 0)
+                    and lengths[span] >= SPAN_LENGTH_RATIO * lengths[head]
+                    and (len(members) + 1) * (max(widest, prefixes[span]) + lengths[head]) <= MAX_SPAN_KEYS)
+            if not fits:
+                close()
+                members, widest = [], 0
+        members.append(span)
+        widest = max(widest, int(prefixes[span]))
+    if members:
+        close()
+    return groups
+
+
+def _span_group(starts: np.ndarray, lengths: np.ndarray, sequence_starts: np.ndarray, prefixes: np.ndarray,
+                causal: bool, device: torch.device) -> _SpanGroup:
+    longest, widest = int(lengths.max()), int(prefixes.max())
+    offsets = np.arange(longest)
+    queries = starts[:, None] + np.minimum(offsets, lengths[:, None] - 1)
+    real = offsets < lengths[:, None]
+    mask = None
+    if widest:
+        prefix_offsets = np.arange(widest)
+        prefix_keys = sequence_starts[:, None] + np.minimum(prefix_offsets, prefixes[:, None] - 1)
+        keys = np.concatenate([prefix_keys, queries], axis=1)
+        sees_prefix = np.broadcast_to((prefix_offsets < prefixes[:, None])[:, None, :], (len(starts), longest, widest))
+        # Only causal sequences have a prefix; a real row's own keys are then real ones.
+        sees_span = np.broadcast_to(np.tril(np.ones((longest, longest), dtype=bool)), (len(starts), longest, longest))
+        mask = np.concatenate([sees_prefix, sees_span], axis=2)[:, None]
+    else:
+        keys = queries
+        if not causal and not real.all():
+            mask = real[:, None, None, :]
+    rows = np.flatnonzero(real.ravel())
+
+    def tensor(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+    return _SpanGroup(tensor(queries), tensor(keys), None if mask is None else tensor(mask), tensor(rows),
+                      tensor(queries.ravel()[rows]))
 
 
 def build_block_mask(batch: PackedBatch) -> BlockMask:

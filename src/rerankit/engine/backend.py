@@ -62,15 +62,15 @@ class EmbeddedBackend:
     ``max_batch_tokens`` bounds the tokens of a micro-batch (padded tokens for the reference runner);
     ``runner``: "auto" runs our packed forward where it supports the model, else the transformers model
     ("reference", padded; it never shares prefixes); ``multi_item`` allows prefix sharing (MIS) for requests that
-    ask for it (``ScoreRequest.multi_item``, the default): None where it pays (the packed runner on CUDA), True
-    wherever the runner can (exact on the CPU too, but slower there). ``show_progress`` None shows a progress bar
-    for calls of more than 256 items. Thread-safe: one lock serialises use of the model.
+    ask for it (``ScoreRequest.multi_item``, the default) wherever the runner can, i.e. the packed runner on a
+    causal model, on CUDA and on the CPU alike; False turns it off for every request. ``show_progress`` None shows
+    a progress bar for calls of more than 256 items. Thread-safe: one lock serialises use of the model.
     """
 
     def __init__(self, model: str, *, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                  mode: str | None = None, template: str | None = None,
                  max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, runner: str = "auto",
-                 multi_item: bool | None = None, show_progress: bool | None = None) -> None:
+                 multi_item: bool = True, show_progress: bool | None = None) -> None:
         self._loaded: LoadedModel | None = load_model(model, device=device, dtype=dtype)
         loaded = self._loaded
         if mode is not None and mode not in loaded.supported_modes:
@@ -83,7 +83,7 @@ class EmbeddedBackend:
         self._template = template
         self._classify = heads.sequence_classifier(loaded.model) if loaded.kind == "sequence-classifier" else None
         self._runner: Runner = make_runner(loaded, runner)
-        self._multi_item = self._runner.multi_item_pays if multi_item is None else multi_item
+        self._multi_item = multi_item
         self._heads: dict[tuple, heads.Head] = {}
         self.max_batch_tokens = max_batch_tokens
         self.show_progress = show_progress
