@@ -25,7 +25,6 @@ class Runner(Protocol):
 
     padded: bool  # True when the runner pays for padding, so the planner budgets longest x count
     supports_multi_item: bool  # True when batches may share a prefix among item spans (MIS)
-    multi_item_pays: bool  # True when sharing a prefix costs less than computing every pair
     pin_memory: bool  # True when the planner should build batches in page-locked memory
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
@@ -46,9 +45,6 @@ class PackedRunner:
         self.model = model
         self.device = loaded.device
         self.supports_multi_item = loaded.is_decoder
-        # The CUDA kernel visits only the key tiles a span can see; the CPU's SDPA fallback masks a dense
-        # [L, L] per sequence, quadratic in a request's items: 10x slower than pairs on 10 docs.
-        self.multi_item_pays = loaded.device.type == "cuda"
         self.pin_memory = loaded.device.type == "cuda"
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
@@ -77,7 +73,6 @@ class ReferenceRunner:
 
     padded = True
     supports_multi_item = False
-    multi_item_pays = False
     pin_memory = False
 
     def __init__(self, loaded: LoadedModel) -> None:
