@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Everything that needs the GPU machine, in one call: GPU tests, pair-scoring benchmarks (W1-W4, MIS workload),
+# kernel benchmarks, and rerankit serve under load with and without batching. Results land in ${OUT:-gpu_out}.
+# On the lent device machine (no pydantic/fastapi there), carry .whl and run:
+#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+#     && export PYTHONPATH=/tmp/site:src && bash benchmarks/gpu_all.sh
+set -uo pipefail
+out=${OUT:-gpu_out}
+mkdir -p "$out"
+export PYTHONPATH=${PYTHONPATH:-src} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
+
+python3 -m pytest -q -m gpu tests/engine tests/kernels -p no:cacheprovider 2>&1 | tail -25 | tee "$out/gpu_tests.txt"
+python3 benchmarks/pairs.py --w4 --profile "$out" --out "$out/pairs.json" > "$out/pairs.txt" 2> "$out/pairs.err"
+tail -30 "$out/pairs.txt"
+python3 benchmarks/label_logprobs.py --out "$out/label_logprobs.jsonl" > "$out/label_logprobs.txt" 2>&1
+python3 benchmarks/attention.py --out "$out/attention.json" > "$out/attention.txt" 2>&1
+
+# rerankit serve on a Qwen3-Reranker-0.6B-shaped model: 16 clients x 20 docs, batching on vs off.
+model=$(python3 -c "
+import sys, tempfile; from pathlib import Path; sys.path.insert(0, 'benchmarks')
+from pairs import build_decoder_dir
+print(build_decoder_dir(Path(tempfile.mkdtemp()), '0.6b'))")
+python3 benchmarks/serve_load.py --model "$model" --device cuda --compare --repeats 2 --clients 16 --docs 20 \
+  --doc-words 200 --duration 10 > "$out/serve_load.txt" 2>&1
+tail -12 "$out/serve_load.txt"
