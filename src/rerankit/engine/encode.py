@@ -314,28 +314,36 @@ def _fit_items(items: list[list[int]], request: ScoreRequest, loaded: LoadedMode
                lead_ids: list[int] | None = None) -> list[list[int]]:
     """Cut each item to what the model length (and ``max_tokens_per_item``) leaves after prefix and suffix.
 
-    ``lead_ids``: the template's item text without a document; cutting at the start keeps an item's tokens that
-    match it.
+    ``lead_ids``: the template's item text without a document (e.g. ``<Document>: ``); an item's tokens that match
+    it are the template's, not the document's: ``max_tokens_per_item`` counts the document's tokens only, and a
+    cut never removes them.
     """
     room = loaded.max_length - fixed
     if room < 1:
         raise InvalidRequest("query", f"the prompt around each item takes {fixed} tokens, which leaves no room for "
                              f"an item within the model's limit of {loaded.max_length} tokens")
-    limit = min(room, request.max_tokens_per_item or room)
-    return [item if len(item) <= limit else _fit(item, limit, request.truncation, f"items[{index}]", lead_ids)
-            for index, item in enumerate(items)]
+    per_item = request.max_tokens_per_item
+    fitted = []
+    for index, item in enumerate(items):
+        if len(item) <= (room if per_item is None else min(room, per_item)):
+            fitted.append(item)  # fits even counting the template's tokens: no need to find them
+            continue
+        lead = _common_prefix(item, lead_ids) if lead_ids else 0
+        limit = room if per_item is None else min(room, lead + per_item)
+        fitted.append(_fit(item, limit, request.truncation, f"items[{index}]", lead))
+    return fitted
 
 
-def _fit(ids: list[int], limit: int, policy: str, field: str, lead_ids: list[int] | None = None) -> list[int]:
-    """``ids`` cut to ``limit`` tokens at the end, or at the start keeping the tokens it shares with ``lead_ids``."""
+def _fit(ids: list[int], limit: int, policy: str, field: str, lead: int = 0) -> list[int]:
+    """``ids`` cut to ``limit`` tokens at the end, or at the start keeping its ``lead`` template tokens."""
     if len(ids) <= limit:
         return ids
-    if policy == "none" or limit < 1:
-        raise InvalidRequest(field, f"has {len(ids)} tokens; the limit is {max(limit, 0)} (truncation={policy!r})")
+    if policy == "none" or limit <= lead:
+        raise InvalidRequest(field, f"has {len(ids) - lead} tokens; the limit is {max(limit - lead, 0)} "
+                             f"(truncation={policy!r})")
     if policy == "end":
         return ids[:limit]
-    kept_lead = min(_common_prefix(ids, lead_ids or []), limit)
-    return ids[:kept_lead] + ids[len(ids) - (limit - kept_lead):]
+    return ids[:lead] + ids[len(ids) - (limit - lead):]
 
 
 def _common_prefix(ids: list[int], other: list[int]) -> int:
