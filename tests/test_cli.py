@@ -70,6 +70,22 @@ def test_bad_docs_files_raise_invalid_request_naming_the_problem(tmp_path, conte
         read_documents(str(path), None, "text")
 
 
+def test_only_newlines_separate_documents(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    records = [{"text": "one\u2028line"}, {"text": "page\fbreak"}]
+    path.write_text("\r\n".join(json.dumps(record, ensure_ascii=False) for record in records), encoding="utf-8")
+
+    assert read_documents(str(path), None, "text") == ["one\u2028line", "page\fbreak"]
+
+
+def test_a_file_that_is_not_utf8_raises_invalid_request(tmp_path):
+    path = tmp_path / "docs.txt"
+    path.write_bytes(b"fine\n\xff\xfe\n")
+
+    with pytest.raises(InvalidRequest, match="not UTF-8 text"):
+        read_documents(str(path), None, "text")
+
+
 def test_table_lists_rank_score_index_and_shortened_text_best_first():
     documents = ["short", "a long document " * 20, "middle"]
     response = ScoreResponse(model="m", results=[ScoreResult(index=0, score=0.1), ScoreResult(index=1, score=0.9),

@@ -124,13 +124,16 @@ def read_documents(source: str, file_format: str | None, text_field: str) -> lis
     """The documents of a .txt file (one a line, blank lines skipped), a .jsonl file, or stdin (``-``)."""
     if file_format is None:
         file_format = "jsonl" if source != "-" and Path(source).suffix == ".jsonl" else "txt"
-    if source == "-":
-        lines = sys.stdin.read().splitlines()
-    else:
-        try:
-            lines = Path(source).read_text(encoding="utf-8").splitlines()
-        except OSError as exc:
-            raise InvalidRequest("--docs", f"cannot read {source}: {exc.strerror}") from None
+    try:
+        # stdin as bytes: its text layer would smuggle bad bytes through as surrogates the tokenizer rejects
+        data = sys.stdin.buffer.read() if source == "-" else Path(source).read_bytes()
+        text = data.decode("utf-8")
+    except OSError as exc:
+        raise InvalidRequest("--docs", f"cannot read {source}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest("--docs", f"{source} is not UTF-8 text (byte {exc.start})") from None
+    # "\n" only: splitlines() would also cut at U+2028 or a form feed, which JSON and prose may hold raw
+    lines = text.split("\n")
     numbered = [(number, line.strip()) for number, line in enumerate(lines, start=1) if line.strip()]
     if file_format == "jsonl":
         documents = [_jsonl_text(line, number, source, text_field) for number, line in numbered]
