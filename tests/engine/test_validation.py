@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from rerankit.engine import EmbeddedBackend
 from rerankit.errors import InvalidRequest, ModelLoadError
@@ -126,3 +127,12 @@ def test_missing_path_and_unknown_architecture_fail_to_load(tmp_path):
                                                       "architectures": ["BertForTokenClassification"]}))
     with pytest.raises(ModelLoadError, match="BertForTokenClassification"):
         EmbeddedBackend(str(tmp_path), device="cpu")
+
+
+def test_a_device_this_process_lacks_is_refused_naming_the_device(tiny_qwen3_lm):
+    unusable = ["gpu", "cuda:99"] + ([] if torch.cuda.is_available() else ["cuda"])
+    for device in unusable:
+        with pytest.raises(InvalidRequest) as caught:
+            EmbeddedBackend(str(tiny_qwen3_lm), device=device)
+        assert caught.value.field == "device", caught.value
+

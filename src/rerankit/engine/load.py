@@ -10,7 +10,7 @@ from typing import Any, Iterator, Literal
 
 import torch
 
-from rerankit.errors import ModelLoadError
+from rerankit.errors import InvalidRequest, ModelLoadError
 
 ModelKind = Literal["causal-lm", "sequence-classifier", "encoder"]
 Pooling = Literal["mean", "cls", "lasttoken"]
@@ -59,10 +59,15 @@ class LoadedModel:
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """The asked device, or CUDA when there is one, else the CPU."""
+    """The asked device, or CUDA when there is one, else the CPU; ``InvalidRequest`` for one this process lacks."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        chosen = torch.device(device)
+        torch.empty(0, device=chosen)  # torch's own check, so "cuda:3" on a 1-GPU host fails here, not mid-load
+    except (RuntimeError, AssertionError, TypeError) as exc:
+        raise InvalidRequest("device", f"{device!r} cannot be used in this process: {exc}") from None
+    return chosen
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
