@@ -136,3 +136,10 @@ def test_a_device_this_process_lacks_is_refused_naming_the_device(tiny_qwen3_lm)
             EmbeddedBackend(str(tiny_qwen3_lm), device=device)
         assert caught.value.field == "device", caught.value
 
+
+def test_backend_options_are_checked_before_the_model_loads(tmp_path):
+    absent = str(tmp_path / "absent")  # loading it would raise ModelLoadError
+    for options, field in (({"max_batch_tokens": 0}, "max_batch_tokens"), ({"template": "nope"}, "template")):
+        with pytest.raises(InvalidRequest) as caught:
+            EmbeddedBackend(absent, device="cpu", **options)
+        assert caught.value.field == field, caught.value

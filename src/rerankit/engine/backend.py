@@ -71,14 +71,15 @@ class EmbeddedBackend:
                  mode: str | None = None, template: str | None = None,
                  max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, runner: str = "auto",
                  multi_item: bool = True, show_progress: bool | None = None) -> None:
-        self._loaded: LoadedModel | None = load_model(model, device=device, dtype=dtype)
-        loaded = self._loaded
-        if mode is not None and mode not in loaded.supported_modes:
-            raise ModelLoadError(f"{model!r} cannot score in mode {mode!r}; it supports {loaded.supported_modes}")
+        # Options that do not need the model are checked before it loads, which can take minutes.
         if template is not None:
             get_template(template)
         if max_batch_tokens < 1:
             raise InvalidRequest("max_batch_tokens", f"must be >= 1, got {max_batch_tokens}")
+        self._loaded: LoadedModel | None = load_model(model, device=device, dtype=dtype)
+        loaded = self._loaded
+        if mode is not None and mode not in loaded.supported_modes:
+            raise ModelLoadError(f"{model!r} cannot score in mode {mode!r}; it supports {loaded.supported_modes}")
         self._mode = mode
         self._template = template
         self._classify = heads.sequence_classifier(loaded.model) if loaded.kind == "sequence-classifier" else None
@@ -174,7 +175,7 @@ class EmbeddedBackend:
         head_ids: dict[tuple, int] = {}
         head_list: list[heads.Head] = []
         parts = []
-        for index, entry in enumerate(prepared):
+        for entry in prepared:
             if entry.head_key not in head_ids:
                 head_ids[entry.head_key] = len(head_list)
                 head_list.append(self._head(entry, loaded))
