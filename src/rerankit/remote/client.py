@@ -18,6 +18,7 @@ import httpx
 
 from rerankit.errors import InvalidRequest, RemoteError
 from rerankit.remote.dialects import read_error
+from rerankit.remote.dialects.common import param_first
 
 
 @dataclass(frozen=True)
@@ -122,10 +123,7 @@ def _failure_of_response(response: httpx.Response) -> _Failure | None:
     except ValueError:
         message, param = None, None
     text = response.text[:2000]
-    if message is None:
-        message = text[:300] or response.reason_phrase
-    elif param and not message.startswith(param):
-        message = f"{param}: {message}"
+    message = param_first(message, param) if message is not None else text[:300] or response.reason_phrase
     status = response.status_code
     return _Failure(message=message, retryable=status == 429 or status >= 500, status=status,
                     retry_after=_retry_after(response), body=text)
