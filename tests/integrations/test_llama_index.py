@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pydantic
 import pytest
-from fake_backends import CORPUS, DOCUMENTS, QUERY
+from fake_backends import CORPUS, DOCUMENTS, QUERY, WordOverlapBackend
 from llama_index.core import Document, VectorStoreIndex
 from llama_index.core.callbacks import CallbackManager, CBEventType, LlamaDebugHandler
 from llama_index.core.instrumentation import get_dispatcher
@@ -16,6 +16,7 @@ from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
 from rerankit.errors import InvalidRequest
 from rerankit.integrations.llama_index import RerankitEmbedding, RerankitRerank
+from rerankit.schema import ScoreRequest, ScoreResponse
 
 
 def _nodes() -> list[NodeWithScore]:
@@ -180,3 +181,23 @@ def test_url_model_reranks_through_the_server(minilm_index, minilm_url, minilm_b
 def test_embedding_model_name_follows_the_model(minilm_backend):
     assert RerankitEmbedding(backend=minilm_backend).model_name == "all-MiniLM-L6-v2 (packaged)"
     assert RerankitEmbedding(model="some/bi-encoder").model_name == "some/bi-encoder"
+
+
+class EmbeddingBackend(WordOverlapBackend):
+    """The word-overlap fake, with each item's length as its one-number embedding."""
+
+    def _respond(self, request: ScoreRequest) -> ScoreResponse:
+        response = super()._respond(request)
+        for result in response.results:
+            result.pooled_hidden_state = [float(len(request.items[result.index]))]
+        return response
+
+
+async def test_async_embeddings_go_through_ascore():
+    backend = EmbeddingBackend()
+    embedding = RerankitEmbedding(backend=backend)
+
+    assert await embedding.aget_text_embedding("four") == [4.0]
+    assert await embedding.aget_query_embedding("two") == [3.0]
+    assert await embedding.aget_text_embedding_batch(["a", "bc"]) == [[1.0], [2.0]]
+    assert [kind for kind, _ in backend.calls] == ["ascore"] * 3

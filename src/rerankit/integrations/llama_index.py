@@ -109,6 +109,9 @@ class RerankitEmbedding(EmbedSettings, BaseEmbedding):
     def _get_text_embedding(self, text: str) -> Embedding:
         return embed_texts(self._backend, [text])[0]
 
+    async def _aget_text_embedding(self, text: str) -> Embedding:
+        return (await aembed_texts(self._backend, [text]))[0]
+
     def _get_text_embeddings(self, texts: List[str]) -> List[Embedding]:
         return embed_texts(self._backend, texts)
 
