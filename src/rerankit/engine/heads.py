@@ -20,7 +20,7 @@ from rerankit.kernels.label_logprobs import label_logprobs
 
 @dataclass
 class BatchScores:
-    """Per-sequence outputs of a batch, aligned with ``batch.item_indices``."""
+    """One row per read (one scored item), in the order of the states the head was given."""
 
     scores: torch.Tensor
     label_logprobs: torch.Tensor | None = None
