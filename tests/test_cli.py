@@ -131,6 +131,16 @@ def test_a_bad_flag_value_is_a_usage_error():
     assert completed.returncode == 2 and "argument --top-n: must be >= 1, got 0" in completed.stderr
 
 
+@pytest.mark.parametrize("flag, value, message", [
+    ("--batch-window-ms", "-1", "must be >= 0, got -1.0"),
+    ("--port", "70000", "must be a port number, 0 to 65535, got 70000"),
+])
+def test_a_bad_serve_flag_is_a_usage_error_before_the_model_loads(flag, value, message):
+    completed = rerankit_cli("serve", "--model", "/no/such/model", flag, value)
+
+    assert completed.returncode == 2 and f"argument {flag}: {message}" in completed.stderr
+
+
 def _last_line(stderr: str) -> str:
     """The last line of stderr: transformers may draw a weight-loading progress bar above the error."""
     return stderr.strip().splitlines()[-1]

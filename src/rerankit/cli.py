@@ -56,13 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Serve one embedded model over HTTP.")
     serve.add_argument("--model", help="model path or hub id (default: the packaged MiniLM)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    serve.add_argument("--port", type=_port, default=8000, help="port to listen on (default: 8000)")
     serve.add_argument("--device", help="cpu, cuda, cuda:1, ...")
     serve.add_argument("--dtype", help="float32, bfloat16, float16")
     serve.add_argument("--api-key", help="require this key as a Bearer token (default: $RERANKIT_API_KEY)")
     serve.add_argument("--served-model-name", help="the model name /v1/models and the responses report")
     serve.add_argument("--max-batch-items", type=_positive_int, help="items merged into one engine call at most")
-    serve.add_argument("--batch-window-ms", type=float, help="how long a request waits for others to batch with")
+    serve.add_argument("--batch-window-ms", type=_non_negative_float, help="how long a request waits for others to batch with")
     serve.add_argument("--max-items-per-request", type=_positive_int, help="refuse requests with more items")
     serve.add_argument("--max-batch-tokens", type=_positive_int, help="tokens merged into one engine call at most")
     serve.add_argument("--max-tokens-per-item", type=_positive_int, help="refuse items with more tokens")
@@ -148,6 +148,20 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number, 0 to 65535, got {value}")
     return value
 
 
