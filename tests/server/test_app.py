@@ -139,6 +139,7 @@ def test_api_key_is_required_on_scoring_routes_only():
             wrong = client.post("/v1/score", json=GENERATIVE, headers={"Authorization": "Bearer nope"})
             assert wrong.status_code == 401 and wrong.json()["object"] == "error"
             assert client.get("/v1/models").status_code == 401
+            assert client.get("/v1/models").headers["www-authenticate"] == "Bearer"
             granted = {"Authorization": "Bearer sesame"}
             assert client.post("/generative_scoring", json=GENERATIVE, headers=granted).status_code == 200
             assert client.get("/v1/models", headers=granted).status_code == 200

@@ -21,7 +21,7 @@ from rerankit.errors import RerankitError
 from rerankit.schema import ErrorBody, ErrorDetail
 from rerankit.server.batcher import Batcher
 from rerankit.server.limits import ServerConfig, check_api_key
-from rerankit.server.routes import METHODS, ROUTES, scoring_endpoint
+from rerankit.server.routes import METHODS, ROUTES, error_headers, scoring_endpoint
 
 # Swagger's "try it out" needs to know that the scoring routes take a JSON body; the dialect picks its shape.
 JSON_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"type": "object"}}}}}
@@ -69,7 +69,7 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
 
     @app.exception_handler(RerankitError)
     async def rerankit_error(request: Request, exc: RerankitError) -> JSONResponse:
-        return error_json(exc.status_code, exc.message, exc.error_type)
+        return error_json(exc.status_code, exc.message, exc.error_type, error_headers(exc, config))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:

@@ -125,12 +125,17 @@ def _check_texts(value: Any) -> None:
 
 
 def error_response(dialect: Dialect, error: RerankitError, config: ServerConfig) -> JSONResponse:
-    """The error in ``dialect``'s format with the error's status; 429 tells when to retry, 401 how to log in."""
+    """The error in ``dialect``'s format with the error's status and ``error_headers``."""
     param = getattr(error, "field", None)
+    return JSONResponse(dialect.error_body(error.status_code, error.message, param), status_code=error.status_code,
+                        headers=error_headers(error, config))
+
+
+def error_headers(error: RerankitError, config: ServerConfig) -> dict[str, str]:
+    """The headers an error's status calls for: 429 tells when to retry, 401 how to log in."""
     headers = {}
     if isinstance(error, Overloaded):
         headers["Retry-After"] = str(config.retry_after_s)
     if isinstance(error, Unauthorized):
         headers["WWW-Authenticate"] = "Bearer"
-    return JSONResponse(dialect.error_body(error.status_code, error.message, param), status_code=error.status_code,
-                        headers=headers)
+    return headers
