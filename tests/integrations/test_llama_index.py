@@ -121,6 +121,12 @@ def test_bad_settings_fail_at_construction(overlap_backend):
         RerankitRerank(request_options={"instrution": "typo"})
 
 
+@pytest.mark.parametrize("adapter", [RerankitRerank, RerankitEmbedding])
+def test_a_misspelt_setting_fails_at_construction(adapter):
+    with pytest.raises(pydantic.ValidationError, match="topn"):
+        adapter(topn=2)
+
+
 def test_serializes_without_the_backend(overlap_backend):
     postprocessor = RerankitRerank(backend=overlap_backend, top_n=4)
 

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from typing import Iterator, List, Optional
 
 from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
-from llama_index.core.bridge.pydantic import model_validator
+from llama_index.core.bridge.pydantic import ConfigDict, model_validator
 from llama_index.core.callbacks import CBEventType, EventPayload
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.events.rerank import ReRankEndEvent, ReRankStartEvent
@@ -33,6 +33,8 @@ class RerankitRerank(RerankSettings, BaseNodePostprocessor):
     Give a ``model`` with ``backend_options``, or a ready ``reranker`` or ``backend`` (see ``RerankSettings``).
     The input nodes are not modified: new ``NodeWithScore`` objects wrap the same nodes.
     """
+
+    model_config = ConfigDict(extra="forbid")  # LlamaIndex's base ignores unknown fields: a typo would pass
 
     @classmethod
     def class_name(cls) -> str:
@@ -89,6 +91,8 @@ class RerankitEmbedding(EmbedSettings, BaseEmbedding):
     Give a ``model`` with ``backend_options``, or a ready ``backend`` (see ``EmbedSettings``); ``model_name``
     (for LlamaIndex's events) follows ``model``.
     """
+
+    model_config = ConfigDict(extra="forbid")
 
     @model_validator(mode="after")
     def _name_after_model(self) -> "RerankitEmbedding":
