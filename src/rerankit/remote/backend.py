@@ -56,11 +56,6 @@ class RemoteBackend:
         """The model given, else the one the server named (after discovery or a response), else the URL."""
         return self._model or self._served_model or self.transport.endpoints.urls[0]
 
-    @property
-    def dialect(self) -> Dialect | None:
-        """The dialect given, or None while it is still to be discovered."""
-        return self._dialect
-
     def score(self, request: ScoreRequest) -> ScoreResponse:
         """Score on the server; one result per item, in input order."""
         if self._dialect is None and self._discovery is None:
