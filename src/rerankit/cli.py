@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="serve a model over HTTP (vLLM, SGLang and Cohere routes)",
                                 description="Serve one embedded model over HTTP.")
-    serve.add_argument("--model", help="model path or hub id (default: the packaged MiniLM); a server URL makes this a proxy")
+    serve.add_argument("--model", help="model path or hub id (default: the packaged MiniLM); "
+                                       "a server URL makes this a proxy")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=_port, default=8000, help="port to listen on (default: 8000)")
     serve.add_argument("--device", help="cpu, cuda, cuda:1, ...")
