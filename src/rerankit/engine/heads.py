@@ -44,12 +44,15 @@ def generative_head(lm_head: torch.nn.Module, label_ids: list[int], *, apply_sof
     """
     weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
     label_tensor = torch.tensor(label_ids, device=weight.device)
+    # The lone label's row, gathered once per head rather than once per micro-batch.
+    lone_row = weight[label_tensor].float() if apply_softmax and lone_label_sigmoid else None
+    lone_bias = bias[label_tensor].float() if lone_row is not None and bias is not None else None
 
     def score(read: torch.Tensor, batch: PackedBatch) -> BatchScores:
-        if apply_softmax and lone_label_sigmoid:
-            logits = read.float() @ weight[label_tensor].float().T
-            if bias is not None:
-                logits = logits + bias[label_tensor].float()
+        if lone_row is not None:
+            logits = read.float() @ lone_row.T
+            if lone_bias is not None:
+                logits = logits + lone_bias
             logprobs = F.logsigmoid(logits)
         else:
             ids = label_tensor.expand(read.shape[0], -1)
