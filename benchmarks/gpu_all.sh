@@ -1,22 +1,26 @@
 #!/usr/bin/env bash
-# Everything that needs the GPU machine, in one call: GPU tests, pair-scoring benchmarks (W1-W4, MIS workload),
-# kernel benchmarks, and rerankit serve under load with and without batching. Results land in ${OUT:-gpu_out}.
-# On the lent device machine (no pydantic/fastapi there), carry .whl and run:
+# Everything that needs the GPU machine: GPU tests, pair-scoring benchmarks (W1-W4, MIS workload), kernel
+# benchmarks, and rerankit serve under load with and without batching. Results land in ${OUT:-gpu_out}.
+# Stages: tests, pairs, kernels, serve (default: all of them; all together may outrun one 10-minute device call,
+# and only 8 files come back from one call: name one or two stages per call). On the lent device machine (no pydantic/fastapi there), carry .whl and run:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-#     && export PYTHONPATH=/tmp/site:src && bash benchmarks/gpu_all.sh
+#     && export PYTHONPATH=/tmp/site:src && bash benchmarks/gpu_all.sh tests pairs
 set -uo pipefail
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONPATH=${PYTHONPATH:-src} PYTHONUNBUFFERED=1
+stages=${*:-tests pairs kernels serve}
+has() { [[ " $stages " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
 
-python3 -m pytest -q -m gpu tests/engine tests/kernels -p no:cacheprovider 2>&1 | tail -25 | tee "$out/gpu_tests.txt"
-python3 benchmarks/pairs.py --w4 --profile "$out" --out "$out/pairs.json" > "$out/pairs.txt" 2> "$out/pairs.err"
-tail -30 "$out/pairs.txt"
-python3 benchmarks/label_logprobs.py --out "$out/label_logprobs.jsonl" > "$out/label_logprobs.txt" 2>&1
-python3 benchmarks/attention.py --out "$out/attention.json" > "$out/attention.txt" 2>&1
+has tests && python3 -m pytest -q -m gpu tests/engine tests/kernels -p no:cacheprovider 2>&1 | tail -25 | tee "$out/gpu_tests.txt"
+has pairs && python3 benchmarks/pairs.py --w4 --profile "$out" --out "$out/pairs.json" > "$out/pairs.txt" 2> "$out/pairs.err"
+has pairs && tail -30 "$out/pairs.txt"
+has kernels && python3 benchmarks/label_logprobs.py --out "$out/label_logprobs.jsonl" > "$out/label_logprobs.txt" 2>&1
+has kernels && python3 benchmarks/attention.py --out "$out/attention.json" > "$out/attention.txt" 2>&1
 
 # rerankit serve on a Qwen3-Reranker-0.6B-shaped model: 16 clients x 20 docs, batching on vs off.
+has serve || exit 0
 model=$(python3 -c "
 import sys, tempfile; from pathlib import Path; sys.path.insert(0, 'benchmarks')
 from pairs import build_decoder_dir
