@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU machine: GPU tests, pair-scoring benchmarks (W1-W4, MIS workload), kernel
 # benchmarks, and rerankit serve under load with and without batching. Results land in ${OUT:-gpu_out}.
-# Stages: tests, pairs, kernels, serve (default: all of them; all together may outrun one 10-minute device call,
-# and only 8 files come back from one call: name one or two stages per call). On the lent device machine (no pydantic/fastapi there), carry .whl and run:
+# Stages: tests, pairs, kernels, serve (default: all; together they may outrun one 10-minute device call, and only
+# 8 files come back from one call: name one or two stages per call).
+# The lent device machine has torch/triton/transformers but no pydantic or fastapi: build cp312 wheels here first
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_17_x86_64 -d .whl pydantic pydantic_core annotated-types typing-inspection \
+#     typing_extensions fastapi starlette uvicorn        (same versions as this venv's; .whl is git-ignored)
+# then carry .whl and run there:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:src && bash benchmarks/gpu_all.sh tests pairs
 set -uo pipefail
