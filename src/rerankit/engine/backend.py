@@ -3,13 +3,16 @@
 Requests go encode (template, tokens, checks) -> plan (shared micro-batches under a token budget, the prefix shared
 among a request's items where that is exact) -> run (the runner chosen for the model) -> heads (scores at the read
 positions), and the results are scattered back to each request in input order. Scores stay on the device until the
-whole call has been launched; one copy to the host ends it.
+whole call has been launched; one copy to the host ends it. On a GPU, encoding and planning run on a worker thread
+(``prefetch``) a couple of micro-batches ahead of the launches, and the first request is encoded in two chunks so
+that the GPU starts on the first one while the host tokenizes the rest.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,13 +22,20 @@ from tqdm.auto import tqdm
 from rerankit.engine import heads
 from rerankit.engine.encode import EncodedRequest, encode_request, resolve_template
 from rerankit.engine.load import LoadedModel, load_model
-from rerankit.engine.plan import DEFAULT_MAX_BATCH_TOKENS, RequestParts, pack, plan_requests
+from rerankit.engine.plan import DEFAULT_MAX_BATCH_TOKENS, MicroBatch, Planner, RequestParts, pack
+from rerankit.engine.prefetch import prefetch
 from rerankit.engine.runner import Runner, make_runner
 from rerankit.errors import InvalidRequest, ModelLoadError, RerankitError
 from rerankit.schema import ScoreRequest, ScoreResponse, ScoreResult, Usage
 from rerankit.templates import get_template
 
 PROGRESS_MIN_ITEMS = 256  # below this a call is quick enough that a progress bar is noise
+PREFETCH_MICRO_BATCHES = 2  # micro-batches planned ahead of the GPU on the planning thread
+# Ramp-up on a GPU: the call's first request is encoded first RAMP_ITEMS items, then the rest; the first chunk runs
+# as a micro-batch of its own when its prefix is at most 1/RAMP_PREFIX_SHARE of its tokens (a long shared prefix
+# would be computed twice for little gain).
+RAMP_ITEMS = 16
+RAMP_PREFIX_SHARE = 8
 
 
 @dataclass
@@ -46,13 +56,28 @@ class _SliceOutput:
     """
 
     def __init__(self, requests: np.ndarray, items: np.ndarray, scores: heads.BatchScores,
-                 prepared: list[_Prepared]) -> None:
+                 prepared: list[_Prepared | None]) -> None:
         owners = [prepared[index].request for index in np.unique(requests).tolist()]
         if not any(request.return_label_logprobs for request in owners):
             scores.label_logprobs = None
         if not any(request.return_pooled_hidden_states for request in owners):
             scores.pooled = None
         self.requests, self.items, self.scores = requests, items, scores
+
+
+class _Call:
+    """One ``score_batch`` call: its requests and what planning learns about them, read by the running side.
+
+    entries[i]: request i's encoding (chunks merged as they come), or None while unplanned or when it failed.
+    errors[i]:  request i's error (``return_exceptions``), else None.
+    head_entries[k]: the first entry scored by head k; the head is built from it when first needed.
+    """
+
+    def __init__(self, requests: list[ScoreRequest]) -> None:
+        self.requests = requests
+        self.entries: list[_Prepared | None] = [None] * len(requests)
+        self.errors: list[RerankitError | None] = [None] * len(requests)
+        self.head_entries: list[_Prepared] = []
 
 
 class EmbeddedBackend:
@@ -63,14 +88,17 @@ class EmbeddedBackend:
     ``runner``: "auto" runs our packed forward where it supports the model, else the transformers model
     ("reference", padded; it never shares prefixes); ``multi_item`` allows prefix sharing (MIS) for requests that
     ask for it (``ScoreRequest.multi_item``, the default) wherever the runner can, i.e. the packed runner on a
-    causal model, on CUDA and on the CPU alike; False turns it off for every request. ``show_progress`` None shows
-    a progress bar for calls of more than 256 items. Thread-safe: one lock serialises use of the model.
+    causal model, on CUDA and on the CPU alike; False turns it off for every request. ``overlap`` encodes and
+    plans on a worker thread while the model runs, and starts the model on the first few items of a call while the
+    rest is tokenized; None turns it on on a GPU only (on the CPU the model and the tokenizer share the cores).
+    ``show_progress`` None shows a progress bar for calls of more than 256 items. Thread-safe: one lock serialises
+    use of the model.
     """
 
     def __init__(self, model: str, *, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                  mode: str | None = None, template: str | None = None,
                  max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, runner: str = "auto",
-                 multi_item: bool = True, show_progress: bool | None = None) -> None:
+                 multi_item: bool = True, overlap: bool | None = None, show_progress: bool | None = None) -> None:
         # Options that do not need the model are checked before it loads, which can take minutes.
         if template is not None:
             get_template(template)
@@ -85,6 +113,7 @@ class EmbeddedBackend:
         self._classify = heads.sequence_classifier(loaded.model) if loaded.kind == "sequence-classifier" else None
         self._runner: Runner = make_runner(loaded, runner)
         self._multi_item = multi_item
+        self._overlap = loaded.device.type == "cuda" if overlap is None else overlap
         self._heads: dict[tuple, heads.Head] = {}
         self.max_batch_tokens = max_batch_tokens
         self.show_progress = show_progress
@@ -112,24 +141,20 @@ class EmbeddedBackend:
                     return_exceptions: bool = False) -> list[ScoreResponse | RerankitError]:
         """Score several requests in shared micro-batches; one response per request, in order.
 
-        Every request is checked and encoded before the model runs. A request that fails its checks raises its
-        ``RerankitError`` (``InvalidRequest``...) at once and nothing runs; with ``return_exceptions`` its error
-        takes its place in the list instead and the other requests are scored. An error while the model runs
-        (out of memory) is not any one request's fault and raises for the whole call.
+        A request that fails its checks (``InvalidRequest``...) raises its ``RerankitError`` and the call returns
+        nothing; with ``return_exceptions`` its error takes its place in the list instead and the other requests
+        are scored. An error while the model runs (out of memory) is not any one request's fault and raises for
+        the whole call. Requests are encoded and planned as the model runs (on a worker thread on a GPU), so a
+        bad request late in a long call is found once the requests before it have been planned.
         """
         with self._lock, torch.inference_mode():
             loaded = self._model()
-            prepared: list[_Prepared | RerankitError] = []
-            for position, request in enumerate(requests):
-                try:
-                    prepared.append(self._prepare(request, loaded, position))
-                except RerankitError as error:
-                    if not return_exceptions:
-                        raise
-                    prepared.append(error)
-            valid = [entry for entry in prepared if isinstance(entry, _Prepared)]
-            responses = iter(self._run(valid, loaded) if valid else [])
-            return [next(responses) if isinstance(entry, _Prepared) else entry for entry in prepared]
+            call = _Call(requests)
+            micro_batches = self._plan(call, loaded, return_exceptions)
+            if self._overlap:  # plan on a worker thread while this one launches
+                micro_batches = prefetch(micro_batches, PREFETCH_MICRO_BATCHES, name="rerankit-plan")
+            outputs, computed = self._execute(call, micro_batches, loaded)
+            return self._responses(call, outputs, computed, loaded)
 
     def close(self) -> None:
         """Drop the model; later calls raise ``ModelLoadError``."""
@@ -147,14 +172,15 @@ class EmbeddedBackend:
             raise ModelLoadError("this EmbeddedBackend is closed")
         return self._loaded
 
-    def _prepare(self, request: ScoreRequest, loaded: LoadedModel, position: int) -> _Prepared:
-        """Checks and token ids, and the key of the head that will score the request."""
+    def _prepare(self, request: ScoreRequest, loaded: LoadedModel, position: int,
+                 items: slice | None = None) -> _Prepared:
+        """Checks and token ids (of ``request.items[items]``), and the key of the head that will score them."""
         mode = request.mode or self._mode or loaded.default_mode
         if mode not in loaded.supported_modes:
             raise InvalidRequest("mode", f"{loaded.name!r} cannot score in mode {mode!r}; "
                                  f"it supports {', '.join(loaded.supported_modes)}")
         template = resolve_template(request, loaded, self._template, mode)
-        encoded = encode_request(request, loaded, mode, template)
+        encoded = encode_request(request, loaded, mode, template, items)
         if mode == "generative":
             key: tuple = (mode, tuple(encoded.label_ids), request.apply_softmax, encoded.lone_label_sigmoid)
         elif mode == "cross-encoder":
@@ -163,36 +189,73 @@ class EmbeddedBackend:
             key = (mode, position)  # each request has its own query
         return _Prepared(request, encoded, key)
 
-    def _shares_prefix(self, entry: _Prepared) -> bool:
+    def _shares_prefix(self, request: ScoreRequest, encoded: EncodedRequest) -> bool:
         """MIS where it is exact and pays: a causal packed model, several items after a prefix, read at the end."""
-        encoded = entry.encoded
-        return (self._multi_item and self._runner.supports_multi_item and entry.request.multi_item
-                and len(encoded.item_ids) > 1
+        return (self._multi_item and self._runner.supports_multi_item and request.multi_item
+                and len(request.items) > 1
                 and len(encoded.prefix_ids) > 0 and not encoded.read_first
                 and encoded.mode in ("generative", "cross-encoder"))
 
-    def _run(self, prepared: list[_Prepared], loaded: LoadedModel) -> list[ScoreResponse]:
+    def _chunks(self, request: ScoreRequest, ramp: bool) -> list[slice]:
+        """The item chunks a request is encoded in: a first small one when the call ramps up, else all at once."""
+        count = len(request.items)
+        if ramp and count >= 2 * RAMP_ITEMS:
+            return [slice(0, RAMP_ITEMS), slice(RAMP_ITEMS, count)]
+        return [slice(0, count)]
+
+    def _plan(self, call: "_Call", loaded: LoadedModel, return_exceptions: bool) -> Iterator[MicroBatch]:
+        """Encode the requests in order and yield their micro-batches as they fill.
+
+        With ``overlap`` the call ramps up: the first request's first few items go in a micro-batch of their own (when
+        their prefix is a small share of it), so the GPU starts on them while the rest is tokenized.
+        """
+        planner = Planner(self.max_batch_tokens, padded=self._runner.padded, causal=loaded.is_decoder,
+                          pin_memory=self._runner.pin_memory)
         head_ids: dict[tuple, int] = {}
-        head_list: list[heads.Head] = []
-        parts = []
-        for entry in prepared:
-            if entry.head_key not in head_ids:
-                head_ids[entry.head_key] = len(head_list)
-                head_list.append(self._head(entry, loaded))
-            head = head_list[head_ids[entry.head_key]]
-            parts.append(RequestParts.from_encoded(entry.encoded, share_prefix=self._shares_prefix(entry),
-                                                   head=head_ids[entry.head_key], own_batches=not head.reads_only))
-        plan = plan_requests(parts, self.max_batch_tokens, padded=self._runner.padded, causal=loaded.is_decoder,
-                             pin_memory=self._runner.pin_memory)
+        ramp = self._overlap
+        for position, request in enumerate(call.requests):
+            try:
+                for items in self._chunks(request, ramp):
+                    chunk = self._prepare(request, loaded, position, items)
+                    entry = call.entries[position]
+                    if entry is None:
+                        entry = call.entries[position] = chunk
+                        if chunk.head_key not in head_ids:
+                            head_ids[chunk.head_key] = len(head_ids)
+                            call.head_entries.append(chunk)
+                    else:
+                        entry.encoded.extend(chunk.encoded)
+                    encoded = chunk.encoded
+                    parts = RequestParts.from_encoded(
+                        encoded, share_prefix=self._shares_prefix(request, encoded), head=head_ids[chunk.head_key],
+                        own_batches=not heads.reads_only(encoded.mode, loaded.pooling), item_offset=items.start)
+                    yield from planner.add(position, parts)
+                    if ramp:
+                        ramp = False
+                        spans = int(parts.item_lengths.sum()) + len(parts.items) * len(parts.suffix)
+                        if not parts.share_prefix or len(parts.prefix) * RAMP_PREFIX_SHARE <= spans:
+                            yield from planner.close()
+            except RerankitError as error:
+                if not return_exceptions:
+                    raise
+                call.errors[position] = error  # its items already planned are dropped from the results
+        yield from planner.finish()
+
+    def _execute(self, call: "_Call", micro_batches: Iterator[MicroBatch],
+                 loaded: LoadedModel) -> tuple[list[_SliceOutput], list[int]]:
+        """Run the model and the heads over each micro-batch as it comes; scores stay on the device."""
+        head_list: dict[int, heads.Head] = {}
         outputs: list[_SliceOutput] = []
-        computed = [entry.query_tokens for entry in prepared]
-        count = sum(len(entry.encoded.item_ids) for entry in prepared)
+        computed = [0] * len(call.requests)
+        count = sum(len(request.items) for request in call.requests)
         show = self.show_progress if self.show_progress is not None else count > PROGRESS_MIN_ITEMS
         with tqdm(total=count, disable=not show, desc="rerankit", unit="item") as progress:
-            for micro in plan:
+            for micro in micro_batches:
                 read_states = None
                 for key, start, end in micro.head_slices:
-                    head = head_list[key]
+                    head = head_list.get(key)
+                    if head is None:
+                        head = head_list[key] = self._head(call.head_entries[key], loaded)
                     if head.reads_only:
                         if read_states is None:
                             read_states = self._runner.forward_read(micro.batch)
@@ -200,34 +263,47 @@ class EmbeddedBackend:
                     else:  # the request has this micro-batch to itself (own_batches)
                         out = head.score(self._runner.forward(micro.batch), micro.batch)
                     outputs.append(_SliceOutput(micro.read_requests[start:end], micro.read_items[start:end], out,
-                                                prepared))
+                                                call.entries))
                 for index, tokens in micro.request_tokens.items():
                     computed[index] += tokens
                 progress.update(len(micro.read_items))
-        return self._responses(prepared, outputs, computed, loaded)
+        for index, entry in enumerate(call.entries):
+            if entry is not None:
+                computed[index] += entry.query_tokens
+        return outputs, computed
 
-    def _responses(self, prepared: list[_Prepared], outputs: list[_SliceOutput], computed: list[int],
-                   loaded: LoadedModel) -> list[ScoreResponse]:
+    def _responses(self, call: "_Call", outputs: list[_SliceOutput], computed: list[int],
+                   loaded: LoadedModel) -> list[ScoreResponse | RerankitError]:
         """Scatter the per-slice outputs back to requests and items; the one host sync of the call is here."""
-        scores = torch.cat([output.scores.scores.float() for output in outputs]).cpu().numpy()
-        requests = np.concatenate([output.requests for output in outputs])
-        items = np.concatenate([output.items for output in outputs])
-        label_logprobs: list[list] = [[None] * len(entry.encoded.item_ids) for entry in prepared]
-        pooled: list[list] = [[None] * len(entry.encoded.item_ids) for entry in prepared]
+        prepared = call.entries
+        failed = np.array([error is not None for error in call.errors], dtype=bool)
+        if outputs:
+            scores = torch.cat([output.scores.scores.float() for output in outputs]).cpu().numpy()
+            requests = np.concatenate([output.requests for output in outputs])
+            items = np.concatenate([output.items for output in outputs])
+        else:
+            scores, requests, items = np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        label_logprobs: list[list] = [[None] * len(request.items) for request in call.requests]
+        pooled: list[list] = [[None] * len(request.items) for request in call.requests]
         for output in outputs:
             for name, wanted, table in (("label_logprobs", "return_label_logprobs", label_logprobs),
                                         ("pooled", "return_pooled_hidden_states", pooled)):
                 values = getattr(output.scores, name)
                 if values is None:
                     continue
-                rows = np.flatnonzero([getattr(prepared[index].request, wanted) for index in output.requests])
+                rows = np.flatnonzero([getattr(prepared[index].request, wanted) and not failed[index]
+                                       for index in output.requests])
                 for index, item, row in zip(output.requests[rows].tolist(), output.items[rows].tolist(),
                                             values[torch.from_numpy(rows)].float().cpu().tolist()):
                     table[index][item] = row
         order = np.lexsort((items, requests))
         bounds = np.searchsorted(requests[order], np.arange(len(prepared) + 1))
-        responses = []
+        responses: list[ScoreResponse | RerankitError] = []
         for index, entry in enumerate(prepared):
+            error = call.errors[index]
+            if error is not None or entry is None:
+                responses.append(error)
+                continue
             rows = order[bounds[index]:bounds[index + 1]]
             if not np.array_equal(items[rows], np.arange(len(entry.encoded.item_ids))):
                 raise RuntimeError(f"the plan scored request {index}'s items {items[rows].tolist()}, not each once")

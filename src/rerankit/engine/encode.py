@@ -52,6 +52,10 @@ class EncodedRequest:
     item_type: int = 0
     suffix_types: list[int] | None = None
 
+    def extend(self, chunk: "EncodedRequest") -> None:
+        """Append the items of the next chunk of the same request (``encode_request(..., items=...)``)."""
+        self.item_ids = self.item_ids + chunk.item_ids
+
     @property
     def pair_lengths(self) -> list[int]:
         """Length of each item's full sequence, as if it were scored alone."""
@@ -143,25 +147,42 @@ def resolve_template(request: ScoreRequest, loaded: LoadedModel, option: str | N
     return detect_template(loaded.config, loaded.name)
 
 
-def encode_request(request: ScoreRequest, loaded: LoadedModel, mode: str, template: Template | None) -> EncodedRequest:
-    """Check ``request`` against the model and turn it into token ids; ``InvalidRequest`` names what is wrong."""
+def encode_request(request: ScoreRequest, loaded: LoadedModel, mode: str, template: Template | None,
+                   items: slice | None = None) -> EncodedRequest:
+    """Check ``request`` against the model and turn it into token ids; ``InvalidRequest`` names what is wrong.
+
+    ``items`` encodes only ``request.items[items]`` (a chunk, ``step`` 1): errors still name an item by its index
+    in the request, and the chunks of one request concatenate to the whole request's encoding.
+    """
     _check_fields_apply(request, mode, template)
+    chunk = _Chunk(request, items or slice(0, len(request.items)))
     if mode == "generative":
         if template is None:
             raise InvalidRequest("template", f"no prompt template is known for {loaded.name!r}: name one "
                                  "(qwen3-reranker, bge-reranker-gemma, mxbai-rerank-v2) or give label_token_ids")
         if template.name == RAW:
-            encoded = _encode_raw(request, loaded)
+            encoded = _encode_raw(request, loaded, chunk)
         else:
-            encoded = _encode_text(request, loaded, template, mode)
+            encoded = _encode_text(request, loaded, template, mode, chunk)
         encoded.label_ids = _label_ids(request, loaded, template)
         encoded.lone_label_sigmoid = template.lone_label_sigmoid and len(encoded.label_ids) == 1
         return encoded
     if mode == "cross-encoder":
         if template is not None:
-            return _encode_text(request, loaded, template, mode)
-        return _encode_pair(request, loaded)
-    return _encode_single(request, loaded, mode)
+            return _encode_text(request, loaded, template, mode, chunk)
+        return _encode_pair(request, loaded, chunk)
+    return _encode_single(request, loaded, mode, chunk)
+
+
+class _Chunk:
+    """The items of a request that one ``encode_request`` call encodes, and the request index of the first."""
+
+    def __init__(self, request: ScoreRequest, items: slice) -> None:
+        start, stop, step = items.indices(len(request.items))
+        if step != 1:
+            raise ValueError("an item chunk must be a contiguous slice")
+        self.offset = start
+        self.items = request.items if (start, stop) == (0, len(request.items)) else request.items[start:stop]
 
 
 def _check_fields_apply(request: ScoreRequest, mode: str, template: Template | None) -> None:
@@ -227,7 +248,8 @@ def _template_ids(tokenizer: Any, template: Template, instruction: str | None) -
     return _cached(tokenizer, ("template", template, instruction), tokenize)
 
 
-def _encode_text(request: ScoreRequest, loaded: LoadedModel, template: Template, mode: str) -> EncodedRequest:
+def _encode_text(request: ScoreRequest, loaded: LoadedModel, template: Template, mode: str,
+                 chunk: _Chunk) -> EncodedRequest:
     """A text template: [bos] prefix sep | item | sep suffix; the prefix and the items in one tokenizer call."""
     if not isinstance(request.query, str):
         raise InvalidRequest("query", f"template {template.name!r} needs the query as text, not token ids")
@@ -235,15 +257,15 @@ def _encode_text(request: ScoreRequest, loaded: LoadedModel, template: Template,
         raise InvalidRequest("items", f"template {template.name!r} needs texts, not token ids")
     parts = _template_ids(loaded.tokenizer, template, request.instruction)
     prefix, *items = _tokenize(loaded.tokenizer, [template.prefix(request.instruction, request.query),
-                                                  *map(template.item, request.items)])
+                                                  *map(template.item, chunk.items)])
     encoded = EncodedRequest(mode, parts.bos + prefix + parts.separator, [], parts.separator + parts.suffix, [],
                              read_first=False)
     encoded.item_ids = _fit_items(items, request, loaded, len(encoded.prefix_ids) + len(encoded.suffix_ids),
-                                  lead_ids=parts.empty_item)
+                                  chunk.offset, lead_ids=parts.empty_item)
     return encoded
 
 
-def _encode_raw(request: ScoreRequest, loaded: LoadedModel) -> EncodedRequest:
+def _encode_raw(request: ScoreRequest, loaded: LoadedModel, chunk: _Chunk) -> EncodedRequest:
     """vLLM/SGLang raw layout: query ids (special tokens per the request) and item ids (none), concatenated.
 
     SGLang's multi-item layout ``query<d>item1<d>item2<d>...`` (``mis_delimiter_token_id``) is laid out as the
@@ -256,31 +278,31 @@ def _encode_raw(request: ScoreRequest, loaded: LoadedModel) -> EncodedRequest:
         query = tokenizer(request.query, add_special_tokens=request.add_special_tokens)["input_ids"]
     else:
         query = _query_ids(request, loaded)
-    items = _item_ids(request, loaded)
+    items = _item_ids(request, loaded, chunk)
     if request.mis_delimiter_token_id is not None:
         _check_vocab([request.mis_delimiter_token_id], loaded.vocab_size, "mis_delimiter_token_id")
     prefix, suffix = ([], query) if request.item_first else (query, [])
     encoded = EncodedRequest("generative", prefix, [], suffix, [], read_first=False)
-    encoded.item_ids = _fit_items(items, request, loaded, len(prefix) + len(suffix))
+    encoded.item_ids = _fit_items(items, request, loaded, len(prefix) + len(suffix), chunk.offset)
     return encoded
 
 
-def _encode_pair(request: ScoreRequest, loaded: LoadedModel) -> EncodedRequest:
+def _encode_pair(request: ScoreRequest, loaded: LoadedModel, chunk: _Chunk) -> EncodedRequest:
     """A cross-encoder pair as the tokenizer lays it out: [CLS] query [SEP] item [SEP] and its segment ids."""
     layout = special_layout(loaded.tokenizer, pair=True)
     query = _query_ids(request, loaded)
-    items = _item_ids(request, loaded)
+    items = _item_ids(request, loaded, chunk)
     prefix = layout.before + query + layout.between
     encoded = EncodedRequest("cross-encoder", prefix, [], list(layout.after), [], read_first=not loaded.is_decoder)
     if "token_type_ids" in loaded.tokenizer.model_input_names:
         encoded.prefix_types = layout.before_types + [layout.first_type] * len(query) + layout.between_types
         encoded.item_type = layout.second_type
         encoded.suffix_types = list(layout.after_types)
-    encoded.item_ids = _fit_items(items, request, loaded, len(prefix) + len(layout.after))
+    encoded.item_ids = _fit_items(items, request, loaded, len(prefix) + len(layout.after), chunk.offset)
     return encoded
 
 
-def _encode_single(request: ScoreRequest, loaded: LoadedModel, mode: str) -> EncodedRequest:
+def _encode_single(request: ScoreRequest, loaded: LoadedModel, mode: str, chunk: _Chunk) -> EncodedRequest:
     """Bi-encoder / late interaction: the query and each item as their own sequences, with special tokens."""
     layout = special_layout(loaded.tokenizer, pair=False)
     fixed = len(layout.before) + len(layout.after)
@@ -291,7 +313,7 @@ def _encode_single(request: ScoreRequest, loaded: LoadedModel, mode: str) -> Enc
         encoded.prefix_types = list(layout.before_types)
         encoded.item_type = layout.first_type
         encoded.suffix_types = list(layout.after_types)
-    encoded.item_ids = _fit_items(_item_ids(request, loaded), request, loaded, fixed)
+    encoded.item_ids = _fit_items(_item_ids(request, loaded, chunk), request, loaded, fixed, chunk.offset)
     return encoded
 
 
@@ -302,15 +324,15 @@ def _query_ids(request: ScoreRequest, loaded: LoadedModel) -> list[int]:
     return list(request.query)
 
 
-def _item_ids(request: ScoreRequest, loaded: LoadedModel) -> list[list[int]]:
+def _item_ids(request: ScoreRequest, loaded: LoadedModel, chunk: _Chunk) -> list[list[int]]:
     if request.items_are_token_ids:
-        for index, item in enumerate(request.items):
+        for index, item in enumerate(chunk.items, chunk.offset):
             _check_vocab(item, loaded.vocab_size, f"items[{index}]")
-        return [list(item) for item in request.items]
-    return _tokenize(loaded.tokenizer, list(request.items))
+        return [list(item) for item in chunk.items]
+    return _tokenize(loaded.tokenizer, list(chunk.items))
 
 
-def _fit_items(items: list[list[int]], request: ScoreRequest, loaded: LoadedModel, fixed: int,
+def _fit_items(items: list[list[int]], request: ScoreRequest, loaded: LoadedModel, fixed: int, offset: int = 0,
                lead_ids: list[int] | None = None) -> list[list[int]]:
     """Cut each item to what the model length (and ``max_tokens_per_item``) leaves after prefix and suffix.
 
@@ -324,7 +346,7 @@ def _fit_items(items: list[list[int]], request: ScoreRequest, loaded: LoadedMode
                              f"an item within the model's limit of {loaded.max_length} tokens")
     per_item = request.max_tokens_per_item
     fitted = []
-    for index, item in enumerate(items):
+    for index, item in enumerate(items, offset):
         if len(item) <= (room if per_item is None else min(room, per_item)):
             fitted.append(item)  # fits even counting the template's tokens: no need to find them
             continue

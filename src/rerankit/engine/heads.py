@@ -36,6 +36,14 @@ class Head:
     reads_only: bool
 
 
+def reads_only(mode: str, pooling: str | None) -> bool:
+    """Whether the head of ``mode`` needs the states at the read positions only; known before the head is built,
+    so the planner can give the other heads' requests micro-batches of their own."""
+    if mode in ("generative", "cross-encoder"):
+        return True
+    return mode == "bi-encoder" and pooling != "mean"
+
+
 def generative_head(lm_head: torch.nn.Module, label_ids: list[int], *, apply_softmax: bool,
                     lone_label_sigmoid: bool) -> Head:
     """p(first label) at each read position: softmax over the labels, or the full-vocabulary probability.
@@ -116,14 +124,14 @@ def pool(hidden: torch.Tensor, batch: PackedBatch, pooling: str, normalize: bool
 
 def bi_encoder_head(query_embedding: torch.Tensor, pooling: str, normalize: bool) -> Head:
     """Cosine similarity between the query's pooled embedding and each item's."""
-    reads_only = pooling != "mean"
+    at_reads = reads_only("bi-encoder", pooling)
 
     def score(states: torch.Tensor, batch: PackedBatch) -> BatchScores:
-        pooled = pool(states, batch, pooling, normalize, at_reads=reads_only)
+        pooled = pool(states, batch, pooling, normalize, at_reads=at_reads)
         scores = F.cosine_similarity(pooled, query_embedding[None, :].to(pooled.device), dim=-1)
         return BatchScores(scores, pooled=pooled)
 
-    return Head(score, reads_only=reads_only)
+    return Head(score, reads_only=at_reads)
 
 
 def late_interaction_head(query_tokens: torch.Tensor, pooling: str, normalize: bool) -> Head:
@@ -139,4 +147,4 @@ def late_interaction_head(query_tokens: torch.Tensor, pooling: str, normalize: b
         best = best.scatter_reduce(1, segment.expand_as(similarity), similarity, reduce="amax")
         return BatchScores(best.sum(0), pooled=pool(hidden, batch, pooling, normalize))
 
-    return Head(score, reads_only=False)
+    return Head(score, reads_only=reads_only("late-interaction", pooling))

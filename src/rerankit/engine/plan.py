@@ -9,6 +9,11 @@ share micro-batches; the reads of a micro-batch are grouped by head, so each hea
 A padded runner pays for padding, so for it the budget counts longest x count over length-sorted groups; for a
 packed runner it counts real tokens. Layouts are built with numpy over whole arrays, not per token: planning W1
 (100 pairs of ~324 tokens) takes well under a millisecond.
+
+``Planner`` takes requests one at a time (or a request in chunks of items) and yields each micro-batch as soon as it
+is full, so the backend can run micro-batch k on the GPU while the host still encodes the requests of k+1. A
+request's chunks that land in one micro-batch continue the same MIS sequence (one prefix). Pairs that do not share
+a prefix are sorted longest first within windows of a few budgets (all of them at once for a padded runner).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from rerankit.engine.encode import EncodedRequest, Sequence
 # ran at 1,028 / 1,239 / 1,377 / 1,429 pairs/s with 8k / 16k / 32k / 64k, 16 W2 queries at 864 / 1,340 / 1,381 /
 # 1,169; 32k held 1.3 GiB of activations, 64k 2.5 GiB.
 DEFAULT_MAX_BATCH_TOKENS = 32768
+# Pairs without a shared prefix wait until this many budgets of them are known, then are sorted and packed.
+PAIR_WINDOW_BUDGETS = 4
 
 
 @dataclass
@@ -48,6 +55,7 @@ class RequestParts:
     prefix_types: np.ndarray | None = None
     item_type: int = 0
     suffix_types: np.ndarray | None = None
+    item_offset: int = 0  # index in the request of items[0], when these parts are one chunk of its items
     item_lengths: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
@@ -117,23 +125,61 @@ def plan_requests(requests: list[RequestParts], max_batch_tokens: int, *, padded
 
     A sequence longer than the budget gets a micro-batch alone. Micro-batches are built as they are consumed, so a
     large call never holds all of them at once. ``pin_memory`` puts the tensors that go to the device in
-    page-locked memory, so that the runner's copies are asynchronous.
+    page-locked memory, so that the runner's copies are asynchronous. Request ``i`` is ``requests[i]``.
     """
-    planner = _Planner(max_batch_tokens, padded, causal, pin_memory)
+    planner = Planner(max_batch_tokens, padded=padded, causal=causal, pin_memory=pin_memory)
     for index, parts in enumerate(requests):
+        yield from planner.add(index, parts)
+    yield from planner.finish()
+
+
+class Planner:
+    """Plans requests as they arrive; ``add`` and ``finish`` yield the micro-batches they close.
+
+    ``add(index, parts)`` takes request ``index`` whole, or one chunk of its items (``parts.item_offset``): chunks of
+    one request must come in item order, before any other request's parts. ``close`` ends the micro-batch being
+    filled early (the backend does so to start the GPU on the first chunk of a call); ``finish`` ends the plan.
+    """
+
+    def __init__(self, max_batch_tokens: int, *, padded: bool, causal: bool, pin_memory: bool = False) -> None:
+        self._planner = _Planner(max_batch_tokens, padded, causal, pin_memory)
+        self._padded = padded
+        self._window = PAIR_WINDOW_BUDGETS * max_batch_tokens
+        self._pending: list[tuple[int, RequestParts, int]] = []  # pairs waiting to be sorted: (index, parts, item)
+        self._pending_tokens = 0
+
+    def add(self, index: int, parts: RequestParts) -> Iterator[MicroBatch]:
+        """Plan request ``index`` (or a chunk of it)."""
+        planner = self._planner
+        units = [(index, parts, item) for item in range(len(parts.items))]
         if parts.own_batches:
             yield from planner.flush()
-            yield from planner.add_pairs([(index, item) for item in range(len(parts.items))], requests)
+            yield from planner.add_pairs(units)
             yield from planner.flush()
-    for index, parts in enumerate(requests):
-        if parts.share_prefix and not parts.own_batches:
-            if padded:
+        elif parts.share_prefix:
+            if self._padded:
                 raise ValueError("a padded runner cannot share a prefix among items")
             yield from planner.add_shared(index, parts)
-    yield from planner.add_pairs([(index, item) for index, parts in enumerate(requests)
-                                  if not (parts.share_prefix or parts.own_batches)
-                                  for item in range(len(parts.items))], requests)
-    yield from planner.flush()
+        else:
+            self._pending += units
+            self._pending_tokens += int(parts.item_lengths.sum()) + len(parts.items) * (len(parts.prefix)
+                                                                                       + len(parts.suffix))
+            if not self._padded and self._pending_tokens >= self._window:
+                yield from self._plan_pending()
+
+    def close(self) -> Iterator[MicroBatch]:
+        """The micro-batch being filled (waiting pairs included), now, even if it has room left."""
+        yield from self._plan_pending()
+        yield from self._planner.flush()
+
+    def finish(self) -> Iterator[MicroBatch]:
+        """Every micro-batch still open."""
+        yield from self.close()
+
+    def _plan_pending(self) -> Iterator[MicroBatch]:
+        units, self._pending, self._pending_tokens = self._pending, [], 0
+        if units:
+            yield from self._planner.add_pairs(units)
 
 
 def pack(sequences: list[Sequence], *, causal: bool) -> PackedBatch:
@@ -158,32 +204,32 @@ class _Planner:
             yield self.builder.build(self.causal, self.pin_memory)
             self.builder = _Builder()
 
-    def add_pairs(self, units: list[tuple[int, int]], requests: list[RequestParts]) -> Iterator[MicroBatch]:
-        """One sequence per (request, item), longest first."""
-        lengths = [requests[index].pair_length(item) for index, item in units]
+    def add_pairs(self, units: list[tuple[int, RequestParts, int]]) -> Iterator[MicroBatch]:
+        """One sequence per (request index, parts, item), longest first."""
+        lengths = [parts.pair_length(item) for _, parts, item in units]
         if self.padded:
             yield from self.flush()
             for group in group_by_length(lengths, self.budget, padded=True):
                 for position in group:
-                    self.builder.add_pair(units[position][0], requests[units[position][0]], units[position][1])
+                    self.builder.add_pair(*units[position])
                 yield from self.flush()
             return
         for position in sorted(range(len(units)), key=lambda position: -lengths[position]):
             if self.builder.tokens and self.builder.tokens + lengths[position] > self.budget:
                 yield from self.flush()
-            index, item = units[position]
-            self.builder.add_pair(index, requests[index], item)
+            self.builder.add_pair(*units[position])
 
     def add_shared(self, index: int, parts: RequestParts) -> Iterator[MicroBatch]:
         """The request's spans after its prefix, as many per micro-batch as fit, the prefix again in each."""
         spans = parts.item_lengths + len(parts.suffix)
-        prefix = len(parts.prefix)
         start = 0
         while start < len(spans):
+            # A chunk that follows its request's open sequence goes on in it, without another prefix.
+            prefix = 0 if self.builder.continues(index, parts) else len(parts.prefix)
             room = self.budget - self.builder.tokens
             if self.builder.tokens and room < prefix + spans[start]:
                 yield from self.flush()
-                room = self.budget
+                room, prefix = self.budget, len(parts.prefix)
             filled = prefix + np.cumsum(spans[start:])
             count = max(1, int(np.searchsorted(filled, room, side="right")))
             self.builder.add_shared(index, parts, np.arange(start, start + count))
@@ -206,6 +252,14 @@ class _Builder:
         self.read_requests: list[np.ndarray] = []
         self.read_heads: list[np.ndarray] = []
         self.request_tokens: dict[int, int] = {}
+        self.open_shared: tuple | None = None  # (request index, head, prefix) of the last sequence, when it is MIS
+
+    def continues(self, index: int, parts: RequestParts) -> bool:
+        """Whether a chunk of request ``index`` can go on in the last sequence (the same request's MIS sequence)."""
+        if self.open_shared is None:
+            return False
+        open_index, open_head, open_prefix = self.open_shared
+        return open_index == index and open_head == parts.head and np.array_equal(open_prefix, parts.prefix)
 
     def add_pair(self, index: int, parts: RequestParts, item: int) -> None:
         item_ids = parts.items[item]
@@ -214,7 +268,7 @@ class _Builder:
             types = [parts.prefix_types, np.full(len(item_ids), parts.item_type, dtype=np.int64), parts.suffix_types]
         length = parts.pair_length(item)
         self.add_sequence(index, parts.head, [parts.prefix, item_ids, parts.suffix], types,
-                          0 if parts.read_first else length - 1, item)
+                          0 if parts.read_first else length - 1, item + parts.item_offset)
 
     def add_sequence(self, index: int, head: int, pieces: list[np.ndarray], types: list[np.ndarray] | None,
                      read_offset: int, item: int) -> None:
@@ -227,14 +281,34 @@ class _Builder:
                   np.array([item]))
 
     def add_shared(self, index: int, parts: RequestParts, items: np.ndarray) -> None:
-        """One MIS sequence: the prefix, then a span (item + suffix) per item, each read at its last token."""
+        """One MIS sequence: the prefix, then a span (item + suffix) per item, each read at its last token.
+
+        When the last sequence is this request's MIS sequence (``continues``), the spans go on in it instead.
+        """
         prefix = len(parts.prefix)
         spans = parts.item_lengths[items] + len(parts.suffix)
-        self.ids.append(parts.prefix)
+        extend = self.continues(index, parts)
+        if not extend:
+            self.ids.append(parts.prefix)
         for item in items.tolist():
             self.ids += (parts.items[item], parts.suffix)
-        self._add(index, parts.head, np.concatenate(([prefix], spans)),
-                  np.concatenate(([0], np.full(len(spans), prefix))), prefix, prefix + np.cumsum(spans) - 1, items)
+        if extend:
+            self._extend(index, parts.head, spans, prefix, items + parts.item_offset)
+        else:
+            self._add(index, parts.head, np.concatenate(([prefix], spans)),
+                      np.concatenate(([0], np.full(len(spans), prefix))), prefix, prefix + np.cumsum(spans) - 1,
+                      items + parts.item_offset)
+        self.open_shared = (index, parts.head, parts.prefix)
+
+    def _extend(self, index: int, head: int, spans: np.ndarray, prefix: int, items: np.ndarray) -> None:
+        """More item spans at the end of the last (MIS) sequence."""
+        length = int(spans.sum())
+        self.segment_lengths.append(spans)
+        self.segment_positions.append(np.full(len(spans), prefix))
+        self.sequence_lengths[-1] += length
+        self._reads(index, head, self.tokens + np.cumsum(spans) - 1, items)
+        self.request_tokens[index] += length
+        self.tokens += length
 
     def _add(self, index: int, head: int, segments: np.ndarray, positions: np.ndarray, prefix_length: int,
              reads: np.ndarray, items: np.ndarray) -> None:
@@ -243,12 +317,16 @@ class _Builder:
         self.segment_positions.append(positions)
         self.sequence_lengths.append(length)
         self.prefix_lengths.append(prefix_length)
-        self.read_positions.append(reads + self.tokens)
+        self._reads(index, head, reads + self.tokens, items)
+        self.request_tokens[index] = self.request_tokens.get(index, 0) + length
+        self.tokens += length
+        self.open_shared = None
+
+    def _reads(self, index: int, head: int, positions: np.ndarray, items: np.ndarray) -> None:
+        self.read_positions.append(positions)
         self.read_items.append(items)
         self.read_requests.append(np.full(len(items), index, dtype=np.int64))
         self.read_heads.append(np.full(len(items), head, dtype=np.int64))
-        self.request_tokens[index] = self.request_tokens.get(index, 0) + length
-        self.tokens += length
 
     def build(self, causal: bool, pin_memory: bool) -> MicroBatch:
         lengths = np.concatenate(self.segment_lengths)

@@ -1,0 +1,169 @@
+"""Planning while the model runs: the prefetch thread, the streaming planner fed in chunks, and the backend's
+overlap mode (worker-thread planning plus a ramp-up chunk), which must score exactly as the plain path does."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from rerankit.engine import EmbeddedBackend
+from rerankit.engine.batch import attention_allowed
+from rerankit.engine.plan import Planner, RequestParts
+from rerankit.engine.prefetch import prefetch
+from rerankit.errors import InvalidRequest
+from rerankit.schema import ScoreRequest
+from test_fast_path import DOCS, QUERY, make_decoder
+from test_mis import assert_same_results, random_parts, random_raw_request
+
+
+def test_prefetch_keeps_order_and_runs_ahead_on_another_thread():
+    threads = []
+
+    def produce():
+        for value in range(50):
+            threads.append(threading.current_thread())
+            yield value
+
+    assert list(prefetch(produce(), depth=3)) == list(range(50))
+    assert all(thread is not threading.current_thread() for thread in threads)
+
+
+def test_prefetch_raises_the_error_where_it_happened():
+    def produce():
+        yield 1
+        yield 2
+        raise InvalidRequest("items[2]", "too long")
+
+    seen = []
+    with pytest.raises(InvalidRequest, match=r"items\[2\]"):
+        for value in prefetch(produce(), depth=1):
+            seen.append(value)
+    assert seen == [1, 2]
+
+
+def test_prefetch_stops_and_joins_its_worker_when_the_consumer_stops():
+    closed = threading.Event()
+
+    def produce():
+        try:
+            for value in range(10**6):
+                yield value
+        finally:
+            closed.set()
+
+    before = threading.active_count()
+    stream = prefetch(produce(), depth=2)
+    assert next(stream) == 0
+    stream.close()
+    assert closed.wait(5)
+    time.sleep(0.05)
+    assert threading.active_count() == before
+    with pytest.raises(ValueError, match="depth"):
+        next(prefetch(iter([]), depth=0))
+
+
+def chunked(parts: RequestParts, rng: random.Random) -> list[RequestParts]:
+    """The request's items cut into random contiguous chunks, as the backend encodes a ramped request."""
+    cuts = sorted(rng.sample(range(1, len(parts.items)), rng.randint(0, min(3, len(parts.items) - 1))))
+    chunks = []
+    for start, stop in zip([0, *cuts], [*cuts, len(parts.items)]):
+        chunks.append(RequestParts(parts.prefix.copy(), parts.items[start:stop], parts.suffix, parts.read_first,
+                                   parts.share_prefix, parts.head, parts.own_batches, parts.prefix_types,
+                                   parts.item_type, parts.suffix_types, item_offset=start))
+    return chunks
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_chunks_and_early_closes_plan_every_item_once_with_its_own_pair(causal):
+    rng = random.Random(11 + causal)
+    for budget in (5, 37, 200, 10**6):
+        requests = [random_parts(rng, causal, typed=False, head_count=2) for _ in range(rng.randint(1, 6))]
+        planner = Planner(budget, padded=False, causal=causal)
+        micro_batches = []
+        for index, parts in enumerate(requests):
+            for chunk in chunked(parts, rng):
+                micro_batches += planner.add(index, chunk)
+                if rng.random() < 0.3:
+                    micro_batches += planner.close()
+        micro_batches += planner.finish()
+        seen = []
+        for micro in micro_batches:
+            batch = micro.batch
+            lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist()
+            assert sum(lengths) <= budget or len(lengths) == 1
+            allowed = attention_allowed(batch)
+            for read, index, item in zip(batch.read_positions.tolist(), micro.read_requests.tolist(),
+                                         micro.read_items.tolist()):
+                parts = requests[index]
+                pair = np.concatenate([parts.prefix, parts.items[item], parts.suffix]).tolist()
+                visible = allowed[read].nonzero().flatten()
+                assert batch.input_ids[visible].tolist() == pair
+                assert batch.position_ids[visible].tolist() == list(range(len(pair)))
+                seen.append((index, item))
+        assert sorted(seen) == [(index, item) for index, parts in enumerate(requests)
+                                for item in range(len(parts.items))]
+
+
+def test_chunks_of_one_request_in_one_micro_batch_share_one_prefix():
+    items = [np.arange(10, 10 + length) for length in (3, 5, 2, 7, 4)]
+    parts = RequestParts(np.arange(1, 9), items, np.array([99]), share_prefix=True)
+    planner = Planner(10**6, padded=False, causal=True)
+    first = RequestParts(parts.prefix.copy(), items[:2], parts.suffix, share_prefix=True)
+    rest = RequestParts(parts.prefix.copy(), items[2:], parts.suffix, share_prefix=True, item_offset=2)
+    micro_batches = [*planner.add(0, first), *planner.add(0, rest), *planner.finish()]
+    assert len(micro_batches) == 1
+    batch = micro_batches[0].batch
+    assert batch.cu_seqlens.tolist() == [0, 8 + sum(len(item) + 1 for item in items)]
+    assert micro_batches[0].read_items.tolist() == [0, 1, 2, 3, 4]
+    assert micro_batches[0].request_tokens == {0: batch.num_tokens}
+
+
+@pytest.fixture(scope="module")
+def lm_path(tmp_path_factory):
+    return make_decoder(tmp_path_factory.mktemp("overlap") / "qwen3-lm", "lm")
+
+
+@pytest.mark.parametrize("budget", [64, 32768])
+def test_overlap_scores_equal_the_plain_path(lm_path, budget):
+    plain = EmbeddedBackend(str(lm_path), device="cpu", runner="packed", max_batch_tokens=budget, overlap=False)
+    overlapped = EmbeddedBackend(str(lm_path), device="cpu", runner="packed", max_batch_tokens=budget, overlap=True)
+    rng = random.Random(budget)
+    vocab = plain._model().vocab_size
+    many = [DOCS[index % len(DOCS)] + f" {index}" for index in range(40)]  # ramped: 16 items, then 24
+    requests = [ScoreRequest(query=QUERY, items=many, template="qwen3-reranker"),
+                random_raw_request(rng, vocab, items=35),
+                ScoreRequest(query=QUERY, items=many[:5], template="qwen3-reranker", multi_item=False)]
+    for expected, response in zip(plain.score_batch(requests), overlapped.score_batch(requests)):
+        assert [result.index for result in response.results] == list(range(len(expected.results)))
+        torch.testing.assert_close(torch.tensor(response.scores), torch.tensor(expected.scores), atol=1e-5, rtol=0)
+        assert response.usage.prompt_tokens == expected.usage.prompt_tokens
+        assert response.usage.computed_tokens >= expected.usage.computed_tokens
+    assert_same_results(overlapped.score(requests[1]), plain.score(requests[1]))
+
+
+def test_overlap_ramp_counts_the_repeated_prefix_once_more(lm_path):
+    overlapped = EmbeddedBackend(str(lm_path), device="cpu", runner="packed", overlap=True)
+    plain = EmbeddedBackend(str(lm_path), device="cpu", runner="packed", overlap=False)
+    request = ScoreRequest(query=[5, 6, 7], items=[[20 + index, 21] for index in range(40)], label_token_ids=[30, 31])
+    ramped, single = overlapped.score(request), plain.score(request)
+    assert single.usage.computed_tokens == 3 + 40 * 2
+    assert ramped.usage.computed_tokens == single.usage.computed_tokens + 3  # the first 16 items ran apart
+
+
+def test_overlap_errors_in_a_later_chunk_name_the_item_and_drop_the_request(lm_path):
+    backend = EmbeddedBackend(str(lm_path), device="cpu", runner="packed", overlap=True)
+    vocab = backend._model().vocab_size
+    items = [[11, 12]] * 40
+    items[30] = [11, vocab + 5]  # out of the vocabulary, in the second chunk
+    bad = ScoreRequest(query=[5, 6, 7], items=items, label_token_ids=[30, 31])
+    good = ScoreRequest(query=[5, 6], items=[[13], [14, 15]], label_token_ids=[30, 31], return_label_logprobs=True)
+    with pytest.raises(InvalidRequest, match=r"items\[30\]"):
+        backend.score_batch([bad, good])
+    error, response = backend.score_batch([bad, good], return_exceptions=True)
+    assert isinstance(error, InvalidRequest) and "items[30]" in str(error)
+    assert_same_results(response, backend.score(good))
