@@ -3,15 +3,21 @@
 Decoder packs in the Qwen3-0.6B shape (Hq=16, Hkv=8, D=128), plus a BERT-large-shaped encoder pack
 (Hq=Hkv=16, D=64, bidirectional). Every backend of rerankit.engine.attention on the same packs; time
 per layer (median ms) and TFLOP/s counting only the query-key pairs the mask lets through. Prints a
-table, writes JSON. ``--sweep`` also times the Triton kernel over tile configs (with its max |diff|
-against the default config).
+table, writes JSON. ``--sweep`` also times the Triton kernel over tile configs, one query head per program
+and packed GQA (all query heads of a kv head per program), with its max |diff| against the default config; each
+sweep result is printed as a JSON line as soon as it is measured, then one "best" line per pack.
 
-    PYTHONPATH=src python benchmarks/attention.py --out bench_out/attention.json [--sweep]
+    PYTHONPATH=src python benchmarks/attention.py --out bench_out/attention.json [--sweep] [--sweep-only]
+        [--workloads MIS 32k encoder]
+
+The default config is rerankit.kernels.prefix_attention.default_config, so RERANKIT_ATTENTION_CONFIG applies to
+the "triton" backend rows and to the sweep's reference.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import time
@@ -90,6 +96,10 @@ def workloads(seed: int = 0) -> dict[str, tuple]:
 SWEEP = [AttentionConfig(block_m, block_n, warps, stages) for block_m, block_n, warps, stages in [
     (128, 32, 4, 3), (128, 32, 4, 2), (128, 32, 4, 4), (128, 32, 8, 3), (64, 32, 4, 3), (64, 32, 4, 2),
     (64, 32, 2, 3), (64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4)]]
+# Packed GQA: block_m tokens x GROUP heads per program (GROUP=2 on the Qwen3 packs: 64 or 128 MMA rows; 1 on the
+# encoder, where it is the unpacked kernel on smaller tiles).
+SWEEP += [AttentionConfig(block_m, block_n, warps, stages, pack_gqa=True)
+          for block_m in (32, 64) for block_n in (32, 64) for warps in (4, 8) for stages in (2, 3)]
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -100,16 +110,44 @@ def bench_backend(q, k, v, batch, backend) -> float:
     return do_bench(lambda: packed_attention(q, k, v, batch, backend=backend), warmup=25, rep=100)
 
 
+def config_label(config: AttentionConfig) -> str:
+    return (f"{'gqa' if config.pack_gqa else 'head'} m{config.block_m:<3d} n{config.block_n:<3d} "
+            f"w{config.num_warps} s{config.num_stages}")
+
+
+def print_best(sweep: list[dict]) -> None:
+    """One JSON line per pack: its fastest config, the fastest of each kind (packed or not), the default's time."""
+    for workload in dict.fromkeys(row["workload"] for row in sweep):
+        rows = [row for row in sweep if row["workload"] == workload]
+        best = min(rows, key=lambda row: row["ms"])
+        line = dict(kind="best", workload=workload, config=best["config"], ms=best["ms"], tflops=best["tflops"],
+                    default_ms=rows[0]["default_ms"], speedup_vs_default=rows[0]["default_ms"] / best["ms"])
+        for packed in (False, True):
+            of_kind = [row for row in rows if row["config"]["pack_gqa"] == packed]
+            if of_kind:
+                fastest = min(of_kind, key=lambda row: row["ms"])
+                line["best_packed" if packed else "best_unpacked"] = dict(config=fastest["config"],
+                                                                          ms=fastest["ms"], tflops=fastest["tflops"])
+        print(json.dumps(line), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench_out/attention.json"))
     parser.add_argument("--sweep", action="store_true", help="also time the Triton kernel over tile configs")
+    parser.add_argument("--sweep-only", action="store_true",
+                        help="time only the Triton sweep (implies --sweep), not the other backends")
+    parser.add_argument("--workloads", nargs="+", metavar="SUBSTRING",
+                        help="run only the packs whose name contains one of these (case-insensitive)")
     args = parser.parse_args()
+    args.sweep = args.sweep or args.sweep_only
     torch.manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "rows": [], "sweep": []}
-    backends = available_backends("cuda")
+    backends = [] if args.sweep_only else available_backends("cuda")
     for name, (layout, causal, (q_heads, kv_heads, head_dim)) in workloads().items():
+        if args.workloads and not any(part.lower() in name.lower() for part in args.workloads):
+            continue
         batch = make_batch(layout, causal)
         pairs = visible_pairs(batch)
         gflop = 4 * head_dim * q_heads * pairs / 1e9
@@ -132,14 +170,17 @@ def main() -> None:
                                         tflops=gflop / ms, max_abs_diff_vs_triton=diff,
                                         block_mask_build_ms=mask_ms if backend == "flex" else None))
         if args.sweep:
+            default_ms = bench_backend(q, k, v, batch, "triton")
             for config in SWEEP:
                 def run_config(config=config):
                     return prefix_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, batch.prefix_lens,
                                             batch.span_starts, batch.causal, config=config)
                 diff = max_abs_diff(run_config(), ours)
                 ms = do_bench(run_config, warmup=25, rep=100)
-                results["sweep"].append(dict(workload=name, config=config.__dict__, ms=ms, tflops=gflop / ms,
-                                             max_abs_diff_vs_default=diff))
+                row = dict(workload=name, config=dataclasses.asdict(config), ms=ms, tflops=gflop / ms,
+                           max_abs_diff_vs_default=diff, default_ms=default_ms)
+                results["sweep"].append(row)
+                print(json.dumps(dict(kind="sweep", **row)), flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1))
 
@@ -150,10 +191,9 @@ def main() -> None:
         print(f"{row['workload']:42s} {row['backend']:8s} {row['tokens']:7d} {row['ms']:8.3f} {row['tflops']:8.1f} "
               f"{row['max_abs_diff_vs_triton']:9.4f}{mask_note}")
     for row in results["sweep"]:
-        config = row["config"]
-        print(f"sweep {row['workload'][:24]:24s} m{config['block_m']:<3d} n{config['block_n']:<3d} "
-              f"w{config['num_warps']} s{config['num_stages']} {row['ms']:7.3f} ms {row['tflops']:6.1f} "
-              f"diff {row['max_abs_diff_vs_default']:.4f}")
+        print(f"sweep {row['workload'][:24]:24s} {config_label(AttentionConfig(**row['config']))} {row['ms']:7.3f} ms "
+              f"{row['tflops']:6.1f} diff {row['max_abs_diff_vs_default']:.4f}")
+    print_best(results["sweep"])
 
 
 if __name__ == "__main__":

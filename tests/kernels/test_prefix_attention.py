@@ -6,7 +6,16 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernel's import
 
-from rerankit.kernels.prefix_attention import prefix_attention, prefix_attention_reference  # noqa: E402
+from rerankit.kernels.prefix_attention import (  # noqa: E402
+    CONFIG_ENV,
+    CPU_DEFAULT_CONFIG,
+    CUDA_DEFAULT_CONFIG,
+    AttentionConfig,
+    default_config,
+    parse_config,
+    prefix_attention,
+    prefix_attention_reference,
+)
 
 
 def pack_meta(layout, device="cpu"):
@@ -48,49 +57,109 @@ PLAIN = [(0, [7]), (0, [33]), (0, [1]), (0, [50])]
 MIS_RAGGED = [(12, [5, 1, 9, 1, 20]), (0, [17]), (30, [40]), (3, [1, 1, 1])]
 LONG_PREFIX = [(45, [1, 30, 2, 16]), (0, [2])]
 
+# None: the CPU default (one query head per program). Packed GQA: all query heads of a kv head per program, with
+# block_n below and above block_m so the full-tile bounds are exercised both ways.
+CONFIGS = [
+    None,
+    AttentionConfig(block_m=16, block_n=32, num_warps=1, num_stages=1, pack_gqa=True),
+    AttentionConfig(block_m=32, block_n=16, num_warps=1, num_stages=1, pack_gqa=True),
+]
+CONFIG_IDS = ["unpacked", "packed-m16-n32", "packed-m32-n16"]
+with_configs = pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
 
+
+@with_configs
 @pytest.mark.parametrize(
     "layout, causal, q_heads, kv_heads, head_dim",
     [
         (PLAIN, True, 4, 2, 16),
         (MIS_RAGGED, True, 4, 2, 16),
         (MIS_RAGGED, True, 2, 2, 32),
+        (MIS_RAGGED, True, 4, 1, 16),
         (LONG_PREFIX, True, 4, 2, 32),
+        (LONG_PREFIX, True, 6, 2, 16),
         (PLAIN, False, 4, 2, 16),
+        (MIS_RAGGED, False, 4, 1, 16),
     ],
-    ids=["plain-causal-gqa", "mis-ragged-gqa", "mis-ragged-mha-d32", "long-prefix-d32", "bidirectional"],
+    ids=["plain-causal-gqa", "mis-ragged-gqa", "mis-ragged-mha-d32", "mis-ragged-group4", "long-prefix-d32",
+         "long-prefix-group3", "bidirectional", "bidirectional-group4"],
 )
-def test_kernel_matches_reference(layout, causal, q_heads, kv_heads, head_dim):
+def test_kernel_matches_reference(layout, causal, q_heads, kv_heads, head_dim, config):
     (q, k, v), meta = make_pack(layout, q_heads, kv_heads, head_dim)
     expected = prefix_attention_reference(q, k, v, **meta, causal=causal)
-    got = prefix_attention(q, k, v, **meta, causal=causal)
+    got = prefix_attention(q, k, v, **meta, causal=causal, config=config)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_kernel_honours_scale_and_strided_inputs():
+@with_configs
+def test_kernel_honours_scale_and_strided_inputs(config):
     (q, k, v), meta = make_pack(MIS_RAGGED, 4, 2, 16, seed=1)
     # q/k/v as views of one fused projection, the way a model produces them.
     fused = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
     q_view, k_view, v_view = (part.unflatten(1, (-1, 16)) for part in fused.split([64, 32, 32], dim=1))
     expected = prefix_attention_reference(q, k, v, **meta, scale=0.3)
-    got = prefix_attention(q_view, k_view, v_view, **meta, scale=0.3)
+    got = prefix_attention(q_view, k_view, v_view, **meta, scale=0.3, config=config)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_mis_item_equals_its_own_sequence():
+@with_configs
+def test_mis_item_equals_its_own_sequence(config):
     prefix_len, item_lens = 10, [6, 1, 13]
     (q, k, v), meta = make_pack([(prefix_len, item_lens)], 2, 1, 16, seed=2)
-    shared = prefix_attention(q, k, v, **meta)
+    shared = prefix_attention(q, k, v, **meta, config=config)
     item_start = prefix_len
     for item_len in item_lens:
         rows = list(range(prefix_len)) + list(range(item_start, item_start + item_len))
-        alone = prefix_attention(q[rows], k[rows], v[rows], **pack_meta([(0, [len(rows)])]))
+        alone = prefix_attention(q[rows], k[rows], v[rows], **pack_meta([(0, [len(rows)])]), config=config)
         torch.testing.assert_close(shared[item_start:item_start + item_len], alone[prefix_len:], atol=1e-5, rtol=1e-5)
         item_start += item_len
 
 
+def test_packed_and_unpacked_agree_on_every_head():
+    # Group 3 pads the packed tile to 4 heads per kv head: the padding rows must never be stored.
+    (q, k, v), meta = make_pack(MIS_RAGGED, 6, 2, 16, seed=3)
+    unpacked = prefix_attention(q, k, v, **meta, config=CPU_DEFAULT_CONFIG)
+    packed = prefix_attention(q, k, v, **meta, config=AttentionConfig(16, 16, 1, 1, pack_gqa=True))
+    torch.testing.assert_close(packed, unpacked, atol=1e-5, rtol=1e-5)
+
+
+def test_parse_config():
+    assert parse_config("") == CUDA_DEFAULT_CONFIG
+    assert parse_config("pack_gqa=1, block_m=64,block_n=64,num_warps=4,num_stages=3") == AttentionConfig(
+        block_m=64, block_n=64, num_warps=4, num_stages=3, pack_gqa=True)
+    assert parse_config("pack_gqa=false", AttentionConfig(pack_gqa=True)) == AttentionConfig()
+    assert parse_config("block_n=64", CPU_DEFAULT_CONFIG) == AttentionConfig(32, 64, 1, 1)
+    for bad in ("block_m", "blockm=64", "block_m=sixty", "pack_gqa=maybe", "block_m=48", "num_stages=0"):
+        with pytest.raises(ValueError):
+            parse_config(bad)
+
+
+def test_default_config_reads_the_environment(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    assert default_config(cpu) == CPU_DEFAULT_CONFIG
+    assert default_config(cuda) == CUDA_DEFAULT_CONFIG == AttentionConfig(64, 32, 4, 3, pack_gqa=True)
+    monkeypatch.setenv(CONFIG_ENV, "pack_gqa=0,block_m=128")
+    assert default_config(cuda) == AttentionConfig(block_m=128, block_n=32)
+    monkeypatch.setenv(CONFIG_ENV, "pack_gqa=1,block_m=64,block_n=64")
+    assert default_config(cuda) == AttentionConfig(block_m=64, block_n=64, pack_gqa=True)
+    assert default_config(cpu) == AttentionConfig(64, 64, 1, 1, pack_gqa=True)
+    monkeypatch.setenv(CONFIG_ENV, "pack_gqa=1,block_m=16,block_n=16")
+    (q, k, v), meta = make_pack(LONG_PREFIX, 4, 2, 16, seed=4)
+    torch.testing.assert_close(prefix_attention(q, k, v, **meta), prefix_attention_reference(q, k, v, **meta),
+                               atol=1e-4, rtol=1e-4)
+    monkeypatch.setenv(CONFIG_ENV, "block_m=12")
+    with pytest.raises(ValueError, match=CONFIG_ENV):
+        default_config(cuda)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "config",
+    [None, AttentionConfig(64, 64, 4, 3, pack_gqa=True), AttentionConfig(32, 32, 4, 2, pack_gqa=True)],
+    ids=["default", "packed-m64-n64", "packed-m32-n32"],
+)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize(
     "layout",
@@ -101,8 +170,8 @@ def test_mis_item_equals_its_own_sequence():
     ],
     ids=["w1-plain", "mis-prefix-76", "mis-prefix-1024-mixed"],
 )
-def test_kernel_matches_reference_on_gpu_bf16(layout, head_dim):
+def test_kernel_matches_reference_on_gpu_bf16(layout, head_dim, config):
     (q, k, v), meta = make_pack(layout, 16, 8, head_dim, dtype=torch.bfloat16, device="cuda")
     expected = prefix_attention_reference(q.float(), k.float(), v.float(), **meta)
-    got = prefix_attention(q, k, v, **meta)
+    got = prefix_attention(q, k, v, **meta, config=config)
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)

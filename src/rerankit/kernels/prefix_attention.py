@@ -10,11 +10,35 @@ The Triton kernel is flash-attention style (online softmax, fp32 accumulation). 
 visits only the key ranges that some of its queries can see: the prefix keys that every query of
 the block sees, then its own spans up to its last query. Tiles that every query sees fully skip
 the elementwise mask.
+
+Two variants, chosen by :attr:`AttentionConfig.pack_gqa`:
+
+* ``pack_gqa=False``: one program per (query block, query head, sequence); a block is
+  ``block_m`` tokens of one query head, so the ``GROUP = Hq // Hkv`` heads that share a kv head
+  load its K/V tiles ``GROUP`` times.
+* ``pack_gqa=True`` (the CUDA default): one program per (query block, kv head, sequence); its Q tile stacks the
+  ``GROUP`` query heads of the kv head over ``block_m`` tokens (``GROUP * block_m`` rows, token
+  major: row ``r`` is token ``q_first + r // GROUP_PAD`` of head ``r % GROUP_PAD`` of the group,
+  ``GROUP_PAD`` the next power of two, padding heads masked). Each K/V tile is loaded once per group
+  and ``block_m`` can shrink (64 tokens x 2 heads = 128 rows), which wastes less of the causal
+  diagonal tiles on short spans. The per-row mask uses each row's token, so the skip logic is the same.
+
+The config comes from :func:`default_config` unless a caller passes one. To switch it without code
+changes, set ``RERANKIT_ATTENTION_CONFIG`` to comma-separated ``field=value`` pairs of
+:class:`AttentionConfig`, applied on top of the device's default (CUDA and the CPU interpreter alike)::
+
+    RERANKIT_ATTENTION_CONFIG="pack_gqa=1,block_m=64,block_n=64,num_warps=4,num_stages=3"
+
+Fields left out keep the default; ``pack_gqa`` takes 1/0/true/false/yes/no. To change the default in
+code, edit :data:`CUDA_DEFAULT_CONFIG`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -25,24 +49,78 @@ import triton.language as tl
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """Tile sizes and launch shape of the kernel."""
+    """Tile sizes and launch shape of the kernel.
+
+    ``block_m`` is the number of query tokens of a program; with ``pack_gqa`` its Q tile holds them for
+    all the query heads of one kv head (``block_m * next_pow2(GROUP)`` rows). ``block_n`` is the key tile.
+    """
 
     block_m: int = 128
     block_n: int = 32
     num_warps: int = 4
     num_stages: int = 3
+    pack_gqa: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"AttentionConfig.{name} must be a power of two, not {value}")
+        if self.num_stages < 1:
+            raise ValueError(f"AttentionConfig.num_stages must be >= 1, not {self.num_stages}")
+
+
+# benchmarks/attention.py --sweep on an H100 (ms per layer, Hq16/Hkv8/D128 bf16): the GQA-packed 64x32 tile with 4
+# warps and 3 stages ran W1 0.299 / W1 MIS 0.292 / 1k-prefix MIS 0.352 / 32k documents 1.128 / D=64 encoder 0.202,
+# against 0.355 / 0.334 / 0.365 / 1.184 / 0.218 for one query head per program (128x32), and was within 7% of the
+# sweep's best on every pack; the one pack where it lost, a 1k-token plain causal pair, lost 3%.
+CUDA_DEFAULT_CONFIG = AttentionConfig(block_m=64, block_n=32, num_warps=4, num_stages=3, pack_gqa=True)
+# The interpreter runs numpy per program; small tiles keep test packs multi-tile.
+CPU_DEFAULT_CONFIG = AttentionConfig(block_m=32, block_n=16, num_warps=1, num_stages=1)
+CONFIG_ENV = "RERANKIT_ATTENTION_CONFIG"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def parse_config(spec: str, base: AttentionConfig = CUDA_DEFAULT_CONFIG) -> AttentionConfig:
+    """``base`` with the fields of ``spec`` ("pack_gqa=1,block_m=64,block_n=64,num_warps=4,num_stages=3") replaced."""
+    fields = {field.name: field.type for field in dataclasses.fields(AttentionConfig)}
+    changes: dict[str, int | bool] = {}
+    for item in spec.replace(";", ",").split(","):
+        if not item.strip():
+            continue
+        name, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or name not in fields:
+            raise ValueError(f"bad attention config item {item.strip()!r} in {spec!r}: expected field=value with "
+                             f"field one of {', '.join(fields)}")
+        if name == "pack_gqa":
+            if value.lower() not in _TRUE + _FALSE:
+                raise ValueError(f"bad pack_gqa value {value!r} in {spec!r}: expected 1/0/true/false")
+            changes[name] = value.lower() in _TRUE
+        else:
+            try:
+                changes[name] = int(value)
+            except ValueError:
+                raise ValueError(f"bad {name} value {value!r} in {spec!r}: expected an integer") from None
+    return dataclasses.replace(base, **changes)
+
+
+@functools.lru_cache(maxsize=16)
+def _config_from_env(spec: str, base: AttentionConfig) -> AttentionConfig:
+    try:
+        return parse_config(spec, base)
+    except ValueError as err:
+        raise ValueError(f"{CONFIG_ENV}: {err}") from None
 
 
 def default_config(device: torch.device) -> AttentionConfig:
     """Kernel tiles for ``device``: one shape for every workload on CUDA, small tiles for the CPU interpreter.
 
-    128x32 with 4 warps was fastest or within 10% of the fastest on each H100 pack of
-    benchmarks/attention.py --sweep (short W1 pairs, MIS, 1k prefixes, 32k documents, D=64 encoders).
+    :data:`CUDA_DEFAULT_CONFIG` / :data:`CPU_DEFAULT_CONFIG`, with the fields of the environment variable
+    ``RERANKIT_ATTENTION_CONFIG`` (when set) replaced; see the module docstring.
     """
-    if device.type != "cuda":
-        # The interpreter runs numpy per program; small tiles keep test packs multi-tile.
-        return AttentionConfig(block_m=32, block_n=16, num_warps=1, num_stages=1)
-    return AttentionConfig()
+    base = CUDA_DEFAULT_CONFIG if device.type == "cuda" else CPU_DEFAULT_CONFIG
+    spec = os.environ.get(CONFIG_ENV, "").strip()
+    return _config_from_env(spec, base) if spec else base
 
 
 @triton.jit
@@ -153,6 +231,86 @@ def _prefix_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
 
+@triton.jit
+def _prefix_attention_packed_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens, prefix_lens, span_starts,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    qk_scale,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """_prefix_attention_kernel with the GROUP query heads of one kv head in one program (pack_gqa=True).
+
+    Q tile rows are token major: row r is token q_first + r // GROUP_PAD of query head
+    kv_head * GROUP + r % GROUP_PAD (rows of padding heads, r % GROUP_PAD >= GROUP, are computed on
+    zeros and never stored). Block bounds depend on tokens only, so they are the unpacked kernel's.
+    """
+    ROWS: tl.constexpr = BLOCK_M * GROUP_PAD
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.program_id(2)
+    seq_start = tl.load(cu_seqlens + seq).to(tl.int32)
+    seq_end = tl.load(cu_seqlens + seq + 1).to(tl.int32)
+    q_first = seq_start + m_block * BLOCK_M
+    if q_first >= seq_end:
+        return
+    q_last = tl.minimum(q_first + BLOCK_M, seq_end) - 1
+
+    rows = tl.arange(0, ROWS)
+    offs_m = q_first + rows // GROUP_PAD  # each row's token
+    heads = kv_head * GROUP + rows % GROUP_PAD
+    offs_d = tl.arange(0, HEAD_DIM)
+    token_valid = offs_m < seq_end
+    if GROUP_PAD == GROUP:
+        row_valid = token_valid
+    else:
+        row_valid = token_valid & (rows % GROUP_PAD < GROUP)
+    q = tl.load(q_ptr + offs_m[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=row_valid[:, None], other=0.0)
+    k_head_ptr = k_ptr + kv_head * stride_kh
+    v_head_ptr = v_ptr + kv_head * stride_vh
+
+    if CAUSAL:
+        prefix_end = seq_start + tl.load(prefix_lens + seq).to(tl.int32)
+        span_q = tl.load(span_starts + offs_m, mask=token_valid, other=0).to(tl.int32)
+        lo_span = tl.min(tl.where(token_valid, span_q, seq_end), 0)
+        hi_span = tl.max(tl.where(token_valid, span_q, seq_start), 0)
+        # Keys before min(prefix_end, lo_span) are prefix keys every query of the block sees.
+        shared_end = tl.minimum(prefix_end, lo_span)
+        # Keys in [hi_span, q_first] lie in every query's span and before every query.
+        full_end = hi_span + tl.maximum(q_first + 1 - hi_span, 0) // BLOCK_N * BLOCK_N
+        kv_end = q_last + 1
+    else:
+        prefix_end = seq_start
+        span_q = offs_m
+        lo_span = seq_start
+        hi_span = seq_start
+        shared_end = seq_start
+        full_end = seq_start + (seq_end - seq_start) // BLOCK_N * BLOCK_N
+        kv_end = seq_end
+    shared_full_end = seq_start + (shared_end - seq_start) // BLOCK_N * BLOCK_N
+
+    m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile gives alpha=1, not NaN
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+    qk_scale = qk_scale * 1.4426950408889634  # exp2 instead of exp
+    # Shared prefix, then own spans: [lo_span, hi_span) masked, [hi_span, full_end) full, rest masked.
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_m, offs_d,
+                                  span_q, prefix_end, seq_start, shared_full_end, qk_scale, CAUSAL, False, BLOCK_N)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_m, offs_d,
+                                  span_q, prefix_end, shared_full_end, shared_end, qk_scale, CAUSAL, True, BLOCK_N)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_m, offs_d,
+                                  span_q, prefix_end, lo_span, hi_span, qk_scale, CAUSAL, True, BLOCK_N)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_m, offs_d,
+                                  span_q, prefix_end, hi_span, full_end, qk_scale, CAUSAL, False, BLOCK_N)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_m, offs_d,
+                                  span_q, prefix_end, full_end, kv_end, qk_scale, CAUSAL, True, BLOCK_N)
+
+    out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
+    tl.store(out_ptr + offs_m[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
 def prefix_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -180,6 +338,19 @@ def prefix_attention(
         return out
     config = config or default_config(q.device)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    group = q_heads // kv_heads
+    if config.pack_gqa:
+        grid = (triton.cdiv(max_seqlen, config.block_m), kv_heads, cu_seqlens.numel() - 1)
+        _prefix_attention_packed_kernel[grid](
+            q, k, v, out, cu_seqlens, prefix_lens, span_starts,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1),
+            scale,
+            GROUP=group, GROUP_PAD=triton.next_power_of_2(group), CAUSAL=causal,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        return out
     grid = (triton.cdiv(max_seqlen, config.block_m), q_heads, cu_seqlens.numel() - 1)
     _prefix_attention_kernel[grid](
         q, k, v, out, cu_seqlens, prefix_lens, span_starts,
