@@ -148,6 +148,59 @@ def test_multi_item_batch_equals_per_pair_forwards(tmp_path, attention):
                                atol=TOLERANCE, rtol=TOLERANCE)
 
 
+@pytest.mark.parametrize("name", ["qwen3", "llama3", "qwen2"])
+def test_decoder_fused_qk_kernel_equals_torch_path(tmp_path, monkeypatch, name):
+    """fused_qk=True (qk_norm_rope, in Triton's interpreter on the CPU) against the pure-torch path: Qwen3 with
+    per-head q/k norms, Llama 3 (scaled rotary) and Qwen2 (qkv bias) without; plain and MIS packs."""
+    from rerankit.kernels import qk_norm_rope as kernels
+
+    if not torch.cuda.is_available() and not kernels._INTERPRET:
+        pytest.skip("triton was imported without its interpreter")
+
+    def fallback_taken(*args, **kwargs):
+        raise AssertionError("qk_norm_rope fell back to the torch reference")
+
+    monkeypatch.setattr(kernels, "qk_norm_rope_reference", fallback_taken)
+    model_class, make_config = DECODERS[name]
+    hf = load_tiny(tmp_path, model_class, make_config())
+    fused = PackedDecoder(hf, attention_fn=dense_attention, fused_qk=True)
+    plain = PackedDecoder(hf, attention_fn=dense_attention, fused_qk=False)
+    assert fused.fused_qk and not plain.fused_qk
+    assert (fused.layers[0].q_norm is not None) == (name == "qwen3")
+    prefix, *items = random_sequences([10, 5, 8, 3], seed=5)
+    for batch in (pack(random_sequences([7, 19, 1, 12])), pack_multi_item(prefix, items)):
+        torch.testing.assert_close(fused(batch), plain(batch), atol=TOLERANCE, rtol=TOLERANCE)
+        torch.testing.assert_close(fused.forward_read(batch), plain.forward_read(batch), atol=TOLERANCE,
+                                   rtol=TOLERANCE)
+    plain.fused_qk = True  # the switch is an attribute too
+    torch.testing.assert_close(plain(batch), fused(batch), atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def test_decoder_fused_qk_choice(tmp_path, monkeypatch):
+    hf = load_tiny(tmp_path, transformers.Qwen3ForCausalLM, DECODERS["qwen3"][1]())
+    monkeypatch.delenv("RERANKIT_FUSED_QK", raising=False)
+    assert not PackedDecoder(hf).fused_qk  # default: on CUDA only, and these weights are on the CPU
+    monkeypatch.setenv("RERANKIT_FUSED_QK", "1")
+    assert PackedDecoder(hf).fused_qk
+    assert not PackedDecoder(hf, fused_qk=False).fused_qk  # the argument wins over the environment
+    monkeypatch.setenv("RERANKIT_FUSED_QK", "0")
+    assert not PackedDecoder(hf).fused_qk
+    assert PackedDecoder(hf, fused_qk=True).fused_qk
+    monkeypatch.setenv("RERANKIT_FUSED_QK", "yes")
+    with pytest.raises(ValueError, match="RERANKIT_FUSED_QK"):
+        PackedDecoder(hf)
+
+
+def test_decoder_fused_qk_refuses_head_dims_the_kernel_lacks(tmp_path, monkeypatch):
+    monkeypatch.delenv("RERANKIT_FUSED_QK", raising=False)
+    config = transformers.Qwen3Config(**{**DECODER_SIZES, "num_attention_heads": 2, "num_key_value_heads": 1},
+                                      head_dim=24)
+    hf = load_tiny(tmp_path, transformers.Qwen3ForCausalLM, config)
+    with pytest.raises(ValueError, match="power of two"):
+        PackedDecoder(hf, fused_qk=True)
+    assert not PackedDecoder(hf).fused_qk  # the default falls back to the torch path, on CUDA too
+
+
 ENCODERS = {
     "bert": (transformers.BertModel, lambda: transformers.BertConfig(**ENCODER_SIZES)),
     "bert-seq-cls": (transformers.BertForSequenceClassification,

@@ -7,6 +7,7 @@ transformers model's own tensors; q/k/v and gate/up are fused once at load time 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -28,6 +29,7 @@ from rerankit.engine.models.layers import (
 from rerankit.errors import ModelLoadError
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3")
+FUSED_QK_ENV = "RERANKIT_FUSED_QK"
 
 AttentionFn = Callable[..., torch.Tensor]
 
@@ -45,12 +47,38 @@ def unsupported_reason(config) -> str | None:
     return rope_unsupported_reason(config)
 
 
+def resolve_fused_qk(fused_qk: bool | None, device: torch.device, head_dim: int) -> bool:
+    """Whether the decoder runs ``qk_norm_rope`` (see ``PackedDecoder``): the argument, else $RERANKIT_FUSED_QK,
+    else on CUDA only where the kernel takes the head size."""
+    if fused_qk is None:
+        setting = os.environ.get(FUSED_QK_ENV, "").strip()
+        if setting not in ("", "0", "1"):
+            raise ValueError(f"{FUSED_QK_ENV} must be 0 or 1, got {setting!r}")
+        if setting:
+            fused_qk = setting == "1"
+        else:
+            return device.type == "cuda" and _kernel_head_dim(head_dim)
+    if fused_qk and not _kernel_head_dim(head_dim):
+        raise ValueError(f"fused_qk needs a head_dim that is a power of two >= 16, this model has {head_dim}")
+    return fused_qk
+
+
+def _kernel_head_dim(head_dim: int) -> bool:
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def qkv_projection(hidden: torch.Tensor, input_norm: torch.Tensor, qkv_weight: torch.Tensor,
+                   qkv_bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Input norm and the fused q/k/v projection: [T, (Hq + 2 * Hkv) * D], each token's q, k then v heads."""
+    return F.linear(rms_norm(hidden, input_norm, eps), qkv_weight, qkv_bias)
+
+
 def attention_inputs(hidden: torch.Tensor, input_norm: torch.Tensor, qkv_weight: torch.Tensor,
                      qkv_bias: torch.Tensor | None, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
                      cos: torch.Tensor, sin: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int,
                      head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One layer up to attention: norm, fused q/k/v, optional per-head q/k norm, rotary. Heads [T, H, D]."""
-    qkv = F.linear(rms_norm(hidden, input_norm, eps), qkv_weight, qkv_bias)
+    qkv = qkv_projection(hidden, input_norm, qkv_weight, qkv_bias, eps)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     q = q.view(-1, num_heads, head_dim)
     k = k.view(-1, num_kv_heads, head_dim)
@@ -100,10 +128,17 @@ class PackedDecoder(nn.Module):
     ``compile`` runs the per-layer math around attention through ``torch.compile`` (attention is the
     ``attention_fn``'s own business); None compiles on CUDA only, as measured in ``layer_steps``.
     ``attention_fn`` defaults to ``rerankit.engine.attention.packed_attention``.
+
+    ``fused_qk`` chooses how q and k are made ready for attention. True: the (compiled) step ends at the q/k/v
+    projection, and the Triton kernel ``rerankit.kernels.qk_norm_rope`` then applies the per-head q/k RMSNorm
+    (Qwen3) and the rotary embedding in one pass, angles from the position ids in float32. False: the pure-torch
+    ``attention_inputs`` does it all (the reference, and the CPU path). None: $RERANKIT_FUSED_QK (0 or 1) when it
+    is set, else on CUDA only and where head_dim is a power of two >= 16. The choice is the ``fused_qk``
+    attribute, which may be switched between forwards.
     """
 
     def __init__(self, hf_model: nn.Module, compile: bool | None = None,
-                 attention_fn: AttentionFn | None = None) -> None:
+                 attention_fn: AttentionFn | None = None, fused_qk: bool | None = None) -> None:
         super().__init__()
         config = hf_model.config
         reason = unsupported_reason(config)
@@ -125,8 +160,9 @@ class PackedDecoder(nn.Module):
         score = getattr(hf_model, "score", None)
         self.score_weight = score.weight if isinstance(score, nn.Linear) else None
         self._attention_fn = attention_fn
-        self._attention_inputs, self._attention_output_and_mlp = layer_steps(
-            attention_inputs, attention_output_and_mlp, compile=compile, device=device)
+        self.fused_qk = resolve_fused_qk(fused_qk, device, self.head_dim)
+        self._attention_inputs, self._qkv_projection, self._attention_output_and_mlp = layer_steps(
+            attention_inputs, qkv_projection, attention_output_and_mlp, compile=compile, device=device)
 
     @torch.no_grad()
     def forward(self, batch: PackedBatch) -> torch.Tensor:
@@ -141,12 +177,17 @@ class PackedDecoder(nn.Module):
     def _run(self, batch: PackedBatch, read_positions: torch.Tensor | None) -> torch.Tensor:
         attention = self._attention_fn or default_attention()
         hidden = F.embedding(batch.input_ids, self.embed_weight)
-        cos, sin = rotary_cos_sin(batch.position_ids, self.inv_freq, hidden.dtype)
+        fused_qk = self.fused_qk
+        if not fused_qk:
+            cos, sin = rotary_cos_sin(batch.position_ids, self.inv_freq, hidden.dtype)
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
-            q, k, v = self._attention_inputs(hidden, layer.input_norm, layer.qkv_weight, layer.qkv_bias,
-                                             layer.q_norm, layer.k_norm, cos, sin, self.eps, self.num_heads,
-                                             self.num_kv_heads, self.head_dim)
+            if fused_qk:
+                q, k, v = self._fused_attention_inputs(hidden, layer, batch.position_ids)
+            else:
+                q, k, v = self._attention_inputs(hidden, layer.input_norm, layer.qkv_weight, layer.qkv_bias,
+                                                 layer.q_norm, layer.k_norm, cos, sin, self.eps, self.num_heads,
+                                                 self.num_kv_heads, self.head_dim)
             attended = attention(q, k, v, batch, scale=self.scale)
             if index == last and read_positions is not None:
                 # Past the last attention no token needs another, so only the read rows go on
@@ -156,6 +197,17 @@ class PackedDecoder(nn.Module):
                                                     layer.gate_up_weight, layer.gate_up_bias, layer.down_weight,
                                                     layer.down_bias, self.eps)
         return rms_norm(hidden, self.norm_weight, self.eps)
+
+    def _fused_attention_inputs(self, hidden: torch.Tensor, layer: PackedDecoderLayer,
+                                position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``attention_inputs`` with the per-head norm and rotary in ``qk_norm_rope``; v a view of the projection."""
+        from rerankit.kernels.qk_norm_rope import qk_norm_rope  # imported at first use, like the attention kernel
+
+        qkv = self._qkv_projection(hidden, layer.input_norm, layer.qkv_weight, layer.qkv_bias, self.eps)
+        q, k = qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim, position_ids, self.inv_freq,
+                            layer.q_norm, layer.k_norm, self.eps)
+        v = qkv[:, (self.num_heads + self.num_kv_heads) * self.head_dim:]
+        return q, k, v.unflatten(-1, (self.num_kv_heads, self.head_dim))
 
 
 def _lm_head_weight(hf_model: nn.Module, embed_weight: torch.Tensor) -> torch.Tensor | None:
