@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -196,8 +197,8 @@ def run_workload(workload: Workload, model, tokenizer, backend: EmbeddedBackend,
     rows = []
     overlap = backend._overlap
     for variant, multi_item, overlapped in (("rerankit-mis", True, overlap), ("rerankit-packed", False, overlap),
-                                            ("rerankit-mis-serial", True, False)):
-        backend._overlap = overlapped  # serial: encode and plan everything, then run (no planning thread, no ramp)
+                                            ("rerankit-mis-overlap", True, True)):
+        backend._overlap = overlapped  # overlap: planning thread + ramp-up chunk (EmbeddedBackend's overlap=True)
         batch = requests_of(workload, multi_item)
         tokens = sum(response.usage.computed_tokens for response in backend.score_batch(batch))
         attended = sum(attended_pairs(prefix, spans, multi_item) for prefix, spans in layouts)
@@ -232,7 +233,7 @@ def run_workload(workload: Workload, model, tokenizer, backend: EmbeddedBackend,
     check = {"workload": workload.name, "check": "scores",
              "max_abs_diff_packed_vs_keep1": float((packed - card.cpu()).abs().max()),
              "max_abs_diff_mis_vs_packed": float((shared - packed).abs().max())}
-    for name in ("rerankit-packed", "rerankit-mis-serial", "transformers-keep1", "transformers-modelcard"):
+    for name in ("rerankit-packed", "rerankit-mis-overlap", "transformers-keep1", "transformers-modelcard"):
         if name in rate:
             check[f"mis_over_{name.split('-', 1)[1].replace('-', '_')}"] = rate["rerankit-mis"] / rate[name]
     results.append(check)
@@ -305,6 +306,29 @@ def profile_call(workload: Workload, backend: EmbeddedBackend, folder: Path, res
     print(json.dumps({"workload": workload.name, "profile": phases}), flush=True)
 
 
+def kernel_ab(workloads: list[Workload], backend: EmbeddedBackend, results: list[dict]) -> None:
+    """W1 pairs/s and W3 p50 with the fused q/k kernel on/off and each attention tiling, in one process."""
+    from rerankit.kernels.prefix_attention import CONFIG_ENV
+
+    model = backend._runner.model
+    fused, min_tokens = model.fused_qk, model.fused_qk_min_tokens
+    model.fused_qk_min_tokens = 0  # fused or not at every batch size
+    for fused_qk in (True, False):
+        for name, spec in (("gqa-64x32", ""), ("per-head-128x32", "pack_gqa=0,block_m=128,block_n=32")):
+            model.fused_qk = fused_qk
+            os.environ[CONFIG_ENV] = spec
+            row = {"workload": "kernel-ab", "fused_qk": fused_qk, "attention": name}
+            for workload in workloads:
+                if workload.name in ("W1", "W3"):
+                    batch = requests_of(workload, True)
+                    times, _ = measure(lambda: backend.score_batch(batch), 30 if workload.latency else 5, 2)
+                    row[f"{workload.name}_ms_p50"] = 1000 * statistics.median(times)
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    model.fused_qk, model.fused_qk_min_tokens = fused, min_tokens
+    os.environ.pop(CONFIG_ENV, None)
+
+
 def decoder_workloads(words: list[str], rng: random.Random, include: set[str]) -> list[Workload]:
     out = []
     if "W1" in include:
@@ -362,10 +386,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="W1,W2,W3,LI")
     parser.add_argument("--w4", action="store_true", help="also the 4B/8B shapes and the BERT-large cross-encoder")
+    parser.add_argument("--w4-shapes", default="4b,8b,bert-large", help="which W4 models --w4 runs")
     parser.add_argument("--baseline-queries", type=int, default=8, help="W2 queries the baselines run")
     parser.add_argument("--budgets", default="", help="micro-batch budgets to sweep on W1 and W2, e.g. 8192,32768")
     parser.add_argument("--sweep-queries", type=int, default=16, help="W2 queries in the budget sweep")
     parser.add_argument("--profile", default=None, help="folder for profiles of one W1 and one W3 call")
+    parser.add_argument("--ab", action="store_true", help="W1/W3 with the fused q/k kernel and attention tilings")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -374,7 +400,8 @@ def main() -> None:
     print(json.dumps(results[0]), flush=True)
     root = Path(tempfile.mkdtemp(prefix="rerankit-bench-"))
     include = set(args.workloads.split(","))
-    shapes = [("0.6b", include)] + ([("4b", {"W1"}), ("8b", {"W1"})] if args.w4 else [])
+    w4 = set(args.w4_shapes.split(",")) if args.w4 else set()
+    shapes = ([("0.6b", include)] if include - {""} else []) + [(shape, {"W1"}) for shape in ("4b", "8b") if shape in w4]
     for shape, shape_workloads in shapes:
         folder = build_decoder_dir(root, shape)
         tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -401,6 +428,8 @@ def main() -> None:
                 for workload in workloads:
                     if workload.name in ("W1", "W2"):
                         budget_sweep(workload, backend, budgets, args.sweep_queries, results)
+            if shape == "0.6b" and args.ab:
+                kernel_ab(workloads, backend, results)
             if shape == "0.6b" and args.profile:
                 for workload in workloads:
                     if workload.name in ("W1", "W3"):
@@ -408,7 +437,7 @@ def main() -> None:
         backend.close()
         del model
         torch.cuda.empty_cache()
-    if args.w4:
+    if "bert-large" in w4:
         with torch.inference_mode():
             bert_large_workload(root, results, 5)
     if args.out:

@@ -114,7 +114,7 @@ def start_server(args: argparse.Namespace, batching: bool) -> tuple[subprocess.P
             f"serve({args.model!r}, host='127.0.0.1', port={port}, device={args.device!r}, log_level='warning', "
             f"**{settings!r})")
     src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "PYTHONPATH": src}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
     if args.threads:  # on a shared CPU, more torch threads than free cores make every call wait for the slowest
         env["OMP_NUM_THREADS"] = str(args.threads)
     server = subprocess.Popen([sys.executable, "-c", code], env=env)

@@ -191,6 +191,25 @@ def test_decoder_fused_qk_choice(tmp_path, monkeypatch):
         PackedDecoder(hf)
 
 
+def test_decoder_fused_qk_runs_only_from_its_batch_size_when_chosen_automatically(tmp_path, monkeypatch):
+    from rerankit.engine.models import decoder as decoder_module
+
+    monkeypatch.delenv("RERANKIT_FUSED_QK", raising=False)
+    hf = load_tiny(tmp_path, transformers.Qwen3ForCausalLM, DECODERS["qwen3"][1]())
+    model = PackedDecoder(hf, attention_fn=dense_attention, fused_qk=True)
+    assert model.fused_qk_min_tokens == 0  # chosen by the caller: every batch
+    assert PackedDecoder(hf).fused_qk_min_tokens == decoder_module.FUSED_QK_MIN_TOKENS  # automatic
+    calls = []
+    original = model._fused_attention_inputs
+    monkeypatch.setattr(model, "_fused_attention_inputs", lambda *args: calls.append(1) or original(*args))
+    batch = pack(random_sequences([7, 19, 1, 12]))
+    expected = model(batch)
+    assert len(calls) == len(model.layers)
+    model.fused_qk_min_tokens = batch.num_tokens + 1  # a smaller batch takes the compiled torch path
+    torch.testing.assert_close(model(batch), expected, atol=TOLERANCE, rtol=TOLERANCE)
+    assert len(calls) == len(model.layers)
+
+
 def test_decoder_fused_qk_refuses_head_dims_the_kernel_lacks(tmp_path, monkeypatch):
     monkeypatch.delenv("RERANKIT_FUSED_QK", raising=False)
     config = transformers.Qwen3Config(**{**DECODER_SIZES, "num_attention_heads": 2, "num_key_value_heads": 1},

@@ -30,6 +30,10 @@ from rerankit.errors import ModelLoadError
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3")
 FUSED_QK_ENV = "RERANKIT_FUSED_QK"
+# When the fused q/k kernel is chosen automatically, a micro-batch of fewer tokens runs the compiled torch path.
+# H100, pairs.py --ab (Qwen3-0.6B shape): W1 (26.7k tokens) 62.0 ms fused vs 64.3 ms torch; W3 (5.4k tokens, where
+# the host's launches bound the time) p50 29.0 ms fused vs 19.0 ms torch, one Triton launch per layer more.
+FUSED_QK_MIN_TOKENS = 12288
 
 AttentionFn = Callable[..., torch.Tensor]
 
@@ -133,8 +137,10 @@ class PackedDecoder(nn.Module):
     projection, and the Triton kernel ``rerankit.kernels.qk_norm_rope`` then applies the per-head q/k RMSNorm
     (Qwen3) and the rotary embedding in one pass, angles from the position ids in float32. False: the pure-torch
     ``attention_inputs`` does it all (the reference, and the CPU path). None: $RERANKIT_FUSED_QK (0 or 1) when it
-    is set, else on CUDA only and where head_dim is a power of two >= 16. The choice is the ``fused_qk``
-    attribute, which may be switched between forwards.
+    is set, else on CUDA only and where head_dim is a power of two >= 16, and then only for micro-batches of at
+    least ``FUSED_QK_MIN_TOKENS`` tokens (below that the host's launches bound the time, and one compiled step per
+    layer launches faster than a step plus a Triton kernel). The choice is the ``fused_qk`` and
+    ``fused_qk_min_tokens`` attributes, which may be switched between forwards.
     """
 
     def __init__(self, hf_model: nn.Module, compile: bool | None = None,
@@ -160,7 +166,9 @@ class PackedDecoder(nn.Module):
         score = getattr(hf_model, "score", None)
         self.score_weight = score.weight if isinstance(score, nn.Linear) else None
         self._attention_fn = attention_fn
+        chosen = fused_qk is not None or os.environ.get(FUSED_QK_ENV, "").strip() != ""
         self.fused_qk = resolve_fused_qk(fused_qk, device, self.head_dim)
+        self.fused_qk_min_tokens = 0 if chosen else FUSED_QK_MIN_TOKENS
         self._attention_inputs, self._qkv_projection, self._attention_output_and_mlp = layer_steps(
             attention_inputs, qkv_projection, attention_output_and_mlp, compile=compile, device=device)
 
@@ -177,7 +185,7 @@ class PackedDecoder(nn.Module):
     def _run(self, batch: PackedBatch, read_positions: torch.Tensor | None) -> torch.Tensor:
         attention = self._attention_fn or default_attention()
         hidden = F.embedding(batch.input_ids, self.embed_weight)
-        fused_qk = self.fused_qk
+        fused_qk = self.fused_qk and batch.num_tokens >= self.fused_qk_min_tokens
         if not fused_qk:
             cos, sin = rotary_cos_sin(batch.position_ids, self.inv_freq, hidden.dtype)
         last = len(self.layers) - 1
