@@ -192,6 +192,15 @@ def pack(sequences: list[Sequence], *, causal: bool) -> PackedBatch:
     return builder.build(causal, pin_memory=False).batch
 
 
+def _host_tensors(arrays: list[np.ndarray], dtype: type, pin_memory: bool) -> list[torch.Tensor]:
+    """The arrays as views of one host tensor of ``dtype``: with ``pin_memory`` one page-locked block for all of
+    them (one pinned allocation per micro-batch and dtype, not one per field)."""
+    flat = torch.from_numpy(np.concatenate(arrays).astype(dtype, copy=False))
+    if pin_memory:
+        flat = flat.pin_memory()
+    return list(flat.split([len(array) for array in arrays]))
+
+
 class _Planner:
     """Fills one micro-batch at a time; each method yields the micro-batches it closes."""
 
@@ -345,22 +354,21 @@ class _Builder:
         read_requests = np.concatenate(self.read_requests)[order]
         read_items = np.concatenate(self.read_items).astype(np.int64)[order]
 
-        def device_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            tensor = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
-            return tensor.pin_memory() if pin_memory else tensor
-
+        longs = _host_tensors([np.concatenate(self.ids), positions, np.concatenate(self.read_positions)[order],
+                               *([np.concatenate(self.types)] if self.types else [])], np.int64, pin_memory)
+        ints = _host_tensors([cu_seqlens, np.asarray(self.prefix_lengths), span_starts], np.int32, pin_memory)
         batch = PackedBatch(
-            input_ids=device_tensor(np.concatenate(self.ids), torch.int64),
-            position_ids=device_tensor(positions, torch.int64),
-            cu_seqlens=device_tensor(cu_seqlens, torch.int32),
+            input_ids=longs[0],
+            position_ids=longs[1],
+            cu_seqlens=ints[0],
             max_seqlen=max(self.sequence_lengths),
-            prefix_lens=device_tensor(np.asarray(self.prefix_lengths), torch.int32),
-            span_starts=device_tensor(span_starts, torch.int32),
-            read_positions=device_tensor(np.concatenate(self.read_positions)[order], torch.int64),
+            prefix_lens=ints[1],
+            span_starts=ints[2],
+            read_positions=longs[2],
             item_indices=torch.from_numpy(read_items),
             request_ids=torch.from_numpy(read_requests),
             causal=causal,
-            token_type_ids=device_tensor(np.concatenate(self.types), torch.int64) if self.types else None,
+            token_type_ids=longs[3] if self.types else None,
         )
         slices = [(int(heads[start]), start, end) for start, end in zip(first, last)]
         return MicroBatch(batch, read_requests, read_items, slices, self.request_tokens)
