@@ -167,3 +167,14 @@ def test_overlap_errors_in_a_later_chunk_name_the_item_and_drop_the_request(lm_p
     error, response = backend.score_batch([bad, good], return_exceptions=True)
     assert isinstance(error, InvalidRequest) and "items[30]" in str(error)
     assert_same_results(response, backend.score(good))
+
+
+@pytest.mark.gpu
+def test_gpu_overlap_and_pinned_plans_score_as_the_plain_path(lm_path):
+    plain = EmbeddedBackend(str(lm_path), device="cuda", dtype="float32", max_batch_tokens=256)
+    overlapped = EmbeddedBackend(str(lm_path), device="cuda", dtype="float32", max_batch_tokens=256, overlap=True)
+    many = [DOCS[index % len(DOCS)] + f" {index}" for index in range(40)]
+    requests = [ScoreRequest(query=QUERY, items=many, template="qwen3-reranker"),
+                random_raw_request(random.Random(3), plain._model().vocab_size, items=35)]
+    for expected, response in zip(plain.score_batch(requests), overlapped.score_batch(requests)):
+        torch.testing.assert_close(torch.tensor(response.scores), torch.tensor(expected.scores), atol=1e-4, rtol=0)
