@@ -307,7 +307,8 @@ def profile_call(workload: Workload, backend: EmbeddedBackend, folder: Path, res
 
 
 def kernel_ab(workloads: list[Workload], backend: EmbeddedBackend, results: list[dict]) -> None:
-    """W1 pairs/s and W3 p50 with the fused q/k kernel on/off and each attention tiling, in one process."""
+    """W1 and W3 call times with the fused q/k kernel on/off and each attention tiling, then with and without CUDA
+    graphs, in one process."""
     from rerankit.kernels.prefix_attention import CONFIG_ENV
 
     model = backend._runner.model
@@ -327,6 +328,23 @@ def kernel_ab(workloads: list[Workload], backend: EmbeddedBackend, results: list
             print(json.dumps(row), flush=True)
     model.fused_qk, model.fused_qk_min_tokens = fused, min_tokens
     os.environ.pop(CONFIG_ENV, None)
+    # The defaults above, eager launches against CUDA-graph replays (EmbeddedBackend's cuda_graphs=True).
+    from rerankit.engine.graphs import GraphedForward
+
+    runner = backend._runner
+    for graphed in (False, True):
+        runner.graphs = GraphedForward(model.forward, model.forward_read, runner.device) if graphed else None
+        row = {"workload": "kernel-ab", "cuda_graphs": graphed, "fused_qk": "auto", "attention": "default"}
+        for workload in workloads:
+            if workload.name in ("W1", "W3"):
+                batch = requests_of(workload, True)
+                times, _ = measure(lambda: backend.score_batch(batch), 30 if workload.latency else 5, 2)
+                row[f"{workload.name}_ms_p50"] = 1000 * statistics.median(times)
+                if workload.latency:
+                    row["W3_ms_p99"] = 1000 * sorted(times)[int(0.99 * (len(times) - 1))]
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    runner.graphs = None
 
 
 def decoder_workloads(words: list[str], rng: random.Random, include: set[str]) -> list[Workload]:

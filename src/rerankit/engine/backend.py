@@ -92,16 +92,19 @@ class EmbeddedBackend:
     causal model, on CUDA and on the CPU alike; False turns it off for every request. Requests are always encoded and
     planned as the model runs, one micro-batch ahead of it (the launches are asynchronous on a GPU); ``overlap``
     moves that to a worker thread and starts the model on a call's first 16 items while the rest is tokenized. On
-    an H100 that was slower (W1 1,406 vs 1,644 pairs/s, W3 p50 24.1 vs 22.4 ms, W2 equal): the thread contends for
-    the GIL with the launches. It stays an option for hosts where tokenizing is slow next to the model.
-    ``show_progress`` None shows a progress bar for calls of more than 256 items. Thread-safe: one lock serialises
-    use of the model.
+    an H100 that was slower (W1 1,241 vs 1,678 pairs/s, LI 2,103 vs 2,236, W2 equal): the thread contends for the
+    GIL with the launches. It stays an option for hosts where tokenizing is slow next to the model.
+    ``cuda_graphs`` replays the packed forward of micro-batches up to 8,192 tokens from CUDA graphs, one captured
+    per padded shape (``engine/graphs.py``), to take the host's per-layer launches out of small calls; off by
+    default until measured on a GPU. ``show_progress`` None shows a progress bar for calls of more than 256
+    items. Thread-safe: one lock serialises use of the model.
     """
 
     def __init__(self, model: str, *, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                  mode: str | None = None, template: str | None = None,
                  max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, runner: str = "auto",
-                 multi_item: bool = True, overlap: bool = False, show_progress: bool | None = None) -> None:
+                 multi_item: bool = True, overlap: bool = False, cuda_graphs: bool = False,
+                 show_progress: bool | None = None) -> None:
         # Options that do not need the model are checked before it loads, which can take minutes.
         if template is not None:
             get_template(template)
@@ -114,7 +117,7 @@ class EmbeddedBackend:
         self._mode = mode
         self._template = template
         self._classify = heads.sequence_classifier(loaded.model) if loaded.kind == "sequence-classifier" else None
-        self._runner: Runner = make_runner(loaded, runner)
+        self._runner: Runner = make_runner(loaded, runner, cuda_graphs)
         self._multi_item = multi_item
         self._overlap = bool(overlap)
         self._heads: dict[tuple, heads.Head] = {}

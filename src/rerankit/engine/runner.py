@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from rerankit.engine.batch import PackedBatch
+from rerankit.engine.graphs import GraphedForward
 from rerankit.engine.load import LoadedModel
 from rerankit.engine.models import PackedDecoder, PackedEncoder, build_packed_model
 from rerankit.errors import InvalidRequest, ModelLoadError
@@ -41,19 +42,27 @@ class PackedRunner:
 
     padded = False
 
-    def __init__(self, loaded: LoadedModel, model: PackedDecoder | PackedEncoder) -> None:
+    def __init__(self, loaded: LoadedModel, model: PackedDecoder | PackedEncoder, cuda_graphs: bool = False) -> None:
         self.model = model
         self.device = loaded.device
         self.supports_multi_item = loaded.is_decoder
         self.pin_memory = loaded.device.type == "cuda"
+        self.graphs = GraphedForward(model.forward, model.forward_read, loaded.device) if cuda_graphs else None
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """Every token's final state (pooling heads)."""
-        return self.model.forward(self._on_device(batch))
+        return self._run(self._on_device(batch), read=False)
 
     def forward_read(self, batch: PackedBatch) -> torch.Tensor:
         """The final states at the read positions; the last layer runs on those rows only."""
-        return self.model.forward_read(self._on_device(batch))
+        return self._run(self._on_device(batch), read=True)
+
+    def _run(self, batch: PackedBatch, read: bool) -> torch.Tensor:
+        if self.graphs is not None:
+            replayed = self.graphs.run(batch, read)
+            if replayed is not None:
+                return replayed
+        return self.model.forward_read(batch) if read else self.model.forward(batch)
 
     def _on_device(self, batch: PackedBatch) -> PackedBatch:
         # Only what the model reads moves; item and request ids stay on the host for scattering results.
@@ -105,12 +114,17 @@ class ReferenceRunner:
         return self.forward(batch)[batch.read_positions.to(self.device)]
 
 
-def make_runner(loaded: LoadedModel, runner: str = "auto") -> Runner:
+def make_runner(loaded: LoadedModel, runner: str = "auto", cuda_graphs: bool = False) -> Runner:
     """The runner for ``loaded``: "packed" (our forward), "reference" (transformers, padded), or "auto": packed
-    when ``engine.models`` runs this architecture, else the reference."""
+    when ``engine.models`` runs this architecture, else the reference. ``cuda_graphs`` replays the packed forward
+    of small micro-batches from CUDA graphs (``engine.graphs``); it needs the packed runner on a CUDA device."""
     if runner not in RUNNERS:
         raise InvalidRequest("runner", f"must be one of {', '.join(RUNNERS)}, got {runner!r}")
+    if cuda_graphs and loaded.device.type != "cuda":
+        raise InvalidRequest("cuda_graphs", f"CUDA graphs need a CUDA device; this model is on {loaded.device}")
     if runner == "reference":
+        if cuda_graphs:
+            raise InvalidRequest("cuda_graphs", "CUDA graphs replay the packed runner, not the reference runner")
         return ReferenceRunner(loaded)
     model = build_packed_model(loaded.model)
     reason = None
@@ -120,9 +134,10 @@ def make_runner(loaded: LoadedModel, runner: str = "auto") -> Runner:
     elif loaded.device.type == "cuda" and not _kernel_takes_head_dim(model.head_dim):
         reason = f"the packed attention kernel needs a head size that is a power of two >= 16, not {model.head_dim}"
     if reason is None:
-        return PackedRunner(loaded, model)
-    if runner == "packed":
-        raise ModelLoadError(f"{reason}; use runner='auto' or 'reference'")
+        return PackedRunner(loaded, model, cuda_graphs)
+    if runner == "packed" or cuda_graphs:
+        fix = "cuda_graphs=False" if cuda_graphs else "runner='auto' or 'reference'"
+        raise ModelLoadError(f"{reason}; use {fix}")
     return ReferenceRunner(loaded)
 
 

@@ -1,0 +1,152 @@
+"""CUDA graphs for small micro-batches: one capture per padded shape, replayed for every batch that fits it.
+
+A micro-batch of a few thousand tokens (W3: 1 query x 20 docs) is bound by the host, not the GPU: every layer
+launches its compiled steps and Triton kernels from Python, about as slowly as the GPU runs them. Captured once,
+the whole forward replays with one launch.
+
+A graph has fixed shapes, so a batch is padded to a bucket: its tokens to the next of ``TOKEN_BUCKETS``, its
+sequences and reads to the next power of two. The padding tokens form one extra sequence of their own (token id 0,
+position 0, their own span), so no real token attends to them; extra sequences are empty; extra reads read token 0
+and are dropped. The kernels never look at the batch on the host, so a replay is exact: the real rows of a padded
+forward equal the unpadded forward's (tested on the CPU with ``pad_batch``; the replay itself on the GPU).
+
+Off by default (``EmbeddedBackend(..., cuda_graphs=True)`` turns it on) until benchmarks/pairs.py --ab has
+measured it on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from rerankit.engine.batch import PackedBatch
+
+TOKEN_BUCKETS = (256, 512, 1024, 2048, 4096, 8192)  # larger batches keep the GPU busy on their own
+MAX_GRAPHS = 32  # captured shapes kept; the least recently used goes first
+WARMUP_RUNS = 2  # eager runs on a side stream before a capture: compiles and autotunes outside the graph
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """The padded shape of a batch, and which forward it runs: one captured graph each."""
+
+    tokens: int
+    sequences: int
+    reads: int
+    causal: bool
+    typed: bool
+    read: bool  # forward_read (the read rows) or forward (every token)
+
+
+def graph_key(batch: PackedBatch, read: bool) -> GraphKey | None:
+    """The bucket ``batch`` pads to, or None when it is too large for a graph to pay."""
+    tokens = next((bucket for bucket in TOKEN_BUCKETS if bucket >= batch.num_tokens), None)
+    if tokens is None:
+        return None
+    sequences = batch.cu_seqlens.numel() - 1 + (tokens > batch.num_tokens)  # + the padding's own sequence
+    return GraphKey(tokens, _power_of_two(sequences), _power_of_two(batch.read_positions.numel()), batch.causal,
+                    batch.token_type_ids is not None, read)
+
+
+def _power_of_two(count: int) -> int:
+    return 1 << max(count - 1, 0).bit_length()
+
+
+def empty_batch(key: GraphKey, device: torch.device) -> PackedBatch:
+    """Buffers of the key's shapes on ``device`` (what a graph reads from), holding only padding."""
+    def zeros(count: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.zeros(count, dtype=dtype, device=device)
+
+    batch = PackedBatch(
+        input_ids=zeros(key.tokens), position_ids=zeros(key.tokens), cu_seqlens=zeros(key.sequences + 1, torch.int32),
+        max_seqlen=key.tokens, prefix_lens=zeros(key.sequences, torch.int32),
+        span_starts=zeros(key.tokens, torch.int32), read_positions=zeros(key.reads),
+        item_indices=torch.zeros(0, dtype=torch.int64), request_ids=torch.zeros(0, dtype=torch.int64),
+        causal=key.causal, token_type_ids=zeros(key.tokens) if key.typed else None)
+    batch.cu_seqlens[1:] = key.tokens
+    return batch
+
+
+def load_padded(target: PackedBatch, batch: PackedBatch) -> None:
+    """Write ``batch`` into ``target`` (buffers of a larger key) with the padding described above, in place."""
+    tokens, sequences = batch.num_tokens, batch.cu_seqlens.numel() - 1
+    for name in ("input_ids", "position_ids", "token_type_ids", "read_positions", "prefix_lens"):
+        buffer, values = getattr(target, name), getattr(batch, name)
+        if buffer is None:
+            continue
+        buffer.zero_()
+        buffer[:values.numel()].copy_(values, non_blocking=True)
+    target.span_starts.fill_(tokens)  # the padding tokens' span is their own sequence, which starts at `tokens`
+    target.span_starts[:tokens].copy_(batch.span_starts, non_blocking=True)
+    target.cu_seqlens.fill_(target.num_tokens)
+    target.cu_seqlens[:sequences + 1].copy_(batch.cu_seqlens, non_blocking=True)
+
+
+def pad_batch(batch: PackedBatch, key: GraphKey) -> PackedBatch:
+    """``batch`` padded to ``key`` as a new batch (the CPU-testable form of what a replay sees)."""
+    padded = empty_batch(key, batch.input_ids.device)
+    load_padded(padded, batch)
+    return dataclasses.replace(padded, item_indices=batch.item_indices, request_ids=batch.request_ids)
+
+
+@dataclass
+class _Graph:
+    inputs: PackedBatch
+    graph: torch.cuda.CUDAGraph
+    output: torch.Tensor
+
+
+class GraphedForward:
+    """Runs ``forward`` / ``forward_read`` of a packed model through CUDA graphs, one per padded shape.
+
+    ``run`` returns None for a batch larger than the last bucket (the caller runs it eagerly). Graphs capture
+    the model as it is at capture time: switching its options afterwards (``fused_qk``...) does not reach them.
+    """
+
+    def __init__(self, forward: Callable[[PackedBatch], torch.Tensor],
+                 forward_read: Callable[[PackedBatch], torch.Tensor], device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
+        self._forwards = {False: forward, True: forward_read}
+        self._device = device
+        self._graphs: OrderedDict[GraphKey, _Graph] = OrderedDict()
+        self._pool = torch.cuda.graph_pool_handle()
+        self.captures = 0
+
+    def run(self, batch: PackedBatch, read: bool) -> torch.Tensor | None:
+        """The forward's rows for ``batch`` (read rows, or every token), or None when no graph applies."""
+        key = graph_key(batch, read)
+        if key is None:
+            return None
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._capture(key, batch)
+        else:
+            self._graphs.move_to_end(key)
+        load_padded(graph.inputs, batch)
+        graph.graph.replay()
+        rows = batch.read_positions.numel() if read else batch.num_tokens
+        return graph.output[:rows].clone()  # the next replay of any graph may reuse the output's memory
+
+    def _capture(self, key: GraphKey, batch: PackedBatch) -> _Graph:
+        while len(self._graphs) >= MAX_GRAPHS:
+            self._graphs.popitem(last=False)
+        inputs = empty_batch(key, self._device)
+        load_padded(inputs, batch)
+        forward = self._forwards[key.read]
+        side = torch.cuda.Stream(self._device)
+        side.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                forward(inputs)
+        torch.cuda.current_stream(self._device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            output = forward(inputs)
+        self.captures += 1
+        self._graphs[key] = _Graph(inputs, graph, output)
+        return self._graphs[key]

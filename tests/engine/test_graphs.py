@@ -1,0 +1,91 @@
+"""CUDA graphs for small micro-batches: the padding a replay sees leaves every real row as it is (CPU, through
+the Triton kernels' interpreter), the buckets, the option's checks; replays against eager runs on the GPU."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import transformers
+
+from rerankit.engine import EmbeddedBackend
+from rerankit.engine.attention import packed_attention
+from rerankit.engine.graphs import TOKEN_BUCKETS, GraphKey, graph_key, pad_batch
+from rerankit.engine.load import load_model
+from rerankit.engine.models import build_packed_model
+from rerankit.engine.runner import make_runner
+from rerankit.errors import InvalidRequest
+from rerankit.schema import ScoreRequest
+from test_fast_path import DOCS, QUERY, make_decoder
+from test_models import (DECODERS, ENCODER_SIZES, TOLERANCE, load_tiny, pack, pack_multi_item,
+                         random_sequences)
+
+triton_attention = functools.partial(packed_attention, backend="triton")
+
+
+def test_graph_keys_round_tokens_up_and_count_the_padding_sequence():
+    batch = pack(random_sequences([7, 19, 1, 12]))  # 39 tokens, 4 sequences, 4 reads
+    assert graph_key(batch, read=True) == GraphKey(256, 8, 4, True, False, True)
+    exact = pack(random_sequences([200, 56]))  # 256 tokens: no padding sequence
+    assert graph_key(exact, read=False) == GraphKey(256, 2, 2, True, False, False)
+    huge = pack(random_sequences([TOKEN_BUCKETS[-1] + 1]))
+    assert graph_key(huge, read=True) is None
+
+
+@pytest.mark.parametrize("layout", ["pairs", "multi-item"])
+def test_padded_decoder_batch_keeps_every_real_row(tmp_path, layout):
+    hf = load_tiny(tmp_path, transformers.Qwen3ForCausalLM, DECODERS["qwen3"][1]())
+    model = build_packed_model(hf, attention_fn=triton_attention)
+    if layout == "pairs":
+        batch = pack(random_sequences([7, 19, 1, 12]))
+    else:
+        prefix, *items = random_sequences([10, 5, 8, 3, 1], seed=4)
+        batch = pack_multi_item(prefix, items)
+    # Small keys keep the interpreter quick: padding tokens in a sequence of their own, and none (exact fit).
+    for key in (GraphKey(batch.num_tokens + 5, 8, 8, True, False, True),
+                GraphKey(batch.num_tokens, 8, 8, True, False, True)):
+        padded = pad_batch(batch, key)
+        assert padded.num_tokens == key.tokens and padded.max_seqlen == key.tokens
+        torch.testing.assert_close(model.forward_read(padded)[:batch.read_positions.numel()],
+                                   model.forward_read(batch), atol=TOLERANCE, rtol=TOLERANCE)
+        torch.testing.assert_close(model(padded)[:batch.num_tokens], model(batch), atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def test_padded_encoder_batch_keeps_every_real_row(tmp_path):
+    config = transformers.BertConfig(**ENCODER_SIZES, type_vocab_size=2)
+    hf = load_tiny(tmp_path, transformers.BertModel, config)
+    model = build_packed_model(hf, attention_fn=triton_attention)
+    sequences = random_sequences([9, 4, 15])
+    types = [[0] * 3 + [1] * (len(sequence) - 3) for sequence in sequences]
+    batch = pack(sequences, causal=False, token_types=types, read_positions=torch.tensor([0, 9, 13]))
+    padded = pad_batch(batch, GraphKey(batch.num_tokens + 7, 4, 4, False, True, False))
+    torch.testing.assert_close(model(padded)[:batch.num_tokens], model(batch), atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def test_cuda_graphs_need_the_packed_runner_on_a_gpu(tmp_path):
+    path = make_decoder(tmp_path / "lm", "lm")
+    if not torch.cuda.is_available():
+        with pytest.raises(InvalidRequest, match="cuda_graphs"):
+            EmbeddedBackend(str(path), device="cpu", cuda_graphs=True)
+        return
+    with pytest.raises(InvalidRequest, match="cuda_graphs"):
+        make_runner(load_model(str(path), device="cuda"), "reference", cuda_graphs=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_graph_replays_score_as_eager_runs(tmp_path, dtype):
+    path = make_decoder(tmp_path / "lm", "lm")
+    eager = EmbeddedBackend(str(path), device="cuda", dtype=dtype)
+    graphed = EmbeddedBackend(str(path), device="cuda", dtype=dtype, cuda_graphs=True)
+    requests = [ScoreRequest(query=QUERY, items=DOCS, template="qwen3-reranker"),
+                ScoreRequest(query=QUERY, items=DOCS[:3], template="qwen3-reranker", multi_item=False),
+                ScoreRequest(query=QUERY, items=[doc + " more words" for doc in DOCS], template="qwen3-reranker")]
+    tolerance = 1e-4 if dtype == "float32" else 2e-2
+    for _ in range(2):
+        for request in requests:
+            torch.testing.assert_close(torch.tensor(graphed.score(request).scores),
+                                       torch.tensor(eager.score(request).scores), atol=tolerance, rtol=0)
+    captures = graphed._runner.graphs.captures
+    assert 1 <= captures <= len(requests)  # the second round replays the shapes the first one captured
