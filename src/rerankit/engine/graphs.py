@@ -145,7 +145,8 @@ class GraphedForward:
                 forward(inputs)
         torch.cuda.current_stream(self._device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: a planning thread (overlap=True) may pin host memory while this thread captures.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             output = forward(inputs)
         self.captures += 1
         self._graphs[key] = _Graph(inputs, graph, output)
