@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -31,6 +32,9 @@ from rerankit.engine.attention import available_backends, build_block_mask, pack
 from rerankit.engine.batch import PackedBatch
 from rerankit.kernels.prefix_attention import AttentionConfig, prefix_attention
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from packs import pack_meta  # noqa: E402  (the tests' pack layouts)
+
 QWEN3_0_6B = (16, 8, 128)  # query heads, key/value heads, head dim
 BERT_LARGE = (16, 16, 64)
 W1_PREFIX = 76  # Qwen3-Reranker template + a short query
@@ -38,27 +42,13 @@ W1_PREFIX = 76  # Qwen3-Reranker template + a short query
 
 def make_batch(layout, causal=True, device="cuda") -> PackedBatch:
     """A PackedBatch for ``layout``: one (prefix_len, item_lens) per sequence; (0, [n]) is a plain sequence."""
-    cu, prefix_lens, span_starts = [0], [], []
-    for prefix_len, item_lens in layout:
-        seq_start = cu[-1]
-        span_starts += [seq_start] * prefix_len
-        item_start = seq_start + prefix_len
-        for item_len in item_lens:
-            span_starts += [item_start] * item_len
-            item_start += item_len
-        cu.append(item_start)
-        prefix_lens.append(prefix_len)
-    total = cu[-1]
-    as_int = dict(dtype=torch.int32, device=device)
+    meta = pack_meta(layout, device)
+    total = meta["span_starts"].numel()
     empty = torch.zeros(0, dtype=torch.int64, device=device)
     return PackedBatch(
         input_ids=torch.zeros(total, dtype=torch.int64, device=device),
         position_ids=torch.zeros(total, dtype=torch.int64, device=device),
-        cu_seqlens=torch.tensor(cu, **as_int),
-        max_seqlen=max(end - start for start, end in zip(cu[:-1], cu[1:])),
-        prefix_lens=torch.tensor(prefix_lens, **as_int),
-        span_starts=torch.tensor(span_starts, **as_int),
-        read_positions=empty, item_indices=empty, request_ids=empty, causal=causal,
+        read_positions=empty, item_indices=empty, request_ids=empty, causal=causal, **meta,
     )
 
 

@@ -309,42 +309,39 @@ def profile_call(workload: Workload, backend: EmbeddedBackend, folder: Path, res
 def kernel_ab(workloads: list[Workload], backend: EmbeddedBackend, results: list[dict]) -> None:
     """W1 and W3 call times with the fused q/k kernel on/off and each attention tiling, then with and without CUDA
     graphs, in one process."""
+    from rerankit.engine.graphs import GraphedForward
     from rerankit.kernels.prefix_attention import CONFIG_ENV
 
-    model = backend._runner.model
+    runner = backend._runner
+    model = runner.model
     fused, min_tokens = model.fused_qk, model.fused_qk_min_tokens
     model.fused_qk_min_tokens = 0  # fused or not at every batch size
     for fused_qk in (True, False):
         for name, spec in (("gqa-64x32", ""), ("per-head-128x32", "pack_gqa=0,block_m=128,block_n=32")):
             model.fused_qk = fused_qk
             os.environ[CONFIG_ENV] = spec
-            row = {"workload": "kernel-ab", "fused_qk": fused_qk, "attention": name}
-            for workload in workloads:
-                if workload.name in ("W1", "W3"):
-                    batch = requests_of(workload, True)
-                    times, _ = measure(lambda: backend.score_batch(batch), 30 if workload.latency else 5, 2)
-                    row[f"{workload.name}_ms_p50"] = 1000 * statistics.median(times)
-            results.append(row)
-            print(json.dumps(row), flush=True)
+            ab_row({"workload": "kernel-ab", "fused_qk": fused_qk, "attention": name}, workloads, backend, results)
     model.fused_qk, model.fused_qk_min_tokens = fused, min_tokens
     os.environ.pop(CONFIG_ENV, None)
-    # The defaults above, eager launches against CUDA-graph replays (EmbeddedBackend's cuda_graphs=True).
-    from rerankit.engine.graphs import GraphedForward
-
-    runner = backend._runner
+    # With the default kernels again: eager launches against CUDA-graph replays (EmbeddedBackend's cuda_graphs=True).
     for graphed in (False, True):
         runner.graphs = GraphedForward(model.forward, model.forward_read, runner.device) if graphed else None
-        row = {"workload": "kernel-ab", "cuda_graphs": graphed, "fused_qk": "auto", "attention": "default"}
-        for workload in workloads:
-            if workload.name in ("W1", "W3"):
-                batch = requests_of(workload, True)
-                times, _ = measure(lambda: backend.score_batch(batch), 30 if workload.latency else 5, 2)
-                row[f"{workload.name}_ms_p50"] = 1000 * statistics.median(times)
-                if workload.latency:
-                    row["W3_ms_p99"] = 1000 * sorted(times)[int(0.99 * (len(times) - 1))]
-        results.append(row)
-        print(json.dumps(row), flush=True)
+        ab_row({"workload": "kernel-ab", "cuda_graphs": graphed, "fused_qk": "auto", "attention": "default"},
+               workloads, backend, results)
     runner.graphs = None
+
+
+def ab_row(row: dict, workloads: list[Workload], backend: EmbeddedBackend, results: list[dict]) -> None:
+    """``row`` with the median W1 call and the W3 p50/p99 under the backend's current settings."""
+    for workload in workloads:
+        if workload.name in ("W1", "W3"):
+            batch = requests_of(workload, True)
+            times, _ = measure(lambda: backend.score_batch(batch), 30 if workload.latency else 5, 2)
+            row[f"{workload.name}_ms_p50"] = 1000 * statistics.median(times)
+            if workload.latency:
+                row[f"{workload.name}_ms_p99"] = 1000 * sorted(times)[int(0.99 * (len(times) - 1))]
+    results.append(row)
+    print(json.dumps(row), flush=True)
 
 
 def decoder_workloads(words: list[str], rng: random.Random, include: set[str]) -> list[Workload]:

@@ -16,19 +16,11 @@ import torch
 from rerankit.engine import EmbeddedBackend
 from rerankit.errors import InvalidRequest, ModelLoadError
 from rerankit.schema import ScoreRequest
+from test_reference_engine import DOCS as REFERENCE_DOCS
+from test_reference_engine import QUERY
 from tiny_models import build_decoder_tokenizer
 
-QUERY = "What is the capital of China?"
-DOCS = [
-    "The capital of China is Beijing.",
-    "Gravity is a force that attracts two bodies towards each other.",
-    "Paris is the capital and most populous city of France!",
-    "yes no Yes",
-    "the quick brown fox jumps over the lazy dog",
-    "Beijing",
-    "China capital",
-    "dog fox",
-]
+DOCS = [*REFERENCE_DOCS, "Beijing", "China capital", "dog fox"]
 MARGIN = 0.05  # rankings must agree wherever the reference scores differ by more than this
 WIDE_INIT = 0.1
 BERT_INIT = 0.2  # post-LayerNorm blocks pull the states together; wider weights keep the scores apart

@@ -238,6 +238,28 @@ def random_parts(rng: random.Random, causal: bool, typed: bool, head_count: int)
                         suffix_types=np.ones(len(suffix), dtype=np.int64) if typed else None)
 
 
+def reads_with_their_own_pairs(micro, requests: list[RequestParts]) -> list[tuple[int, int]]:
+    """(request, item) of each read of ``micro``, after checking that the read sees its own pair and nothing else:
+    its tokens, positions 0.., segment ids, and the read at the pair's last (or first) token."""
+    batch = micro.batch
+    allowed = attention_allowed(batch)
+    seen = []
+    for read, index, item in zip(batch.read_positions.tolist(), micro.read_requests.tolist(),
+                                 micro.read_items.tolist()):
+        parts = requests[index]
+        pair = np.concatenate([parts.prefix, parts.items[item], parts.suffix]).tolist()
+        visible = allowed[read].nonzero().flatten()
+        assert batch.input_ids[visible].tolist() == pair
+        assert batch.position_ids[visible].tolist() == list(range(len(pair)))
+        if batch.token_type_ids is not None:
+            types = [0] * len(parts.prefix) + [1] * len(parts.items[item]) + [1] * len(parts.suffix)
+            assert batch.token_type_ids[visible].tolist() == types
+        offset = 0 if parts.read_first else len(pair) - 1
+        assert batch.position_ids[read] == offset
+        seen.append((index, item))
+    return seen
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("padded", [True, False])
 def test_every_item_is_planned_once_and_sees_exactly_its_own_pair(causal, padded):
@@ -258,20 +280,7 @@ def test_every_item_is_planned_once_and_sees_exactly_its_own_pair(causal, padded
             assert len(owners) == 1 or not any(requests[index].own_batches for index in owners)
             heads = [requests[index].head for index in micro.read_requests.tolist()]
             assert [key for key, start, end in micro.head_slices for _ in range(end - start)] == heads
-            allowed = attention_allowed(batch)
-            for read, index, item in zip(batch.read_positions.tolist(), micro.read_requests.tolist(),
-                                         micro.read_items.tolist()):
-                parts = requests[index]
-                pair = np.concatenate([parts.prefix, parts.items[item], parts.suffix]).tolist()
-                visible = allowed[read].nonzero().flatten()
-                assert batch.input_ids[visible].tolist() == pair
-                assert batch.position_ids[visible].tolist() == list(range(len(pair)))
-                if batch.token_type_ids is not None:
-                    types = [0] * len(parts.prefix) + [1] * len(parts.items[item]) + [1] * len(parts.suffix)
-                    assert batch.token_type_ids[visible].tolist() == types
-                offset = 0 if parts.read_first else len(pair) - 1
-                assert batch.position_ids[read] == offset
-                seen.append((index, item))
+            seen += reads_with_their_own_pairs(micro, requests)
         assert sorted(seen) == [(index, item) for index, parts in enumerate(requests)
                                 for item in range(len(parts.items))]
 

@@ -12,13 +12,12 @@ import pytest
 import torch
 
 from rerankit.engine import EmbeddedBackend
-from rerankit.engine.batch import attention_allowed
 from rerankit.engine.plan import Planner, RequestParts
 from rerankit.engine.prefetch import prefetch
 from rerankit.errors import InvalidRequest
 from rerankit.schema import ScoreRequest
 from test_fast_path import DOCS, QUERY, make_decoder
-from test_mis import assert_same_results, random_parts, random_raw_request
+from test_mis import assert_same_results, random_parts, random_raw_request, reads_with_their_own_pairs
 
 
 def test_prefetch_keeps_order_and_runs_ahead_on_another_thread():
@@ -96,15 +95,7 @@ def test_chunks_and_early_closes_plan_every_item_once_with_its_own_pair(causal):
             batch = micro.batch
             lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist()
             assert sum(lengths) <= budget or len(lengths) == 1
-            allowed = attention_allowed(batch)
-            for read, index, item in zip(batch.read_positions.tolist(), micro.read_requests.tolist(),
-                                         micro.read_items.tolist()):
-                parts = requests[index]
-                pair = np.concatenate([parts.prefix, parts.items[item], parts.suffix]).tolist()
-                visible = allowed[read].nonzero().flatten()
-                assert batch.input_ids[visible].tolist() == pair
-                assert batch.position_ids[visible].tolist() == list(range(len(pair)))
-                seen.append((index, item))
+            seen += reads_with_their_own_pairs(micro, requests)
         assert sorted(seen) == [(index, item) for index, parts in enumerate(requests)
                                 for item in range(len(parts.items))]
 

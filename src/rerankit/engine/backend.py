@@ -57,8 +57,8 @@ class _SliceOutput:
     """
 
     def __init__(self, requests: np.ndarray, items: np.ndarray, scores: heads.BatchScores,
-                 prepared: list[_Prepared | None]) -> None:
-        owners = [prepared[index].request for index in np.unique(requests).tolist()]
+                 call_requests: list[ScoreRequest]) -> None:
+        owners = [call_requests[index] for index in np.unique(requests).tolist()]
         if not any(request.return_label_logprobs for request in owners):
             scores.label_logprobs = None
         if not any(request.return_pooled_hidden_states for request in owners):
@@ -150,8 +150,8 @@ class EmbeddedBackend:
         A request that fails its checks (``InvalidRequest``...) raises its ``RerankitError`` and the call returns
         nothing; with ``return_exceptions`` its error takes its place in the list instead and the other requests
         are scored. An error while the model runs (out of memory) is not any one request's fault and raises for
-        the whole call. Requests are encoded and planned as the model runs (on a worker thread on a GPU), so a
-        bad request late in a long call is found once the requests before it have been planned.
+        the whole call. Requests are encoded and planned as the model runs (on a worker thread with ``overlap``),
+        so a bad request late in a long call is found once the requests before it have been planned.
         """
         with self._lock, torch.inference_mode():
             loaded = self._model()
@@ -269,7 +269,7 @@ class EmbeddedBackend:
                     else:  # the request has this micro-batch to itself (own_batches)
                         out = head.score(self._runner.forward(micro.batch), micro.batch)
                     outputs.append(_SliceOutput(micro.read_requests[start:end], micro.read_items[start:end], out,
-                                                call.entries))
+                                                call.requests))
                 for index, tokens in micro.request_tokens.items():
                     computed[index] += tokens
                 progress.update(len(micro.read_items))
@@ -297,7 +297,7 @@ class EmbeddedBackend:
                 values = getattr(output.scores, name)
                 if values is None:
                     continue
-                rows = np.flatnonzero([getattr(prepared[index].request, wanted) and not failed[index]
+                rows = np.flatnonzero([getattr(call.requests[index], wanted) and not failed[index]
                                        for index in output.requests])
                 for index, item, row in zip(output.requests[rows].tolist(), output.items[rows].tolist(),
                                             values[torch.from_numpy(rows)].float().cpu().tolist()):

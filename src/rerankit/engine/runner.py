@@ -17,6 +17,7 @@ from rerankit.engine.graphs import GraphedForward
 from rerankit.engine.load import LoadedModel
 from rerankit.engine.models import PackedDecoder, PackedEncoder, build_packed_model
 from rerankit.errors import InvalidRequest, ModelLoadError
+from rerankit.kernels import takes_head_dim
 
 RUNNERS = ("auto", "packed", "reference")
 
@@ -131,7 +132,7 @@ def make_runner(loaded: LoadedModel, runner: str = "auto", cuda_graphs: bool = F
     if model is None:
         reason = (f"there is no packed forward for {type(loaded.model).__name__} "
                   f"(model_type {loaded.config.model_type!r})")
-    elif loaded.device.type == "cuda" and not _kernel_takes_head_dim(model.head_dim):
+    elif loaded.device.type == "cuda" and not takes_head_dim(model.head_dim):
         reason = f"the packed attention kernel needs a head size that is a power of two >= 16, not {model.head_dim}"
     if reason is None:
         return PackedRunner(loaded, model, cuda_graphs)
@@ -139,8 +140,3 @@ def make_runner(loaded: LoadedModel, runner: str = "auto", cuda_graphs: bool = F
         fix = "cuda_graphs=False" if cuda_graphs else "runner='auto' or 'reference'"
         raise ModelLoadError(f"{reason}; use {fix}")
     return ReferenceRunner(loaded)
-
-
-def _kernel_takes_head_dim(head_dim: int) -> bool:
-    # kernels/prefix_attention.py tiles a head with tl.arange (a power of two) and tl.dot (K >= 16).
-    return head_dim >= 16 and head_dim & (head_dim - 1) == 0

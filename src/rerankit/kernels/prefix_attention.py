@@ -164,6 +164,52 @@ def _attend_tiles(
 
 
 @triton.jit
+def _attend_block(
+    q, offs_m, token_valid, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_d,
+    prefix_lens, span_starts, seq, seq_start, seq_end, q_first, q_last, qk_scale,
+    CAUSAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """Attention of one block of query rows (tokens ``offs_m``, queries ``q`` [ROWS, D]) over the key ranges its
+    tokens can see; (acc, l) of the online softmax. Both kernels call it, with their own row layouts."""
+    if CAUSAL:
+        prefix_end = seq_start + tl.load(prefix_lens + seq).to(tl.int32)
+        span_q = tl.load(span_starts + offs_m, mask=token_valid, other=0).to(tl.int32)
+        lo_span = tl.min(tl.where(token_valid, span_q, seq_end), 0)
+        hi_span = tl.max(tl.where(token_valid, span_q, seq_start), 0)
+        # Keys before min(prefix_end, lo_span) are prefix keys every query of the block sees.
+        shared_end = tl.minimum(prefix_end, lo_span)
+        # Keys in [hi_span, q_first] lie in every query's span and before every query.
+        full_end = hi_span + tl.maximum(q_first + 1 - hi_span, 0) // BLOCK_N * BLOCK_N
+        kv_end = q_last + 1
+    else:
+        prefix_end = seq_start
+        span_q = offs_m
+        lo_span = seq_start
+        hi_span = seq_start
+        shared_end = seq_start
+        full_end = seq_start + (seq_end - seq_start) // BLOCK_N * BLOCK_N
+        kv_end = seq_end
+    shared_full_end = seq_start + (shared_end - seq_start) // BLOCK_N * BLOCK_N
+
+    m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile gives alpha=1, not NaN
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+    qk_scale = qk_scale * 1.4426950408889634  # exp2 instead of exp
+    # Shared prefix, then own spans: [lo_span, hi_span) masked, [hi_span, full_end) full, rest masked.
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_m, offs_d,
+                                  span_q, prefix_end, seq_start, shared_full_end, qk_scale, CAUSAL, False, BLOCK_N)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_m, offs_d,
+                                  span_q, prefix_end, shared_full_end, shared_end, qk_scale, CAUSAL, True, BLOCK_N)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_m, offs_d,
+                                  span_q, prefix_end, lo_span, hi_span, qk_scale, CAUSAL, True, BLOCK_N)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_m, offs_d,
+                                  span_q, prefix_end, hi_span, full_end, qk_scale, CAUSAL, False, BLOCK_N)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_m, offs_d,
+                                  span_q, prefix_end, full_end, kv_end, qk_scale, CAUSAL, True, BLOCK_N)
+    return acc, l_i
+
+
+@triton.jit
 def _prefix_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens, prefix_lens, span_starts,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -190,41 +236,9 @@ def _prefix_attention_kernel(
     k_head_ptr = k_ptr + (head // GROUP) * stride_kh
     v_head_ptr = v_ptr + (head // GROUP) * stride_vh
 
-    if CAUSAL:
-        prefix_end = seq_start + tl.load(prefix_lens + seq).to(tl.int32)
-        span_q = tl.load(span_starts + offs_m, mask=row_valid, other=0).to(tl.int32)
-        lo_span = tl.min(tl.where(row_valid, span_q, seq_end), 0)
-        hi_span = tl.max(tl.where(row_valid, span_q, seq_start), 0)
-        # Keys before min(prefix_end, lo_span) are prefix keys every query of the block sees.
-        shared_end = tl.minimum(prefix_end, lo_span)
-        # Keys in [hi_span, q_first] lie in every query's span and before every query.
-        full_end = hi_span + tl.maximum(q_first + 1 - hi_span, 0) // BLOCK_N * BLOCK_N
-        kv_end = q_last + 1
-    else:
-        prefix_end = seq_start
-        span_q = offs_m
-        lo_span = seq_start
-        hi_span = seq_start
-        shared_end = seq_start
-        full_end = seq_start + (seq_end - seq_start) // BLOCK_N * BLOCK_N
-        kv_end = seq_end
-    shared_full_end = seq_start + (shared_end - seq_start) // BLOCK_N * BLOCK_N
-
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile gives alpha=1, not NaN
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    qk_scale = qk_scale * 1.4426950408889634  # exp2 instead of exp
-    # Shared prefix, then own spans: [lo_span, hi_span) masked, [hi_span, full_end) full, rest masked.
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_m, offs_d,
-                                  span_q, prefix_end, seq_start, shared_full_end, qk_scale, CAUSAL, False, BLOCK_N)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_m, offs_d,
-                                  span_q, prefix_end, shared_full_end, shared_end, qk_scale, CAUSAL, True, BLOCK_N)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_m, offs_d,
-                                  span_q, prefix_end, lo_span, hi_span, qk_scale, CAUSAL, True, BLOCK_N)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_m, offs_d,
-                                  span_q, prefix_end, hi_span, full_end, qk_scale, CAUSAL, False, BLOCK_N)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_m, offs_d,
-                                  span_q, prefix_end, full_end, kv_end, qk_scale, CAUSAL, True, BLOCK_N)
+    acc, l_i = _attend_block(q, offs_m, row_valid, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_d,
+                             prefix_lens, span_starts, seq, seq_start, seq_end, q_first, q_last, qk_scale,
+                             CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM)
 
     out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
     tl.store(out_ptr + offs_m[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -270,41 +284,9 @@ def _prefix_attention_packed_kernel(
     k_head_ptr = k_ptr + kv_head * stride_kh
     v_head_ptr = v_ptr + kv_head * stride_vh
 
-    if CAUSAL:
-        prefix_end = seq_start + tl.load(prefix_lens + seq).to(tl.int32)
-        span_q = tl.load(span_starts + offs_m, mask=token_valid, other=0).to(tl.int32)
-        lo_span = tl.min(tl.where(token_valid, span_q, seq_end), 0)
-        hi_span = tl.max(tl.where(token_valid, span_q, seq_start), 0)
-        # Keys before min(prefix_end, lo_span) are prefix keys every query of the block sees.
-        shared_end = tl.minimum(prefix_end, lo_span)
-        # Keys in [hi_span, q_first] lie in every query's span and before every query.
-        full_end = hi_span + tl.maximum(q_first + 1 - hi_span, 0) // BLOCK_N * BLOCK_N
-        kv_end = q_last + 1
-    else:
-        prefix_end = seq_start
-        span_q = offs_m
-        lo_span = seq_start
-        hi_span = seq_start
-        shared_end = seq_start
-        full_end = seq_start + (seq_end - seq_start) // BLOCK_N * BLOCK_N
-        kv_end = seq_end
-    shared_full_end = seq_start + (shared_end - seq_start) // BLOCK_N * BLOCK_N
-
-    m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile gives alpha=1, not NaN
-    l_i = tl.zeros([ROWS], dtype=tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
-    qk_scale = qk_scale * 1.4426950408889634  # exp2 instead of exp
-    # Shared prefix, then own spans: [lo_span, hi_span) masked, [hi_span, full_end) full, rest masked.
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_m, offs_d,
-                                  span_q, prefix_end, seq_start, shared_full_end, qk_scale, CAUSAL, False, BLOCK_N)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_m, offs_d,
-                                  span_q, prefix_end, shared_full_end, shared_end, qk_scale, CAUSAL, True, BLOCK_N)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_m, offs_d,
-                                  span_q, prefix_end, lo_span, hi_span, qk_scale, CAUSAL, True, BLOCK_N)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_m, offs_d,
-                                  span_q, prefix_end, hi_span, full_end, qk_scale, CAUSAL, False, BLOCK_N)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_m, offs_d,
-                                  span_q, prefix_end, full_end, kv_end, qk_scale, CAUSAL, True, BLOCK_N)
+    acc, l_i = _attend_block(q, offs_m, token_valid, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_d,
+                             prefix_lens, span_starts, seq, seq_start, seq_end, q_first, q_last, qk_scale,
+                             CAUSAL, ROWS, BLOCK_N, HEAD_DIM)
 
     out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
     tl.store(out_ptr + offs_m[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],

@@ -26,6 +26,8 @@ import os
 import torch
 from torch import Tensor
 
+from rerankit.kernels import takes_head_dim
+
 try:
     import triton
     import triton.language as tl
@@ -44,7 +46,7 @@ _MAX_BLOCK_T = 16
 
 def _check(qkv: Tensor, num_heads: int, num_kv_heads: int, head_dim: int, position_ids: Tensor, inv_freq: Tensor,
            q_norm: Tensor | None, k_norm: Tensor | None) -> None:
-    if head_dim < 16 or head_dim & (head_dim - 1):
+    if not takes_head_dim(head_dim):
         raise ValueError(f"qk_norm_rope needs a head_dim that is a power of two >= 16, got {head_dim}")
     if num_heads < 1 or num_kv_heads < 1:
         raise ValueError(f"qk_norm_rope needs at least one q and one kv head, got {num_heads} and {num_kv_heads}")

@@ -16,6 +16,7 @@ from torch import nn
 
 from rerankit.engine.batch import PackedBatch
 from rerankit.engine.models.layers import (
+    PackedBody,
     apply_rotary,
     default_attention,
     fuse_rows,
@@ -27,6 +28,7 @@ from rerankit.engine.models.layers import (
     swiglu,
 )
 from rerankit.errors import ModelLoadError
+from rerankit.kernels import takes_head_dim
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3")
 FUSED_QK_ENV = "RERANKIT_FUSED_QK"
@@ -51,24 +53,20 @@ def unsupported_reason(config) -> str | None:
     return rope_unsupported_reason(config)
 
 
-def resolve_fused_qk(fused_qk: bool | None, device: torch.device, head_dim: int) -> bool:
-    """Whether the decoder runs ``qk_norm_rope`` (see ``PackedDecoder``): the argument, else $RERANKIT_FUSED_QK,
-    else on CUDA only where the kernel takes the head size."""
+def resolve_fused_qk(fused_qk: bool | None, device: torch.device, head_dim: int) -> tuple[bool, int]:
+    """Whether the decoder runs ``qk_norm_rope`` (see ``PackedDecoder``), and from how many tokens a micro-batch: the
+    argument, else $RERANKIT_FUSED_QK (either: every batch), else on CUDA where the kernel takes the head size, for
+    batches of ``FUSED_QK_MIN_TOKENS`` and more."""
     if fused_qk is None:
         setting = os.environ.get(FUSED_QK_ENV, "").strip()
         if setting not in ("", "0", "1"):
             raise ValueError(f"{FUSED_QK_ENV} must be 0 or 1, got {setting!r}")
-        if setting:
-            fused_qk = setting == "1"
-        else:
-            return device.type == "cuda" and _kernel_head_dim(head_dim)
-    if fused_qk and not _kernel_head_dim(head_dim):
+        if not setting:
+            return device.type == "cuda" and takes_head_dim(head_dim), FUSED_QK_MIN_TOKENS
+        fused_qk = setting == "1"
+    if fused_qk and not takes_head_dim(head_dim):
         raise ValueError(f"fused_qk needs a head_dim that is a power of two >= 16, this model has {head_dim}")
-    return fused_qk
-
-
-def _kernel_head_dim(head_dim: int) -> bool:
-    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    return fused_qk, 0
 
 
 def qkv_projection(hidden: torch.Tensor, input_norm: torch.Tensor, qkv_weight: torch.Tensor,
@@ -126,7 +124,7 @@ def _parameter(tensor: torch.Tensor | None) -> nn.Parameter | None:
     return None if tensor is None else nn.Parameter(tensor, requires_grad=False)
 
 
-class PackedDecoder(nn.Module):
+class PackedDecoder(PackedBody):
     """Padding-free forward of a Llama/Qwen2/Qwen3 body over a ``PackedBatch``.
 
     ``compile`` runs the per-layer math around attention through ``torch.compile`` (attention is the
@@ -166,21 +164,9 @@ class PackedDecoder(nn.Module):
         score = getattr(hf_model, "score", None)
         self.score_weight = score.weight if isinstance(score, nn.Linear) else None
         self._attention_fn = attention_fn
-        chosen = fused_qk is not None or os.environ.get(FUSED_QK_ENV, "").strip() != ""
-        self.fused_qk = resolve_fused_qk(fused_qk, device, self.head_dim)
-        self.fused_qk_min_tokens = 0 if chosen else FUSED_QK_MIN_TOKENS
+        self.fused_qk, self.fused_qk_min_tokens = resolve_fused_qk(fused_qk, device, self.head_dim)
         self._attention_inputs, self._qkv_projection, self._attention_output_and_mlp = layer_steps(
             attention_inputs, qkv_projection, attention_output_and_mlp, compile=compile, device=device)
-
-    @torch.no_grad()
-    def forward(self, batch: PackedBatch) -> torch.Tensor:
-        """Final-normed hidden states [T, hidden] of every packed token."""
-        return self._run(batch, read_positions=None)
-
-    @torch.no_grad()
-    def forward_read(self, batch: PackedBatch) -> torch.Tensor:
-        """Final-normed hidden states [N, hidden] at ``batch.read_positions`` only."""
-        return self._run(batch, read_positions=batch.read_positions)
 
     def _run(self, batch: PackedBatch, read_positions: torch.Tensor | None) -> torch.Tensor:
         attention = self._attention_fn or default_attention()

@@ -14,7 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from rerankit.engine.batch import PackedBatch
-from rerankit.engine.models.layers import GELU_APPROXIMATIONS, default_attention, fuse_rows, layer_steps
+from rerankit.engine.models.layers import (
+    GELU_APPROXIMATIONS,
+    PackedBody,
+    default_attention,
+    fuse_rows,
+    layer_steps,
+)
 from rerankit.errors import ModelLoadError
 
 MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
@@ -75,7 +81,7 @@ class PackedEncoderLayer(nn.Module):
         self.output_norm_weight, self.output_norm_bias = hf_layer.output.LayerNorm.weight, hf_layer.output.LayerNorm.bias
 
 
-class PackedEncoder(nn.Module):
+class PackedEncoder(PackedBody):
     """Padding-free forward of a BERT/XLM-R body over a ``PackedBatch``, plus its sequence-classification head.
 
     ``batch.position_ids`` count from 0 in each sequence; RoBERTa-family models get their padding_idx+1
@@ -110,16 +116,6 @@ class PackedEncoder(nn.Module):
         self._attention_fn = attention_fn
         self._attention_inputs, self._attention_output_and_ffn = layer_steps(
             attention_inputs, attention_output_and_ffn, compile=compile, device=self.word_embeddings.device)
-
-    @torch.no_grad()
-    def forward(self, batch: PackedBatch) -> torch.Tensor:
-        """Last-layer hidden states [T, hidden] of every packed token."""
-        return self._run(batch, read_positions=None)
-
-    @torch.no_grad()
-    def forward_read(self, batch: PackedBatch) -> torch.Tensor:
-        """Last-layer hidden states [N, hidden] at ``batch.read_positions`` only (usually each CLS token)."""
-        return self._run(batch, read_positions=batch.read_positions)
 
     @torch.no_grad()
     def pool(self, cls_hidden: torch.Tensor) -> torch.Tensor:

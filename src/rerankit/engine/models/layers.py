@@ -11,6 +11,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from rerankit.engine.batch import PackedBatch
 
 ROPE_TYPES = ("default", "llama3")
 GELU_APPROXIMATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
@@ -128,3 +131,21 @@ def layer_steps(*steps: Callable, compile: bool | None, device: torch.device) ->
     if compile is None:
         compile = device.type == "cuda"
     return tuple(torch.compile(step, dynamic=True) if compile else step for step in steps)
+
+
+class PackedBody(nn.Module):
+    """A packed model body: ``_run(batch, read_positions)`` gives the final hidden states of every token, or with
+    read positions only those rows (the last layer runs on them alone)."""
+
+    @torch.no_grad()
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        """Final hidden states [T, hidden] of every packed token."""
+        return self._run(batch, read_positions=None)
+
+    @torch.no_grad()
+    def forward_read(self, batch: PackedBatch) -> torch.Tensor:
+        """Final hidden states [N, hidden] at ``batch.read_positions`` only (in their order)."""
+        return self._run(batch, read_positions=batch.read_positions)
+
+    def _run(self, batch: PackedBatch, read_positions: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
