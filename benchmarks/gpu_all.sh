@@ -31,12 +31,14 @@ has pairs && tail -30 "$out/pairs.txt"
 has kernels && python3 benchmarks/label_logprobs.py --out "$out/label_logprobs.jsonl" > "$out/label_logprobs.txt" 2>&1
 has kernels && python3 benchmarks/attention.py --out "$out/attention.json" > "$out/attention.txt" 2>&1
 
-# rerankit serve on a Qwen3-Reranker-0.6B-shaped model: 16 clients x 20 docs, batching on vs off.
+# rerankit serve on a Qwen3-Reranker-0.6B-shaped model: 16 clients x 20 docs, batching on vs off. Short docs (30
+# words, ~75 tokens each with the small tokenizer: ~1.6k tokens a request), where one request alone is bound by
+# launches and batching pays; with 200-word docs (~10k tokens a request) one request already fills the GPU.
 has serve || exit 0
 model=$(python3 -c "
 import sys, tempfile; from pathlib import Path; sys.path.insert(0, 'benchmarks')
 from pairs import build_decoder_dir
-print(build_decoder_dir(Path(tempfile.mkdtemp()), '0.6b'))")
+print(build_decoder_dir(Path(tempfile.mkdtemp()), '0.6b'))" | tail -1)  # the last line: the build prints too
 python3 benchmarks/serve_load.py --model "$model" --device cuda --compare --repeats 2 --clients 16 --docs 20 \
-  --doc-words 200 --duration 10 > "$out/serve_load.txt" 2>&1
+  --doc-words ${SERVE_DOC_WORDS:-30} --duration 10 > "$out/serve_load.txt" 2>&1
 tail -12 "$out/serve_load.txt"

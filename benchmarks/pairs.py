@@ -309,7 +309,7 @@ def profile_call(workload: Workload, backend: EmbeddedBackend, folder: Path, res
 def kernel_ab(workloads: list[Workload], backend: EmbeddedBackend, results: list[dict]) -> None:
     """W1 and W3 call times with the fused q/k kernel on/off and each attention tiling, then with and without CUDA
     graphs, in one process."""
-    from rerankit.engine.graphs import GraphedForward
+    from rerankit.engine.runner import graphed_forward
     from rerankit.kernels.prefix_attention import CONFIG_ENV
 
     runner = backend._runner
@@ -323,18 +323,30 @@ def kernel_ab(workloads: list[Workload], backend: EmbeddedBackend, results: list
             ab_row({"workload": "kernel-ab", "fused_qk": fused_qk, "attention": name}, workloads, backend, results)
     model.fused_qk, model.fused_qk_min_tokens = fused, min_tokens
     os.environ.pop(CONFIG_ENV, None)
-    # With the default kernels again: eager launches against CUDA-graph replays (EmbeddedBackend's cuda_graphs=True).
-    for graphed in (False, True):
-        runner.graphs = GraphedForward(model.forward, model.forward_read, runner.device) if graphed else None
-        ab_row({"workload": "kernel-ab", "cuda_graphs": graphed, "fused_qk": "auto", "attention": "default"},
-               workloads, backend, results)
-    runner.graphs = None
+    # With the default kernels again: eager launches against CUDA-graph replays (EmbeddedBackend's cuda_graphs=True),
+    # each with and without the ramp-up chunk (the first 16 items of a call as a micro-batch of their own).
+    graphs, ramp = runner.graphs, backend._ramp
+    for graphed, ramped in ((False, False), (False, True), (True, False), (True, True)):
+        runner.graphs = graphed_forward(model, runner.device) if graphed else None
+        backend._ramp = ramped
+        ab_row({"workload": "kernel-ab", "cuda_graphs": graphed, "ramp": ramped, "fused_qk": "auto",
+                "attention": "default"}, workloads, backend, results)
+    runner.graphs, backend._ramp = graphs, ramp
+    # The residual projections behind an op Inductor cannot fuse into addmm (no copy of the residual), eager.
+    unfused = model.unfused_residual
+    for flag in (False, True):
+        model.unfused_residual = flag
+        ab_row({"workload": "kernel-ab", "unfused_residual": flag}, workloads, backend, results)
+    model.unfused_residual = unfused
+
+
+AB_WORKLOADS = ("W1", "W3", "LI")
 
 
 def ab_row(row: dict, workloads: list[Workload], backend: EmbeddedBackend, results: list[dict]) -> None:
-    """``row`` with the median W1 call and the W3 p50/p99 under the backend's current settings."""
+    """``row`` with the median W1 and LI calls and the W3 p50/p99 under the backend's current settings."""
     for workload in workloads:
-        if workload.name in ("W1", "W3"):
+        if workload.name in AB_WORKLOADS:
             batch = requests_of(workload, True)
             times, _ = measure(lambda: backend.score_batch(batch), 30 if workload.latency else 5, 2)
             row[f"{workload.name}_ms_p50"] = 1000 * statistics.median(times)
@@ -405,7 +417,7 @@ def main() -> None:
     parser.add_argument("--baseline-queries", type=int, default=8, help="W2 queries the baselines run")
     parser.add_argument("--budgets", default="", help="micro-batch budgets to sweep on W1 and W2, e.g. 8192,32768")
     parser.add_argument("--sweep-queries", type=int, default=16, help="W2 queries in the budget sweep")
-    parser.add_argument("--profile", default=None, help="folder for profiles of one W1 and one W3 call")
+    parser.add_argument("--profile", default=None, help="folder for profiles of one W1, W3 and LI call")
     parser.add_argument("--ab", action="store_true", help="W1/W3 with the fused q/k kernel and attention tilings")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -447,7 +459,7 @@ def main() -> None:
                 kernel_ab(workloads, backend, results)
             if shape == "0.6b" and args.profile:
                 for workload in workloads:
-                    if workload.name in ("W1", "W3"):
+                    if workload.name in AB_WORKLOADS:
                         profile_call(workload, backend, Path(args.profile), results)
         backend.close()
         del model

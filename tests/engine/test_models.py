@@ -210,6 +210,36 @@ def test_decoder_fused_qk_runs_only_from_its_batch_size_when_chosen_automaticall
     assert len(calls) == len(model.layers)
 
 
+def test_decoder_graphed_forward_takes_the_large_batch_steps_with_the_same_results(tmp_path, monkeypatch):
+    """``graphed=True`` (a CUDA-graph capture) runs the fused q/k kernel and the residual projections behind
+    ``residual_projection`` at any batch size; the hidden states equal the plain path's."""
+    from rerankit.engine.models import decoder as decoder_module
+    from rerankit.kernels import qk_norm_rope as kernels
+
+    if not torch.cuda.is_available() and not kernels._INTERPRET:
+        pytest.skip("triton was imported without its interpreter")
+    monkeypatch.delenv("RERANKIT_FUSED_QK", raising=False)
+    hf = load_tiny(tmp_path, transformers.Qwen2ForCausalLM, DECODERS["qwen2"][1]())  # biases on q/k/v
+    model = PackedDecoder(hf, attention_fn=dense_attention)
+    assert not model.unfused_residual  # on CUDA only by default
+    model.fused_qk, model.fused_qk_min_tokens, model.unfused_residual = True, decoder_module.FUSED_QK_MIN_TOKENS, True
+    steps = {"fused_qk": 0, "residual_projection": 0}
+    original_inputs = model._fused_attention_inputs
+    monkeypatch.setattr(model, "_fused_attention_inputs",
+                        lambda *args: steps.__setitem__("fused_qk", steps["fused_qk"] + 1) or original_inputs(*args))
+    original_projection = decoder_module.residual_projection
+    monkeypatch.setattr(decoder_module, "residual_projection", lambda *args: steps.__setitem__(
+        "residual_projection", steps["residual_projection"] + 1) or original_projection(*args))
+    prefix, *items = random_sequences([10, 5, 8, 3], seed=6)
+    batch = pack_multi_item(prefix, items)
+    plain = model.forward_read(batch)
+    assert steps == {"fused_qk": 0, "residual_projection": 0}  # a small eager batch: the fewest launches
+    torch.testing.assert_close(model.forward_read(batch, graphed=True), plain, atol=TOLERANCE, rtol=TOLERANCE)
+    assert steps == {"fused_qk": len(model.layers), "residual_projection": len(model.layers)}
+    torch.testing.assert_close(model.forward(batch, graphed=True)[batch.read_positions], plain, atol=TOLERANCE,
+                               rtol=TOLERANCE)
+
+
 def test_decoder_fused_qk_refuses_head_dims_the_kernel_lacks(tmp_path, monkeypatch):
     monkeypatch.delenv("RERANKIT_FUSED_QK", raising=False)
     config = transformers.Qwen3Config(**{**DECODER_SIZES, "num_attention_heads": 2, "num_key_value_heads": 1},

@@ -8,6 +8,7 @@ but it is the reference that the packed runner is checked against, and the fallb
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Protocol
 
 import torch
@@ -48,7 +49,7 @@ class PackedRunner:
         self.device = loaded.device
         self.supports_multi_item = loaded.is_decoder
         self.pin_memory = loaded.device.type == "cuda"
-        self.graphs = GraphedForward(model.forward, model.forward_read, loaded.device) if cuda_graphs else None
+        self.graphs = graphed_forward(model, loaded.device) if cuda_graphs else None
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """Every token's final state (pooling heads)."""
@@ -76,6 +77,12 @@ class PackedRunner:
         if batch.token_type_ids is not None:
             moved["token_type_ids"] = batch.token_type_ids.to(self.device, non_blocking=True)
         return dataclasses.replace(batch, **moved)
+
+
+def graphed_forward(model: PackedDecoder | PackedEncoder, device: torch.device) -> GraphedForward:
+    """CUDA graphs over ``model``'s forwards, captured with ``graphed=True`` (the steps that take least GPU time)."""
+    return GraphedForward(functools.partial(model.forward, graphed=True),
+                          functools.partial(model.forward_read, graphed=True), device)
 
 
 class ReferenceRunner:
@@ -115,10 +122,11 @@ class ReferenceRunner:
         return self.forward(batch)[batch.read_positions.to(self.device)]
 
 
-def make_runner(loaded: LoadedModel, runner: str = "auto", cuda_graphs: bool = False) -> Runner:
+def make_runner(loaded: LoadedModel, runner: str = "auto", cuda_graphs: bool | None = None) -> Runner:
     """The runner for ``loaded``: "packed" (our forward), "reference" (transformers, padded), or "auto": packed
     when ``engine.models`` runs this architecture, else the reference. ``cuda_graphs`` replays the packed forward
-    of small micro-batches from CUDA graphs (``engine.graphs``); it needs the packed runner on a CUDA device."""
+    of small micro-batches from CUDA graphs (``engine.graphs``); True needs the packed runner on a CUDA device,
+    None (the default) uses them wherever the packed runner runs on CUDA."""
     if runner not in RUNNERS:
         raise InvalidRequest("runner", f"must be one of {', '.join(RUNNERS)}, got {runner!r}")
     if cuda_graphs and loaded.device.type != "cuda":
@@ -135,7 +143,8 @@ def make_runner(loaded: LoadedModel, runner: str = "auto", cuda_graphs: bool = F
     elif loaded.device.type == "cuda" and not takes_head_dim(model.head_dim):
         reason = f"the packed attention kernel needs a head size that is a power of two >= 16, not {model.head_dim}"
     if reason is None:
-        return PackedRunner(loaded, model, cuda_graphs)
+        graphs = loaded.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        return PackedRunner(loaded, model, graphs)
     if runner == "packed" or cuda_graphs:
         fix = "cuda_graphs=False" if cuda_graphs else "runner='auto' or 'reference'"
         raise ModelLoadError(f"{reason}; use {fix}")

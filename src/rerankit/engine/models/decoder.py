@@ -21,6 +21,7 @@ from rerankit.engine.models.layers import (
     default_attention,
     fuse_rows,
     layer_steps,
+    residual_projection,
     rms_norm,
     rope_inverse_frequencies,
     rope_unsupported_reason,
@@ -32,9 +33,11 @@ from rerankit.kernels import takes_head_dim
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3")
 FUSED_QK_ENV = "RERANKIT_FUSED_QK"
-# When the fused q/k kernel is chosen automatically, a micro-batch of fewer tokens runs the compiled torch path.
-# H100, pairs.py --ab (Qwen3-0.6B shape): W1 (26.7k tokens) 62.0 ms fused vs 64.3 ms torch; W3 (5.4k tokens, where
-# the host's launches bound the time) p50 29.0 ms fused vs 19.0 ms torch, one Triton launch per layer more.
+# Below this many tokens an eagerly launched micro-batch is bound by the host's launches, so it runs the steps that
+# launch least; from it on (and in a CUDA graph, where launches cost nothing) the steps that take least GPU time:
+# - the fused q/k kernel, when chosen automatically. H100, pairs.py --ab (Qwen3-0.6B shape): W1 (26.7k tokens)
+#   62.0 ms fused vs 64.3 ms torch; W3 (5.4k tokens, eager) p50 29.0 ms fused vs 19.0 ms torch.
+# - the residual projections behind ``residual_projection``: W1 61.4 vs 63.0 ms; W3 (eager) 33.0 vs 25.3 ms.
 FUSED_QK_MIN_TOKENS = 12288
 
 AttentionFn = Callable[..., torch.Tensor]
@@ -99,6 +102,18 @@ def attention_output_and_mlp(attention: torch.Tensor, hidden: torch.Tensor, o_we
     return hidden + swiglu(rms_norm(hidden, post_norm, eps), gate_up_weight, gate_up_bias, down_weight, down_bias)
 
 
+def attention_output_and_mlp_unfused_residual(attention: torch.Tensor, hidden: torch.Tensor, o_weight: torch.Tensor,
+                                              o_bias: torch.Tensor | None, post_norm: torch.Tensor,
+                                              gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None,
+                                              down_weight: torch.Tensor, down_bias: torch.Tensor | None,
+                                              eps: float) -> torch.Tensor:
+    """``attention_output_and_mlp`` with the two residual projections behind ``residual_projection``, so that
+    Inductor adds them in its norm kernels instead of copying the residual into an ``addmm``."""
+    hidden = hidden + residual_projection(attention.flatten(1), o_weight, o_bias)
+    return hidden + swiglu(rms_norm(hidden, post_norm, eps), gate_up_weight, gate_up_bias, down_weight, down_bias,
+                           opaque_down=True)
+
+
 class PackedDecoderLayer(nn.Module):
     """One decoder layer's weights, shared with (or fused from) a transformers decoder layer."""
 
@@ -137,8 +152,12 @@ class PackedDecoder(PackedBody):
     ``attention_inputs`` does it all (the reference, and the CPU path). None: $RERANKIT_FUSED_QK (0 or 1) when it
     is set, else on CUDA only and where head_dim is a power of two >= 16, and then only for micro-batches of at
     least ``FUSED_QK_MIN_TOKENS`` tokens (below that the host's launches bound the time, and one compiled step per
-    layer launches faster than a step plus a Triton kernel). The choice is the ``fused_qk`` and
-    ``fused_qk_min_tokens`` attributes, which may be switched between forwards.
+    layer launches faster than a step plus a Triton kernel) or captured in a CUDA graph. The choice is the
+    ``fused_qk`` and ``fused_qk_min_tokens`` attributes, which may be switched between forwards.
+
+    ``unfused_residual`` (on CUDA by default, same batch rule as the automatic ``fused_qk``): the output and down
+    projections go through ``residual_projection``, so the residual adds fuse into the norm kernels instead of
+    Inductor's ``addmm``, which copies the residual first. Same math; a little more host time per layer.
     """
 
     def __init__(self, hf_model: nn.Module, compile: bool | None = None,
@@ -165,13 +184,18 @@ class PackedDecoder(PackedBody):
         self.score_weight = score.weight if isinstance(score, nn.Linear) else None
         self._attention_fn = attention_fn
         self.fused_qk, self.fused_qk_min_tokens = resolve_fused_qk(fused_qk, device, self.head_dim)
-        self._attention_inputs, self._qkv_projection, self._attention_output_and_mlp = layer_steps(
-            attention_inputs, qkv_projection, attention_output_and_mlp, compile=compile, device=device)
+        (self._attention_inputs, self._qkv_projection, self._attention_output_and_mlp,
+         self._attention_output_and_mlp_unfused) = layer_steps(
+            attention_inputs, qkv_projection, attention_output_and_mlp, attention_output_and_mlp_unfused_residual,
+            compile=compile, device=device)
+        self.unfused_residual = device.type == "cuda"  # from FUSED_QK_MIN_TOKENS tokens, or in a CUDA graph
 
-    def _run(self, batch: PackedBatch, read_positions: torch.Tensor | None) -> torch.Tensor:
+    def _run(self, batch: PackedBatch, read_positions: torch.Tensor | None, graphed: bool) -> torch.Tensor:
         attention = self._attention_fn or default_attention()
         hidden = F.embedding(batch.input_ids, self.embed_weight)
-        fused_qk = self.fused_qk and batch.num_tokens >= self.fused_qk_min_tokens
+        fused_qk = self.fused_qk and (graphed or batch.num_tokens >= self.fused_qk_min_tokens)
+        unfused = self.unfused_residual and (graphed or batch.num_tokens >= FUSED_QK_MIN_TOKENS)
+        finish = self._attention_output_and_mlp_unfused if unfused else self._attention_output_and_mlp
         if not fused_qk:
             cos, sin = rotary_cos_sin(batch.position_ids, self.inv_freq, hidden.dtype)
         last = len(self.layers) - 1
@@ -187,9 +211,8 @@ class PackedDecoder(PackedBody):
                 # Past the last attention no token needs another, so only the read rows go on
                 # (1.5% of the W1 forward on an H100, benchmarks/forward.py).
                 attended, hidden = attended[read_positions], hidden[read_positions]
-            hidden = self._attention_output_and_mlp(attended, hidden, layer.o_weight, layer.o_bias, layer.post_norm,
-                                                    layer.gate_up_weight, layer.gate_up_bias, layer.down_weight,
-                                                    layer.down_bias, self.eps)
+            hidden = finish(attended, hidden, layer.o_weight, layer.o_bias, layer.post_norm, layer.gate_up_weight,
+                            layer.gate_up_bias, layer.down_weight, layer.down_bias, self.eps)
         return rms_norm(hidden, self.norm_weight, self.eps)
 
     def _fused_attention_inputs(self, hidden: torch.Tensor, layer: PackedDecoderLayer,

@@ -90,10 +90,29 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def swiglu(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None,
-           down_weight: torch.Tensor, down_bias: torch.Tensor | None) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+           down_weight: torch.Tensor, down_bias: torch.Tensor | None, opaque_down: bool = False) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul; ``opaque_down``: the down projection
+    through ``residual_projection``."""
     gate, up = F.linear(x, gate_up_weight, gate_up_bias).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down_weight, down_bias)
+    down = residual_projection if opaque_down else F.linear
+    return down(F.silu(gate) * up, down_weight, down_bias)
+
+
+@torch.library.custom_op("rerankit::residual_projection", mutates_args=())
+def residual_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` as an op that ``torch.compile`` cannot see into, for a projection whose output is added to the
+    residual stream.
+
+    Inductor rewrites ``hidden + x @ W.T`` into ``addmm(hidden, x, W.T)``, which first copies ``hidden`` into the
+    output (a device-to-device copy per projection, two per layer) and then runs the GEMM variant that reads it
+    back. Behind this op the GEMM writes its own output and the add fuses into the next norm's kernel instead.
+    """
+    return F.linear(x, weight, bias)
+
+
+@residual_projection.register_fake
+def _residual_projection_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def fuse_rows(params: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
@@ -134,18 +153,22 @@ def layer_steps(*steps: Callable, compile: bool | None, device: torch.device) ->
 
 
 class PackedBody(nn.Module):
-    """A packed model body: ``_run(batch, read_positions)`` gives the final hidden states of every token, or with
-    read positions only those rows (the last layer runs on them alone)."""
+    """A packed model body: ``_run(batch, read_positions, graphed)`` gives the final hidden states of every token,
+    or with read positions only those rows (the last layer runs on them alone).
+
+    ``graphed``: the forward is being captured into a CUDA graph (``engine.graphs``), so its host launches cost
+    nothing at replay and a model picks the steps that take the least GPU time at any batch size.
+    """
 
     @torch.no_grad()
-    def forward(self, batch: PackedBatch) -> torch.Tensor:
+    def forward(self, batch: PackedBatch, graphed: bool = False) -> torch.Tensor:
         """Final hidden states [T, hidden] of every packed token."""
-        return self._run(batch, read_positions=None)
+        return self._run(batch, None, graphed)
 
     @torch.no_grad()
-    def forward_read(self, batch: PackedBatch) -> torch.Tensor:
+    def forward_read(self, batch: PackedBatch, graphed: bool = False) -> torch.Tensor:
         """Final hidden states [N, hidden] at ``batch.read_positions`` only (in their order)."""
-        return self._run(batch, read_positions=batch.read_positions)
+        return self._run(batch, batch.read_positions, graphed)
 
-    def _run(self, batch: PackedBatch, read_positions: torch.Tensor | None) -> torch.Tensor:
+    def _run(self, batch: PackedBatch, read_positions: torch.Tensor | None, graphed: bool) -> torch.Tensor:
         raise NotImplementedError
