@@ -30,7 +30,8 @@ from rerankit.engine.encode import EncodedRequest, Sequence
 
 # Tokens per micro-batch for a packed runner. On an H100 (benchmarks/pairs.py --budgets, Qwen3-0.6B shape, MIS) W1
 # ran at 1,028 / 1,239 / 1,377 / 1,429 pairs/s with 8k / 16k / 32k / 64k, 16 W2 queries at 864 / 1,340 / 1,381 /
-# 1,169; 32k held 1.3 GiB of activations, 64k 2.5 GiB.
+# 1,169; 32k held 1.3 GiB of activations, 64k 2.5 GiB. Again with CUDA graphs (8k batches then replay in one
+# launch): W1 1,575 / 1,346 / 1,574, 16 W2 queries 1,604 / 1,552 / 1,681, LI 1,739 / 1,914 / 2,002 at 8k / 16k / 32k.
 DEFAULT_MAX_BATCH_TOKENS = 32768
 # Pairs without a shared prefix wait until this many budgets of them are known, then are sorted and packed.
 PAIR_WINDOW_BUDGETS = 4
