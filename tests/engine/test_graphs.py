@@ -11,10 +11,10 @@ import transformers
 
 from rerankit.engine import EmbeddedBackend
 from rerankit.engine.attention import packed_attention
-from rerankit.engine.graphs import TOKEN_BUCKETS, GraphKey, graph_key, pad_batch
+from rerankit.engine.graphs import MIN_READS, TOKEN_BUCKETS, GraphCaptureError, GraphKey, graph_key, pad_batch
 from rerankit.engine.load import load_model
 from rerankit.engine.models import build_packed_model
-from rerankit.engine.runner import make_runner
+from rerankit.engine.runner import PackedRunner, make_runner
 from rerankit.errors import InvalidRequest
 from rerankit.schema import ScoreRequest
 from test_fast_path import DOCS, QUERY, make_decoder
@@ -26,11 +26,49 @@ triton_attention = functools.partial(packed_attention, backend="triton")
 
 def test_graph_keys_round_tokens_up_and_count_the_padding_sequence():
     batch = pack(random_sequences([7, 19, 1, 12]))  # 39 tokens, 4 sequences, 4 reads
-    assert graph_key(batch, read=True) == GraphKey(256, 8, 4, True, False, True)
-    exact = pack(random_sequences([200, 56]))  # 256 tokens: no padding sequence
-    assert graph_key(exact, read=False) == GraphKey(256, 2, 2, True, False, False)
+    assert graph_key(batch, read=True) == GraphKey(256, 8, MIN_READS, True, False, True)
+    many = pack(random_sequences([1] * (MIN_READS + 1)))  # reads past the minimum: the next power of two
+    assert graph_key(many, read=True) == GraphKey(256, 2 * MIN_READS, 2 * MIN_READS, True, False, True)
+    exact = pack(random_sequences([200, 56]))  # 256 tokens: no padding sequence; every token's rows: no reads
+    assert graph_key(exact, read=False) == GraphKey(256, 2, 0, True, False, False)
+    assert graph_key(pack(random_sequences([300, 1000])), read=True).tokens == 1536  # steps of 256 up to 2,048
     huge = pack(random_sequences([TOKEN_BUCKETS[-1] + 1]))
     assert graph_key(huge, read=True) is None
+
+
+def test_padded_forward_of_every_token_needs_no_read_buffer(tmp_path):
+    hf = load_tiny(tmp_path, transformers.Qwen3ForCausalLM, DECODERS["qwen3"][1]())
+    model = build_packed_model(hf, attention_fn=triton_attention)
+    batch = pack(random_sequences([7, 19, 1, 12]))
+    padded = pad_batch(batch, GraphKey(batch.num_tokens + 3, 8, 0, True, False, False))
+    assert padded.read_positions.numel() == 0
+    torch.testing.assert_close(model(padded)[:batch.num_tokens], model(batch), atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def test_a_failed_capture_falls_back_to_eager_launches_for_good(tmp_path, caplog):
+    """A capture that fails (out of memory, an operation that cannot be captured) costs that batch nothing: it
+    runs eagerly, and so does every later one, with one warning."""
+    loaded = load_model(str(make_decoder(tmp_path, "lm")), device="cpu")
+    runner = make_runner(loaded, "packed")
+    assert isinstance(runner, PackedRunner) and runner.graphs is None  # no graphs on the CPU by default
+
+    class FailingGraphs:
+        calls = 0
+
+        def run(self, batch, read):
+            FailingGraphs.calls += 1
+            raise GraphCaptureError("capturing the forward of GraphKey(...) failed: out of memory")
+
+    batch = pack([[token % loaded.vocab_size for token in sequence] for sequence in random_sequences([7, 19, 1, 12])])
+    expected = runner.forward_read(batch)
+    runner.graphs = FailingGraphs()
+    with caplog.at_level("WARNING", logger="rerankit.engine"):
+        torch.testing.assert_close(runner.forward_read(batch), expected)
+        torch.testing.assert_close(runner.forward_read(batch), expected)
+    assert runner.graphs is None and FailingGraphs.calls == 1
+    assert [record.message for record in caplog.records] == [
+        "capturing the forward of GraphKey(...) failed: out of memory; rerankit runs this model without CUDA graphs "
+        "from now on"]
 
 
 @pytest.mark.parametrize("layout", ["pairs", "multi-item"])

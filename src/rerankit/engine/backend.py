@@ -122,9 +122,7 @@ class EmbeddedBackend:
         self._runner: Runner = make_runner(loaded, runner, cuda_graphs)
         self._multi_item = multi_item
         self._overlap = bool(overlap)
-        # Ramp up a call (its first request's first items as a micro-batch of their own) where the GPU can start on
-        # it cheaply: with a planning thread, or when the small batch replays from a CUDA graph in one launch.
-        self._ramp = self._overlap or getattr(self._runner, "graphs", None) is not None
+        self._ramp: bool | None = None  # None: ramp up where it pays (``_ramps``); True/False force it
         self._heads: dict[tuple, heads.Head] = {}
         self.max_batch_tokens = max_batch_tokens
         self.show_progress = show_progress
@@ -207,6 +205,13 @@ class EmbeddedBackend:
                 and len(encoded.prefix_ids) > 0 and not encoded.read_first
                 and encoded.mode in ("generative", "cross-encoder"))
 
+    def _ramps(self) -> bool:
+        """Whether a call ramps up (its first request's first items as a micro-batch of their own): where the GPU can
+        start on them cheaply, with a planning thread or when the small batch replays from a CUDA graph."""
+        if self._ramp is not None:
+            return self._ramp
+        return self._overlap or getattr(self._runner, "graphs", None) is not None
+
     def _chunks(self, request: ScoreRequest, ramp: bool) -> list[slice]:
         """The item chunks a request is encoded in: a first small one when the call ramps up, else all at once."""
         count = len(request.items)
@@ -223,7 +228,7 @@ class EmbeddedBackend:
         planner = Planner(self.max_batch_tokens, padded=self._runner.padded, causal=loaded.is_decoder,
                           pin_memory=self._runner.pin_memory)
         head_ids: dict[tuple, int] = {}
-        ramp = self._ramp
+        ramp = self._ramps()
         for position, request in enumerate(call.requests):
             try:
                 for items in self._chunks(request, ramp):

@@ -32,6 +32,10 @@ from rerankit.engine.batch import PackedBatch
 # on their own.
 TOKEN_BUCKETS = (*range(256, 2048, 256), *range(2048, 8192 + 1, 512))
 MAX_GRAPHS = 32  # captured shapes kept; the least recently used goes first
+# Reads are padded to a power of two of at least this many: a request's item count then moves a call to another
+# graph only past 64 items, so a server's mix of request sizes keeps few shapes (a padded read costs one row of the
+# last layer's MLP).
+MIN_READS = 64
 WARMUP_RUNS = 2  # eager runs on a side stream before a capture: compiles and autotunes outside the graph
 
 
@@ -41,7 +45,7 @@ class GraphKey:
 
     tokens: int
     sequences: int
-    reads: int
+    reads: int  # 0 for a forward of every token
     causal: bool
     typed: bool
     read: bool  # forward_read (the read rows) or forward (every token)
@@ -53,8 +57,8 @@ def graph_key(batch: PackedBatch, read: bool) -> GraphKey | None:
     if tokens is None:
         return None
     sequences = batch.cu_seqlens.numel() - 1 + (tokens > batch.num_tokens)  # + the padding's own sequence
-    return GraphKey(tokens, _power_of_two(sequences), _power_of_two(batch.read_positions.numel()), batch.causal,
-                    batch.token_type_ids is not None, read)
+    reads = max(_power_of_two(batch.read_positions.numel()), MIN_READS) if read else 0
+    return GraphKey(tokens, _power_of_two(sequences), reads, batch.causal, batch.token_type_ids is not None, read)
 
 
 def _power_of_two(count: int) -> int:
@@ -81,7 +85,7 @@ def load_padded(target: PackedBatch, batch: PackedBatch) -> None:
     tokens, sequences = batch.num_tokens, batch.cu_seqlens.numel() - 1
     for name in ("input_ids", "position_ids", "token_type_ids", "read_positions", "prefix_lens"):
         buffer, values = getattr(target, name), getattr(batch, name)
-        if buffer is None:
+        if buffer is None or buffer.numel() == 0:  # no read buffer: a forward of every token
             continue
         buffer.zero_()
         buffer[:values.numel()].copy_(values, non_blocking=True)
@@ -98,6 +102,10 @@ def pad_batch(batch: PackedBatch, key: GraphKey) -> PackedBatch:
     return dataclasses.replace(padded, item_indices=batch.item_indices, request_ids=batch.request_ids)
 
 
+class GraphCaptureError(RuntimeError):
+    """Capturing a CUDA graph failed (the cause is chained); the caller may run the batch eagerly instead."""
+
+
 @dataclass
 class _Graph:
     inputs: PackedBatch
@@ -108,8 +116,9 @@ class _Graph:
 class GraphedForward:
     """Runs ``forward`` / ``forward_read`` of a packed model through CUDA graphs, one per padded shape.
 
-    ``run`` returns None for a batch larger than the last bucket (the caller runs it eagerly). Graphs capture
-    the model as it is at capture time: switching its options afterwards (``fused_qk``...) does not reach them.
+    ``run`` returns None for a batch larger than the last bucket (the caller runs it eagerly) and raises
+    ``GraphCaptureError`` when a capture fails. Graphs capture the model as it is at capture time: switching its
+    options afterwards (``fused_qk``...) does not reach them.
     """
 
     def __init__(self, forward: Callable[[PackedBatch], torch.Tensor],
@@ -143,6 +152,17 @@ class GraphedForward:
         inputs = empty_batch(key, self._device)
         load_padded(inputs, batch)
         forward = self._forwards[key.read]
+        try:
+            with torch.cuda.device(self._device):
+                output, graph = self._record(forward, inputs)
+        except RuntimeError as error:  # out of memory, an operation that cannot be captured...
+            raise GraphCaptureError(f"capturing the forward of {key} failed: {error}") from error
+        self.captures += 1
+        self._graphs[key] = _Graph(inputs, graph, output)
+        return self._graphs[key]
+
+    def _record(self, forward: Callable[[PackedBatch], torch.Tensor],
+                inputs: PackedBatch) -> tuple[torch.Tensor, torch.cuda.CUDAGraph]:
         side = torch.cuda.Stream(self._device)
         side.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(side):
@@ -153,6 +173,4 @@ class GraphedForward:
         # thread_local: a planning thread (overlap=True) may pin host memory while this thread captures.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             output = forward(inputs)
-        self.captures += 1
-        self._graphs[key] = _Graph(inputs, graph, output)
-        return self._graphs[key]
+        return output, graph

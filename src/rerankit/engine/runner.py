@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Protocol
 
 import torch
 
 from rerankit.engine.batch import PackedBatch
-from rerankit.engine.graphs import GraphedForward
+from rerankit.engine.graphs import GraphCaptureError, GraphedForward
 from rerankit.engine.load import LoadedModel
 from rerankit.engine.models import PackedDecoder, PackedEncoder, build_packed_model
 from rerankit.errors import InvalidRequest, ModelLoadError
 from rerankit.kernels import takes_head_dim
 
 RUNNERS = ("auto", "packed", "reference")
+
+log = logging.getLogger("rerankit.engine")
 
 
 class Runner(Protocol):
@@ -61,7 +64,12 @@ class PackedRunner:
 
     def _run(self, batch: PackedBatch, read: bool) -> torch.Tensor:
         if self.graphs is not None:
-            replayed = self.graphs.run(batch, read)
+            try:
+                replayed = self.graphs.run(batch, read)
+            except GraphCaptureError as error:
+                log.warning("%s; rerankit runs this model without CUDA graphs from now on", error)
+                self.graphs = None
+                replayed = None
             if replayed is not None:
                 return replayed
         return self.model.forward_read(batch) if read else self.model.forward(batch)
