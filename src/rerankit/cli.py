@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=_positive_int, help="answer 413 to larger request bodies")
     serve.add_argument("--no-batching", dest="batching", action="store_false",
                        help="score one request per engine call (to measure what batching gains)")
+    serve.add_argument("--no-warmup", dest="warm_up", action="store_false",
+                       help="answer at once instead of first scoring two synthetic requests (compiling, on a GPU)")
     serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     serve.set_defaults(run=run_serve)
     return parser
@@ -117,7 +119,8 @@ def run_serve(args: argparse.Namespace) -> int:
           log_level=args.log_level, served_model_name=args.served_model_name, max_batch_items=args.max_batch_items,
           batch_window_ms=args.batch_window_ms, max_items_per_request=args.max_items_per_request,
           max_batch_tokens=args.max_batch_tokens, max_tokens_per_item=args.max_tokens_per_item,
-          max_queue_requests=args.max_queue_requests, max_body_bytes=args.max_body_bytes, batching=args.batching)
+          max_queue_requests=args.max_queue_requests, max_body_bytes=args.max_body_bytes, batching=args.batching,
+          warm_up=args.warm_up)
     return 0
 
 

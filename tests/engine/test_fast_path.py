@@ -198,3 +198,19 @@ def test_gpu_bfloat16_packed_scores_follow_the_float32_reference(backends, model
     slow = backends(CASES[case], "reference", device="cuda", dtype="float32").score(request)
     torch.testing.assert_close(torch.tensor(fast.scores), torch.tensor(slow.scores), atol=2e-2, rtol=0)
     assert_same_ranking(fast.scores, slow.scores)
+
+
+@pytest.mark.parametrize("model", ["lm", "bert-ce", "embedder"])
+def test_warm_up_scores_two_synthetic_requests_and_changes_no_score(models, model, monkeypatch):
+    """``warm_up`` (what ``rerankit serve`` runs before it answers) scores 1 and 20 items in the model's default
+    mode, through raw label ids when the model has no known template, and leaves later scores as they were."""
+    backend = EmbeddedBackend(str(models[model]))
+    request = request_for("raw" if model == "lm" else "plain", models[model])
+    before = backend.score(request).scores
+    scored: list[ScoreRequest] = []
+    original = backend.score
+    monkeypatch.setattr(backend, "score", lambda request: scored.append(request) or original(request))
+    assert backend.warm_up() >= 0
+    succeeded = [request for request in scored if request.label_token_ids is not None or model != "lm"]
+    assert [len(request.items) for request in succeeded] == [1, 20]
+    assert original(request).scores == before

@@ -187,3 +187,35 @@ def test_engine_failure_is_a_500_in_the_dialect_format_and_the_server_lives_on()
             assert reply.status_code == 500 and reply.json()["object"] == "error"
             assert "boom" not in reply.text
             assert client.post("/v1/score", json=GENERATIVE).status_code == 200
+
+
+class WarmingBackend(RecordingBackend):
+    """A backend with ``warm_up``, as the embedded engine has; it may fail."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.warm_ups = 0
+        self.fail = fail
+
+    def warm_up(self) -> float:
+        self.warm_ups += 1
+        if self.fail:
+            raise RuntimeError("CUDA out of memory")
+        return 0.0
+
+
+def test_the_server_warms_the_engine_up_before_it_answers_unless_told_not_to(caplog):
+    warming = WarmingBackend()
+    with live_server(create_app(warming)) as base:
+        assert warming.warm_ups == 1  # uvicorn accepts connections only after the lifespan's start-up
+        assert httpx.get(base + "/health").status_code == 200
+        assert warming.calls == []  # warming up is the backend's own business, not an engine call of the batcher
+    cold = WarmingBackend()
+    with live_server(create_app(cold, ServerConfig(warm_up=False))):
+        assert cold.warm_ups == 0
+    failing = WarmingBackend(fail=True)
+    with caplog.at_level("WARNING", logger="rerankit.server"), live_server(create_app(failing)) as base:
+        reply = httpx.post(base + "/rerank", json={"query": "q", "documents": ["a", "bb"]}, timeout=10)
+        assert reply.status_code == 200 and failing.warm_ups == 1
+    assert any("warm-up failed" in record.message and "CUDA out of memory" in record.message
+               for record in caplog.records)

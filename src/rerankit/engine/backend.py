@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -164,6 +165,23 @@ class EmbeddedBackend:
                 micro_batches = prefetch(micro_batches, PREFETCH_MICRO_BATCHES, name="rerankit-plan")
             outputs, computed = self._execute(call, micro_batches, loaded)
             return self._responses(call, outputs, computed, loaded)
+
+    def warm_up(self) -> float:
+        """Score two small synthetic requests (1 and 20 items) so that real calls do not pay for what a first call
+        costs: compiling the per-layer steps on a GPU (about 10 s for the Qwen3-0.6B shape) and capturing the CUDA
+        graphs of those sizes. Returns the seconds it took. A generative model with no known template is warmed
+        up with raw label ids; ``rerankit serve`` calls this before it answers."""
+        begun = time.perf_counter()
+        text = " ".join(["warm up"] * 40)
+        for count in (1, 20):
+            request = ScoreRequest(query="warm up", items=[text] * count)
+            try:
+                self.score(request)
+            except InvalidRequest as error:
+                if error.field != "template":
+                    raise
+                self.score(request.model_copy(update={"label_token_ids": [0, 1]}))  # raw scoring
+        return time.perf_counter() - begun
 
     def close(self) -> None:
         """Drop the model; later calls raise ``ModelLoadError``."""

@@ -36,6 +36,8 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if config.warm_up:
+            await batcher.warm_up()  # before the server accepts connections: /health answers once it is done
         batcher.start()
         yield
         await batcher.stop()

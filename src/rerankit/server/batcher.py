@@ -64,6 +64,20 @@ class Batcher:
         """Requests waiting for an engine call (not counting the one running)."""
         return len(self._queue)
 
+    async def warm_up(self) -> None:
+        """Run the backend's ``warm_up()`` (if it has one) on the engine thread; a failure is logged, not raised:
+        the server still starts, and a real request meets the error itself."""
+        warm_up = getattr(self.backend, "warm_up", None)
+        if warm_up is None:
+            return
+        log.info("warming up the engine (compiling, capturing CUDA graphs)...")
+        try:
+            seconds = await asyncio.get_running_loop().run_in_executor(self._engine_thread, warm_up)
+        except Exception as exc:  # noqa: BLE001 - the server serves on; requests will report the problem
+            log.warning("the engine's warm-up failed: %r", exc)
+            return
+        log.info("engine warmed up in %.1f s", seconds)
+
     def start(self) -> None:
         """Start the dispatcher on the running event loop."""
         self._dispatcher = asyncio.get_running_loop().create_task(self._dispatch_forever())

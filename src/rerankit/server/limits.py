@@ -15,7 +15,9 @@ class ServerConfig:
 
     Batching: requests waiting while the engine runs are merged into one engine call of at most
     ``max_batch_items`` items and about ``max_batch_tokens`` tokens; ``batching=False`` scores one
-    request per engine call (to measure what batching buys).
+    request per engine call (to measure what batching buys). ``warm_up``: before answering, score two synthetic
+    requests through a backend that has ``warm_up()`` (the embedded engine), so that the first clients do not wait
+    for its compiling.
     """
 
     api_key: str | None = None
@@ -29,6 +31,7 @@ class ServerConfig:
     batch_window_ms: float = 5.0
     batching: bool = True
     retry_after_s: int = 1
+    warm_up: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_items_per_request", "max_tokens_per_item", "max_queue_requests",
