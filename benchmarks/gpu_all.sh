@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU machine: GPU tests, pair-scoring benchmarks (W1-W4, MIS workload), kernel
 # benchmarks, and rerankit serve under load with and without batching. Results land in ${OUT:-gpu_out}.
-# Stages: tests, pairs, kernels, serve (default: all; together they may outrun one 10-minute device call, and only
-# 8 files come back from one call: name one or two stages per call).
+# Stages: tests, pairs, w4, kernels, serve (default: all; together they outrun one 10-minute device call, and only
+# 8 files come back from one call: name one or two stages per call). On the lent H100 (2026-11-23): tests ~140 s,
+# pairs ~200 s, w4 with the 8B shape ~110 s, serve ~150 s.
 # The lent device machine has torch/triton/transformers but no pydantic or fastapi: build cp312 wheels here first
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_17_x86_64 -d .whl pydantic pydantic_core annotated-types typing-inspection \
@@ -21,13 +22,15 @@ set -uo pipefail
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONPATH=${PYTHONPATH:-src} PYTHONUNBUFFERED=1
-stages=${*:-tests pairs kernels serve}
+stages=${*:-tests pairs w4 kernels serve}
 has() { [[ " $stages " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
 
 has tests && python3 -m pytest -q -m gpu tests/engine tests/kernels -p no:cacheprovider 2>&1 | tail -25 | tee "$out/gpu_tests.txt"
-has pairs && python3 benchmarks/pairs.py --w4 --ab --profile "$out" --out "$out/pairs.json" > "$out/pairs.txt" 2> "$out/pairs.err"
-has pairs && tail -30 "$out/pairs.txt"
+has pairs && python3 benchmarks/pairs.py --ab --profile "$out" --out "$out/pairs.json" > "$out/pairs.txt" 2> /tmp/pairs.err
+has pairs && { tail -3 /tmp/pairs.err; tail -45 "$out/pairs.txt"; }
+has w4 && python3 benchmarks/pairs.py --workloads "" --w4 --out "$out/pairs_w4.json" > "$out/pairs_w4.txt" 2> /tmp/w4.err
+has w4 && { tail -3 /tmp/w4.err; tail -16 "$out/pairs_w4.txt"; }
 has kernels && python3 benchmarks/label_logprobs.py --out "$out/label_logprobs.jsonl" > "$out/label_logprobs.txt" 2>&1
 has kernels && python3 benchmarks/attention.py --out "$out/attention.json" > "$out/attention.txt" 2>&1
 
