@@ -308,37 +308,45 @@ def profile_call(workload: Workload, backend: EmbeddedBackend, folder: Path, res
 
 
 def kernel_ab(workloads: list[Workload], backend: EmbeddedBackend, results: list[dict]) -> None:
-    """W1 and W3 call times with the fused q/k kernel on/off and each attention tiling, then with and without CUDA
-    graphs, in one process."""
+    """W1, W3 and LI call times in one process: the fused q/k kernel on/off and each attention tiling (eager), with
+    and without CUDA graphs and the ramp-up, then the unfused residual projections and the fused SwiGLU GEMM."""
     from rerankit.engine.runner import graphed_forward
     from rerankit.kernels.prefix_attention import CONFIG_ENV
 
     runner = backend._runner
     model = runner.model
     fused, min_tokens = model.fused_qk, model.fused_qk_min_tokens
+    graphs, ramp = runner.graphs, backend._ramp
+    runner.graphs = None  # eager launches: a captured graph would keep the kernels it was captured with
     model.fused_qk_min_tokens = 0  # fused or not at every batch size
     for fused_qk in (True, False):
         for name, spec in (("gqa-64x32", ""), ("per-head-128x32", "pack_gqa=0,block_m=128,block_n=32")):
             model.fused_qk = fused_qk
             os.environ[CONFIG_ENV] = spec
-            ab_row({"workload": "kernel-ab", "fused_qk": fused_qk, "attention": name}, workloads, backend, results)
+            ab_row({"workload": "kernel-ab", "fused_qk": fused_qk, "attention": name, "cuda_graphs": False},
+                   workloads, backend, results)
     model.fused_qk, model.fused_qk_min_tokens = fused, min_tokens
     os.environ.pop(CONFIG_ENV, None)
     # With the default kernels again: eager launches against CUDA-graph replays (EmbeddedBackend's cuda_graphs=True),
     # each with and without the ramp-up chunk (the first 16 items of a call as a micro-batch of their own).
-    graphs, ramp = runner.graphs, backend._ramp
     for graphed, ramped in ((False, False), (False, True), (True, False), (True, True)):
         runner.graphs = graphed_forward(model, runner.device) if graphed else None
         backend._ramp = ramped
         ab_row({"workload": "kernel-ab", "cuda_graphs": graphed, "ramp": ramped, "fused_qk": "auto",
                 "attention": "default"}, workloads, backend, results)
     runner.graphs, backend._ramp = graphs, ramp
-    # The residual projections behind an op Inductor cannot fuse into addmm (no copy of the residual), eager.
-    unfused = model.unfused_residual
-    for flag in (False, True):
-        model.unfused_residual = flag
-        ab_row({"workload": "kernel-ab", "unfused_residual": flag}, workloads, backend, results)
-    model.unfused_residual = unfused
+    # The residual projections behind an op Inductor cannot fuse into addmm (no copy of the residual), and the
+    # gate/up GEMM with SwiGLU in its epilogue (Triton) against cuBLAS + Inductor's activation. Each setting gets
+    # graphs of its own (a graph keeps the steps it was captured with), as the backend's defaults run them.
+    for name in ("unfused_residual", "fused_swiglu"):
+        default = getattr(model, name)
+        for flag in (False, True):
+            setattr(model, name, flag)
+            runner.graphs = graphed_forward(model, runner.device) if graphs is not None else None
+            ab_row({"workload": "kernel-ab", name: flag, "cuda_graphs": runner.graphs is not None}, workloads,
+                   backend, results)
+        setattr(model, name, default)
+    runner.graphs = graphs
 
 
 AB_WORKLOADS = ("W1", "W3", "LI")

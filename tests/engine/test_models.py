@@ -240,6 +240,36 @@ def test_decoder_graphed_forward_takes_the_large_batch_steps_with_the_same_resul
                                rtol=TOLERANCE)
 
 
+@pytest.mark.parametrize("name", ["qwen3", "qwen2"])
+def test_decoder_fused_swiglu_equals_the_compiled_mlp(tmp_path, monkeypatch, name):
+    """``fused_swiglu`` (the gate/up GEMM with SwiGLU in its epilogue, in Triton's interpreter on the CPU, and the
+    down projection added in place) against the plain MLP; it runs only where the large-batch steps run."""
+    from rerankit.kernels import swiglu_matmul as kernels
+
+    if not torch.cuda.is_available() and not kernels._INTERPRET:
+        pytest.skip("triton was imported without its interpreter")
+
+    def fallback_taken(*args, **kwargs):
+        raise AssertionError("swiglu_matmul fell back to the torch reference")
+
+    monkeypatch.setattr(kernels, "swiglu_matmul_reference", fallback_taken)
+    model_class, make_config = DECODERS[name]
+    hf = load_tiny(tmp_path, model_class, make_config())
+    model = PackedDecoder(hf, attention_fn=dense_attention, fused_qk=False)
+    prefix, *items = random_sequences([10, 5, 8, 3], seed=7)
+    batch = pack_multi_item(prefix, items)
+    plain_read, plain_all = model.forward_read(batch), model(batch)
+    model.fused_swiglu = True
+    calls = []
+    original = kernels.swiglu_matmul
+    monkeypatch.setattr(kernels, "swiglu_matmul", lambda *args: calls.append(1) or original(*args))
+    torch.testing.assert_close(model.forward_read(batch), plain_read, atol=TOLERANCE, rtol=TOLERANCE)
+    assert calls == []  # a small eager batch keeps the compiled step
+    torch.testing.assert_close(model.forward_read(batch, graphed=True), plain_read, atol=TOLERANCE, rtol=TOLERANCE)
+    torch.testing.assert_close(model(batch, graphed=True), plain_all, atol=TOLERANCE, rtol=TOLERANCE)
+    assert len(calls) == 2 * len(model.layers)
+
+
 def test_decoder_fused_qk_refuses_head_dims_the_kernel_lacks(tmp_path, monkeypatch):
     monkeypatch.delenv("RERANKIT_FUSED_QK", raising=False)
     config = transformers.Qwen3Config(**{**DECODER_SIZES, "num_attention_heads": 2, "num_key_value_heads": 1},

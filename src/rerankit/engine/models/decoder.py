@@ -114,6 +114,14 @@ def attention_output_and_mlp_unfused_residual(attention: torch.Tensor, hidden: t
                            opaque_down=True)
 
 
+def attention_output_and_norm(attention: torch.Tensor, hidden: torch.Tensor, o_weight: torch.Tensor,
+                              o_bias: torch.Tensor | None, post_norm: torch.Tensor,
+                              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The start of ``attention_output_and_mlp`` up to the MLP's input: the residual stream and its norm."""
+    hidden = hidden + residual_projection(attention.flatten(1), o_weight, o_bias)
+    return hidden, rms_norm(hidden, post_norm, eps)
+
+
 class PackedDecoderLayer(nn.Module):
     """One decoder layer's weights, shared with (or fused from) a transformers decoder layer."""
 
@@ -158,6 +166,10 @@ class PackedDecoder(PackedBody):
     ``unfused_residual`` (on CUDA by default, same batch rule as the automatic ``fused_qk``): the output and down
     projections go through ``residual_projection``, so the residual adds fuse into the norm kernels instead of
     Inductor's ``addmm``, which copies the residual first. Same math; a little more host time per layer.
+
+    ``fused_swiglu`` (off by default; same batch rule): the gate/up projection and its activation run as one Triton
+    GEMM (``rerankit.kernels.swiglu_matmul``) and the down projection adds onto the residual in place. It waits for
+    a GPU measurement against cuBLAS + Inductor (``benchmarks/pairs.py --ab``).
     """
 
     def __init__(self, hf_model: nn.Module, compile: bool | None = None,
@@ -185,17 +197,21 @@ class PackedDecoder(PackedBody):
         self._attention_fn = attention_fn
         self.fused_qk, self.fused_qk_min_tokens = resolve_fused_qk(fused_qk, device, self.head_dim)
         (self._attention_inputs, self._qkv_projection, self._attention_output_and_mlp,
-         self._attention_output_and_mlp_unfused) = layer_steps(
+         self._attention_output_and_mlp_unfused, self._attention_output_and_norm) = layer_steps(
             attention_inputs, qkv_projection, attention_output_and_mlp, attention_output_and_mlp_unfused_residual,
-            compile=compile, device=device)
+            attention_output_and_norm, compile=compile, device=device)
         self.unfused_residual = device.type == "cuda"  # from FUSED_QK_MIN_TOKENS tokens, or in a CUDA graph
+        self.fused_swiglu = False  # same batch rule; off until a GPU run shows it faster
 
     def _run(self, batch: PackedBatch, read_positions: torch.Tensor | None, graphed: bool) -> torch.Tensor:
         attention = self._attention_fn or default_attention()
         hidden = F.embedding(batch.input_ids, self.embed_weight)
         fused_qk = self.fused_qk and (graphed or batch.num_tokens >= self.fused_qk_min_tokens)
-        unfused = self.unfused_residual and (graphed or batch.num_tokens >= FUSED_QK_MIN_TOKENS)
-        finish = self._attention_output_and_mlp_unfused if unfused else self._attention_output_and_mlp
+        large = graphed or batch.num_tokens >= FUSED_QK_MIN_TOKENS
+        finish = self._attention_output_and_mlp_unfused if self.unfused_residual and large else \
+            self._attention_output_and_mlp
+        if self.fused_swiglu and large:
+            finish = self._attention_output_and_fused_mlp
         if not fused_qk:
             cos, sin = rotary_cos_sin(batch.position_ids, self.inv_freq, hidden.dtype)
         last = len(self.layers) - 1
@@ -214,6 +230,22 @@ class PackedDecoder(PackedBody):
             hidden = finish(attended, hidden, layer.o_weight, layer.o_bias, layer.post_norm, layer.gate_up_weight,
                             layer.gate_up_bias, layer.down_weight, layer.down_bias, self.eps)
         return rms_norm(hidden, self.norm_weight, self.eps)
+
+    def _attention_output_and_fused_mlp(self, attended: torch.Tensor, hidden: torch.Tensor, o_weight: torch.Tensor,
+                                        o_bias: torch.Tensor | None, post_norm: torch.Tensor,
+                                        gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None,
+                                        down_weight: torch.Tensor, down_bias: torch.Tensor | None,
+                                        eps: float) -> torch.Tensor:
+        """``attention_output_and_mlp`` with the gate/up projection and SwiGLU in ``swiglu_matmul`` (one Triton
+        GEMM writing [T, I] instead of [T, 2I] read back by an elementwise kernel); the down projection then adds
+        onto the residual in place, through cuBLAS's C += A @ B (no copy of the residual)."""
+        from rerankit.kernels.swiglu_matmul import swiglu_matmul  # imported at first use, like the other kernels
+
+        hidden, normed = self._attention_output_and_norm(attended, hidden, o_weight, o_bias, post_norm, eps)
+        hidden.addmm_(swiglu_matmul(normed, gate_up_weight, gate_up_bias), down_weight.t())  # this step's own tensor
+        if down_bias is not None:
+            hidden.add_(down_bias)
+        return hidden
 
     def _fused_attention_inputs(self, hidden: torch.Tensor, layer: PackedDecoderLayer,
                                 position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
