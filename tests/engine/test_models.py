@@ -9,6 +9,7 @@ import transformers
 from rerankit.engine.attention import packed_attention
 from rerankit.engine.batch import PackedBatch, attention_allowed
 from rerankit.engine.models import PackedDecoder, PackedEncoder, build_packed_model, supports
+from triton_paths import forbid_reference
 
 TOLERANCE = 1e-4
 DECODER_SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -154,13 +155,7 @@ def test_decoder_fused_qk_kernel_equals_torch_path(tmp_path, monkeypatch, name):
     per-head q/k norms, Llama 3 (scaled rotary) and Qwen2 (qkv bias) without; plain and MIS packs."""
     from rerankit.kernels import qk_norm_rope as kernels
 
-    if not torch.cuda.is_available() and not kernels._INTERPRET:
-        pytest.skip("triton was imported without its interpreter")
-
-    def fallback_taken(*args, **kwargs):
-        raise AssertionError("qk_norm_rope fell back to the torch reference")
-
-    monkeypatch.setattr(kernels, "qk_norm_rope_reference", fallback_taken)
+    forbid_reference(monkeypatch, kernels, "qk_norm_rope_reference")
     model_class, make_config = DECODERS[name]
     hf = load_tiny(tmp_path, model_class, make_config())
     fused = PackedDecoder(hf, attention_fn=dense_attention, fused_qk=True)
@@ -246,13 +241,7 @@ def test_decoder_fused_swiglu_equals_the_compiled_mlp(tmp_path, monkeypatch, nam
     down projection added in place) against the plain MLP; it runs only where the large-batch steps run."""
     from rerankit.kernels import swiglu_matmul as kernels
 
-    if not torch.cuda.is_available() and not kernels._INTERPRET:
-        pytest.skip("triton was imported without its interpreter")
-
-    def fallback_taken(*args, **kwargs):
-        raise AssertionError("swiglu_matmul fell back to the torch reference")
-
-    monkeypatch.setattr(kernels, "swiglu_matmul_reference", fallback_taken)
+    forbid_reference(monkeypatch, kernels, "swiglu_matmul_reference")
     model_class, make_config = DECODERS[name]
     hf = load_tiny(tmp_path, model_class, make_config())
     model = PackedDecoder(hf, attention_fn=dense_attention, fused_qk=False)

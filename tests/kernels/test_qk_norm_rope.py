@@ -14,6 +14,7 @@ if importlib.util.find_spec("triton") is None:
 
 from rerankit.kernels import qk_norm_rope as kernels  # noqa: E402
 from rerankit.kernels.qk_norm_rope import qk_norm_rope_reference  # noqa: E402
+from triton_paths import forbid_reference  # noqa: E402
 
 TOLERANCE = 1e-5
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -22,13 +23,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.fixture
 def triton_qk_norm_rope(monkeypatch):
     """`qk_norm_rope` on the Triton path (its torch fallback fails), with inputs and outputs on the CPU."""
-    if DEVICE == "cpu" and not kernels._INTERPRET:
-        pytest.skip("triton was imported without its interpreter")
-
-    def fallback_taken(*args, **kwargs):
-        raise AssertionError("qk_norm_rope fell back to the torch reference")
-
-    monkeypatch.setattr(kernels, "qk_norm_rope_reference", fallback_taken)
+    forbid_reference(monkeypatch, kernels, "qk_norm_rope_reference")
 
     def run(qkv, *args, **kwargs):
         moved = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args]

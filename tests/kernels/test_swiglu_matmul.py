@@ -15,6 +15,7 @@ if importlib.util.find_spec("triton") is None:
 
 from rerankit.kernels import swiglu_matmul as kernels  # noqa: E402
 from rerankit.kernels.swiglu_matmul import swiglu_matmul_reference  # noqa: E402
+from triton_paths import forbid_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -22,13 +23,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.fixture
 def triton_swiglu_matmul(monkeypatch):
     """`swiglu_matmul` on the Triton path (its torch fallback fails), inputs and outputs on the CPU."""
-    if DEVICE == "cpu" and not kernels._INTERPRET:
-        pytest.skip("triton was imported without its interpreter")
-
-    def fallback_taken(*args, **kwargs):
-        raise AssertionError("swiglu_matmul fell back to the torch reference")
-
-    monkeypatch.setattr(kernels, "swiglu_matmul_reference", fallback_taken)
+    forbid_reference(monkeypatch, kernels, "swiglu_matmul_reference")
 
     def run(x, weight, bias=None):
         moved = bias.to(DEVICE) if bias is not None else None
