@@ -114,14 +114,6 @@ def attention_output_and_mlp_unfused_residual(attention: torch.Tensor, hidden: t
                            opaque_down=True)
 
 
-def attention_output_and_norm(attention: torch.Tensor, hidden: torch.Tensor, o_weight: torch.Tensor,
-                              o_bias: torch.Tensor | None, post_norm: torch.Tensor,
-                              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The start of ``attention_output_and_mlp`` up to the MLP's input: the residual stream and its norm."""
-    hidden = hidden + residual_projection(attention.flatten(1), o_weight, o_bias)
-    return hidden, rms_norm(hidden, post_norm, eps)
-
-
 class PackedDecoderLayer(nn.Module):
     """One decoder layer's weights, shared with (or fused from) a transformers decoder layer."""
 
@@ -168,8 +160,8 @@ class PackedDecoder(PackedBody):
     Inductor's ``addmm``, which copies the residual first. Same math; a little more host time per layer.
 
     ``fused_swiglu`` (off by default; same batch rule): the gate/up projection and its activation run as one Triton
-    GEMM (``rerankit.kernels.swiglu_matmul``) and the down projection adds onto the residual in place. It waits for
-    a GPU measurement against cuBLAS + Inductor (``benchmarks/pairs.py --ab``).
+    GEMM (``rerankit.kernels.swiglu_matmul``), and the output and down projections add onto the residual stream in
+    place. It waits for a GPU measurement against cuBLAS + Inductor (``benchmarks/pairs.py --ab``).
     """
 
     def __init__(self, hf_model: nn.Module, compile: bool | None = None,
@@ -197,9 +189,9 @@ class PackedDecoder(PackedBody):
         self._attention_fn = attention_fn
         self.fused_qk, self.fused_qk_min_tokens = resolve_fused_qk(fused_qk, device, self.head_dim)
         (self._attention_inputs, self._qkv_projection, self._attention_output_and_mlp,
-         self._attention_output_and_mlp_unfused, self._attention_output_and_norm) = layer_steps(
+         self._attention_output_and_mlp_unfused, self._rms_norm) = layer_steps(
             attention_inputs, qkv_projection, attention_output_and_mlp, attention_output_and_mlp_unfused_residual,
-            attention_output_and_norm, compile=compile, device=device)
+            rms_norm, compile=compile, device=device)
         self.unfused_residual = device.type == "cuda"  # from FUSED_QK_MIN_TOKENS tokens, or in a CUDA graph
         self.fused_swiglu = False  # same batch rule; off until a GPU run shows it faster
 
@@ -237,15 +229,14 @@ class PackedDecoder(PackedBody):
                                         down_weight: torch.Tensor, down_bias: torch.Tensor | None,
                                         eps: float) -> torch.Tensor:
         """``attention_output_and_mlp`` with the gate/up projection and SwiGLU in ``swiglu_matmul`` (one Triton
-        GEMM writing [T, I] instead of [T, 2I] read back by an elementwise kernel); the down projection then adds
-        onto the residual in place, through cuBLAS's C += A @ B (no copy of the residual)."""
+        GEMM writing [T, I] instead of [T, 2I] read back by an elementwise kernel), and both residual projections
+        added onto the residual stream in place by cuBLAS (C += A @ B: no copy, no separate add). ``hidden`` is the
+        forward's own tensor (the embedding, a gather, or the previous layer's), so updating it in place is safe."""
         from rerankit.kernels.swiglu_matmul import swiglu_matmul  # imported at first use, like the other kernels
 
-        hidden, normed = self._attention_output_and_norm(attended, hidden, o_weight, o_bias, post_norm, eps)
-        hidden.addmm_(swiglu_matmul(normed, gate_up_weight, gate_up_bias), down_weight.t())  # this step's own tensor
-        if down_bias is not None:
-            hidden.add_(down_bias)
-        return hidden
+        _add_projection(hidden, attended.flatten(1), o_weight, o_bias)
+        activated = swiglu_matmul(self._rms_norm(hidden, post_norm, eps), gate_up_weight, gate_up_bias)
+        return _add_projection(hidden, activated, down_weight, down_bias)
 
     def _fused_attention_inputs(self, hidden: torch.Tensor, layer: PackedDecoderLayer,
                                 position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -257,6 +248,15 @@ class PackedDecoder(PackedBody):
                             layer.q_norm, layer.k_norm, self.eps)
         v = qkv[:, (self.num_heads + self.num_kv_heads) * self.head_dim:]
         return q, k, v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+
+
+def _add_projection(hidden: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """``hidden += x @ weight.T (+ bias)`` in place."""
+    hidden.addmm_(x, weight.t())
+    if bias is not None:
+        hidden.add_(bias)
+    return hidden
 
 
 def _lm_head_weight(hf_model: nn.Module, embed_weight: torch.Tensor) -> torch.Tensor | None:
