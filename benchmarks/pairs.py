@@ -461,7 +461,7 @@ def main() -> None:
                 run_workload(workload, model, tokenizer, backend, args.baseline_queries, results)
             # What stays allocated between calls beyond the two weight copies (ours and the baselines' model): the
             # CUDA graph pool (captured before the timed calls, so the rows' peaks miss it), heads, caches.
-            graphs = getattr(backend._runner, "graphs", None)
+            graphs = backend._runner.graphs
             results.append({"shape": shape, "graphs_captured": graphs.captures if graphs is not None else 0,
                             "resident_above_weights_gib": torch.cuda.memory_allocated() / 2**30 - 2 * weights})
             print(json.dumps(results[-1]), flush=True)

@@ -34,7 +34,7 @@ def format_hits(documents: list[Document]) -> str:
 
 def build_chain(reranker: str | None, device: str | None, candidates: int, top_n: int):
     """Retriever (MiniLM vectors, ``candidates`` hits) -> RerankitRerank (``top_n`` kept) -> formatted text."""
-    minilm = make_backend(None, **({"device": device} if device else {}))
+    minilm = make_backend(None, device=device)
     store = InMemoryVectorStore(RerankitEmbeddings(backend=minilm))
     store.add_documents([Document(page_content=fact, metadata={"line": line}) for line, fact in enumerate(FACTS)])
     if reranker is None:

@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--top-n", type=int, default=3, help="nodes the reranker keeps")
     args = parser.parse_args()
 
-    minilm = make_backend(None, **({"device": args.device} if args.device else {}))
+    minilm = make_backend(None, device=args.device)
     index = VectorStoreIndex.from_documents([Document(text=fact) for fact in FACTS],
                                             embed_model=RerankitEmbedding(backend=minilm))
     if args.reranker is None:

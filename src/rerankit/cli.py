@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -97,12 +96,7 @@ def run_rank(args: argparse.Namespace) -> int:
 def backend_options(args: argparse.Namespace) -> dict[str, Any]:
     """The flags that configure the backend ``--model`` picks; a flag for the other kind is an error."""
     remote = is_url(args.model)
-    misplaced = {"device": args.device, "dtype": args.dtype} if remote else {"dialect": args.dialect,
-                                                                            "api_key": args.api_key}
-    for name, value in misplaced.items():
-        if value is not None:
-            where = "a local model" if remote else "a server URL"
-            raise InvalidRequest(f"--{name.replace('_', '-')}", f"only applies to {where} as --model")
+    refuse_misplaced(args, ("device", "dtype") if remote else ("dialect", "api_key"))
     if remote:
         options = {"dialect": args.dialect, "api_key": args.api_key or os.environ.get(API_KEY_ENV) or None}
     else:
@@ -110,11 +104,18 @@ def backend_options(args: argparse.Namespace) -> dict[str, Any]:
     return {name: value for name, value in options.items() if value is not None}
 
 
+def refuse_misplaced(args: argparse.Namespace, names: Sequence[str]) -> None:
+    """``InvalidRequest`` for a flag among ``names`` that is set although ``--model`` is of the other kind."""
+    where = "a local model" if is_url(args.model) else "a server URL"
+    for name in names:
+        if getattr(args, name) is not None:
+            raise InvalidRequest(f"--{name.replace('_', '-')}", f"only applies to {where} as --model")
+
+
 def run_serve(args: argparse.Namespace) -> int:
-    """``rerankit serve``: hand the flags to the server, once its extra (fastapi, uvicorn) is known to be there."""
-    missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
-    if missing:
-        raise RerankitError(f"the server needs {' and '.join(missing)}: pip install 'rerankit[server]'")
+    """``rerankit serve``: hand the flags to the server (a server URL as --model serves it as a proxy)."""
+    if is_url(args.model):
+        refuse_misplaced(args, ("device", "dtype"))
     serve(args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype, api_key=args.api_key,
           log_level=args.log_level, served_model_name=args.served_model_name, max_batch_items=args.max_batch_items,
           batch_window_ms=args.batch_window_ms, max_items_per_request=args.max_items_per_request,

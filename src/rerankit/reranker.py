@@ -18,6 +18,11 @@ def is_url(model: Any) -> bool:
     return isinstance(model, (list, tuple)) and bool(model) and all(is_url(entry) for entry in model)
 
 
+def missing_modules(*names: str) -> list[str]:
+    """Which of the importable ``names`` are not installed (an extra that was not asked for)."""
+    return [name for name in names if importlib.util.find_spec(name) is None]
+
+
 def make_backend(model: str | Sequence[str] | None = None, **options: Any) -> Backend:
     """A backend for ``model``: a URL (or list) gives a remote client, anything else the embedded engine.
 
@@ -28,7 +33,7 @@ def make_backend(model: str | Sequence[str] | None = None, **options: Any) -> Ba
         from rerankit.remote import RemoteBackend
 
         return RemoteBackend(model, **options)
-    missing = [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
+    missing = missing_modules("torch", "transformers")
     if missing:
         raise ModelLoadError(
             f"the embedded engine needs {' and '.join(missing)}: pip install 'rerankit[engine]', "

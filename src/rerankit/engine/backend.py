@@ -31,7 +31,8 @@ from rerankit.errors import InvalidRequest, ModelLoadError, RerankitError
 from rerankit.schema import ScoreRequest, ScoreResponse, ScoreResult, Usage
 from rerankit.templates import get_template
 
-PROGRESS_MIN_ITEMS = 256  # below this a call is quick enough that a progress bar is noise
+PROGRESS_MIN_ITEMS = 256
+MAX_CACHED_HEADS = 256  # label sets come from requests: a server keeps the newest heads only  # below this a call is quick enough that a progress bar is noise
 PREFETCH_MICRO_BATCHES = 2  # micro-batches planned ahead of the GPU on the planning thread
 # Ramp-up on a GPU: the call's first request is encoded first RAMP_ITEMS items, then the rest; the first chunk runs
 # as a micro-batch of its own when its prefix is at most 1/RAMP_PREFIX_SHARE of its tokens (a long shared prefix
@@ -163,7 +164,10 @@ class EmbeddedBackend:
             micro_batches = self._plan(call, loaded, return_exceptions)
             if self._overlap:  # plan on a worker thread while this one launches
                 micro_batches = prefetch(micro_batches, PREFETCH_MICRO_BATCHES, name="rerankit-plan")
-            outputs, computed = self._execute(call, micro_batches, loaded)
+            try:
+                outputs, computed = self._execute(call, micro_batches, loaded)
+            finally:  # a failed call stops its planning (and the planning thread) now, not when it is collected
+                micro_batches.close()
             return self._responses(call, outputs, computed, loaded)
 
     def warm_up(self) -> float:
@@ -228,7 +232,7 @@ class EmbeddedBackend:
         start on them cheaply, with a planning thread or when the small batch replays from a CUDA graph."""
         if self._ramp is not None:
             return self._ramp
-        return self._overlap or getattr(self._runner, "graphs", None) is not None
+        return self._overlap or self._runner.graphs is not None
 
     def _chunks(self, request: ScoreRequest, ramp: bool) -> list[slice]:
         """The item chunks a request is encoded in: a first small one when the call ramps up, else all at once."""
@@ -266,7 +270,7 @@ class EmbeddedBackend:
                     yield from planner.add(position, parts)
                     if ramp:
                         ramp = False
-                        spans = int(parts.item_lengths.sum()) + len(parts.items) * len(parts.suffix)
+                        spans = int(parts.span_lengths.sum())
                         if not parts.share_prefix or len(parts.prefix) * RAMP_PREFIX_SHARE <= spans:
                             yield from planner.close()
             except RerankitError as error:
@@ -353,6 +357,8 @@ class EmbeddedBackend:
         encoded = entry.encoded
         if encoded.mode in ("generative", "cross-encoder"):
             if entry.head_key not in self._heads:
+                if len(self._heads) >= MAX_CACHED_HEADS:  # a call holds its own references to the heads it uses
+                    self._heads.pop(next(iter(self._heads)))
                 if encoded.mode == "generative":
                     self._heads[entry.head_key] = heads.generative_head(
                         loaded.model.get_output_embeddings(), encoded.label_ids,

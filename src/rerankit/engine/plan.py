@@ -79,6 +79,11 @@ class RequestParts:
             **layout,
         )
 
+    @property
+    def span_lengths(self) -> np.ndarray:
+        """Tokens of each item's span after a shared prefix: item + suffix."""
+        return self.item_lengths + len(self.suffix)
+
     def pair_length(self, item: int) -> int:
         """Tokens of item ``item`` scored alone: prefix + item + suffix."""
         return len(self.prefix) + int(self.item_lengths[item]) + len(self.suffix)
@@ -163,8 +168,7 @@ class Planner:
             yield from planner.add_shared(index, parts)
         else:
             self._pending += units
-            self._pending_tokens += int(parts.item_lengths.sum()) + len(parts.items) * (len(parts.prefix)
-                                                                                       + len(parts.suffix))
+            self._pending_tokens += int(parts.span_lengths.sum()) + len(parts.items) * len(parts.prefix)
             if not self._padded and self._pending_tokens >= self._window:
                 yield from self._plan_pending()
 
@@ -231,7 +235,7 @@ class _Planner:
 
     def add_shared(self, index: int, parts: RequestParts) -> Iterator[MicroBatch]:
         """The request's spans after its prefix, as many per micro-batch as fit, the prefix again in each."""
-        spans = parts.item_lengths + len(parts.suffix)
+        spans = parts.span_lengths
         start = 0
         while start < len(spans):
             # A chunk that follows its request's open sequence goes on in it, without another prefix.

@@ -32,6 +32,7 @@ class Runner(Protocol):
     padded: bool  # True when the runner pays for padding, so the planner budgets longest x count
     supports_multi_item: bool  # True when batches may share a prefix among item spans (MIS)
     pin_memory: bool  # True when the planner should build batches in page-locked memory
+    graphs: GraphedForward | None  # CUDA graphs that replay small batches, where the runner has them
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """Final hidden states ``[batch.num_tokens, d]`` in packed order, on the model's device."""
@@ -99,6 +100,7 @@ class ReferenceRunner:
     padded = True
     supports_multi_item = False
     pin_memory = False
+    graphs = None
 
     def __init__(self, loaded: LoadedModel) -> None:
         self.body = loaded.model.base_model

@@ -210,6 +210,20 @@ def _attend_block(
 
 
 @triton.jit
+def _query_block(cu_seqlens, BLOCK_M: tl.constexpr):
+    """This program's sequence and query block: (seq, seq_start, seq_end, q_first, q_last). The last query blocks
+    see the most keys, so they are launched first and the tail of the grid is short; q_first >= seq_end means the
+    block lies past its sequence (the caller returns)."""
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    seq = tl.program_id(2)
+    seq_start = tl.load(cu_seqlens + seq).to(tl.int32)
+    seq_end = tl.load(cu_seqlens + seq + 1).to(tl.int32)
+    q_first = seq_start + m_block * BLOCK_M
+    q_last = tl.minimum(q_first + BLOCK_M, seq_end) - 1
+    return seq, seq_start, seq_end, q_first, q_last
+
+
+@triton.jit
 def _prefix_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens, prefix_lens, span_starts,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -217,16 +231,10 @@ def _prefix_attention_kernel(
     GROUP: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
-    # Last query blocks see the most keys: launch them first so the tail of the grid is short.
-    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
-    seq = tl.program_id(2)
-    seq_start = tl.load(cu_seqlens + seq).to(tl.int32)
-    seq_end = tl.load(cu_seqlens + seq + 1).to(tl.int32)
-    q_first = seq_start + m_block * BLOCK_M
+    seq, seq_start, seq_end, q_first, q_last = _query_block(cu_seqlens, BLOCK_M)
     if q_first >= seq_end:
         return
-    q_last = tl.minimum(q_first + BLOCK_M, seq_end) - 1
 
     offs_m = q_first + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -260,15 +268,10 @@ def _prefix_attention_packed_kernel(
     zeros and never stored). Block bounds depend on tokens only, so they are the unpacked kernel's.
     """
     ROWS: tl.constexpr = BLOCK_M * GROUP_PAD
-    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq = tl.program_id(2)
-    seq_start = tl.load(cu_seqlens + seq).to(tl.int32)
-    seq_end = tl.load(cu_seqlens + seq + 1).to(tl.int32)
-    q_first = seq_start + m_block * BLOCK_M
+    seq, seq_start, seq_end, q_first, q_last = _query_block(cu_seqlens, BLOCK_M)
     if q_first >= seq_end:
         return
-    q_last = tl.minimum(q_first + BLOCK_M, seq_end) - 1
 
     rows = tl.arange(0, ROWS)
     offs_m = q_first + rows // GROUP_PAD  # each row's token
@@ -321,26 +324,17 @@ def prefix_attention(
     config = config or default_config(q.device)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     group = q_heads // kv_heads
-    if config.pack_gqa:
-        grid = (triton.cdiv(max_seqlen, config.block_m), kv_heads, cu_seqlens.numel() - 1)
-        _prefix_attention_packed_kernel[grid](
-            q, k, v, out, cu_seqlens, prefix_lens, span_starts,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            out.stride(0), out.stride(1),
-            scale,
-            GROUP=group, GROUP_PAD=triton.next_power_of_2(group), CAUSAL=causal,
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim,
-            num_warps=config.num_warps, num_stages=config.num_stages,
-        )
-        return out
-    grid = (triton.cdiv(max_seqlen, config.block_m), q_heads, cu_seqlens.numel() - 1)
-    _prefix_attention_kernel[grid](
+    if config.pack_gqa:  # one program per kv head and its GROUP query heads
+        kernel, heads = _prefix_attention_packed_kernel, kv_heads
+        packing = {"GROUP_PAD": triton.next_power_of_2(group)}
+    else:
+        kernel, heads, packing = _prefix_attention_kernel, q_heads, {}
+    kernel[(triton.cdiv(max_seqlen, config.block_m), heads, cu_seqlens.numel() - 1)](
         q, k, v, out, cu_seqlens, prefix_lens, span_starts,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         scale,
-        GROUP=q_heads // kv_heads, CAUSAL=causal,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        GROUP=group, CAUSAL=causal, BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim,
+        num_warps=config.num_warps, num_stages=config.num_stages, **packing,
     )
     return out
 

@@ -92,10 +92,10 @@ def qk_norm_rope(qkv: Tensor, num_heads: int, num_kv_heads: int, head_dim: int, 
     ``position_ids`` [T] (any integer dtype) and float32 ``inv_freq`` [D/2] give the angles
     ``position * inv_freq``. D must be a power of two >= 16. Outputs have qkv's dtype.
     """
-    _check(qkv, num_heads, num_kv_heads, head_dim, position_ids, inv_freq, q_norm, k_norm)
-    if triton is None or not (qkv.is_cuda or _INTERPRET):
+    if triton is None or not (qkv.is_cuda or _INTERPRET):  # the reference checks its inputs the same way
         return qk_norm_rope_reference(qkv, num_heads, num_kv_heads, head_dim, position_ids, inv_freq, q_norm,
                                       k_norm, eps)
+    _check(qkv, num_heads, num_kv_heads, head_dim, position_ids, inv_freq, q_norm, k_norm)
     tokens = qkv.shape[0]
     q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(tokens, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)

@@ -50,9 +50,9 @@ def swiglu_matmul_reference(x: Tensor, weight: Tensor, bias: Tensor | None = Non
 
 def swiglu_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``silu(x @ Wg.T + bg) * (x @ Wu.T + bu)`` [T, I] for ``weight`` = [Wg; Wu] [2I, d] and ``bias`` [2I]."""
-    _check(x, weight, bias)
-    if triton is None or not (x.is_cuda or _INTERPRET):
+    if triton is None or not (x.is_cuda or _INTERPRET):  # the reference checks its inputs the same way
         return swiglu_matmul_reference(x, weight, bias)
+    _check(x, weight, bias)
     x, weight = x.contiguous(), weight.contiguous()
     tokens, width = x.shape[0], weight.shape[0] // 2
     out = torch.empty(tokens, width, dtype=x.dtype, device=x.device)

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 from rerankit import __version__
 from rerankit.backend import Backend
 from rerankit.errors import RerankitError
-from rerankit.schema import ErrorBody, ErrorDetail
+from rerankit.remote.dialects.common import openai_error
 from rerankit.server.batcher import Batcher
 from rerankit.server.limits import ServerConfig, check_api_key
 from rerankit.server.routes import METHODS, ROUTES, error_headers, scoring_endpoint
@@ -82,5 +82,4 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
 
 def error_json(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> JSONResponse:
     """rerankit's own error body (the vLLM/OpenAI shape) for routes that belong to no dialect."""
-    body = ErrorBody(error=ErrorDetail(message=message, type=kind, code=status))
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+    return JSONResponse({"error": openai_error(status, message, None, kind)}, status_code=status, headers=headers)

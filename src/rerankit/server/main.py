@@ -17,9 +17,14 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
     ``ServerConfig`` fields (``max_batch_items``, ``batch_window_ms``, ``batching``, ``max_queue_requests``...);
     a setting passed as None keeps its default.
     """
+    from rerankit.errors import RerankitError
+    from rerankit.reranker import make_backend, missing_modules
+
+    missing = missing_modules("fastapi", "uvicorn")
+    if missing:
+        raise RerankitError(f"the server needs {' and '.join(missing)}: pip install 'rerankit[server]'")
     import uvicorn
 
-    from rerankit.reranker import make_backend
     from rerankit.server.app import create_app
     from rerankit.server.limits import ServerConfig
 

@@ -7,6 +7,7 @@ transformers model's own tensors; q/k/v and gate/up are fused once at load time 
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
@@ -96,22 +97,15 @@ def attention_inputs(hidden: torch.Tensor, input_norm: torch.Tensor, qkv_weight:
 def attention_output_and_mlp(attention: torch.Tensor, hidden: torch.Tensor, o_weight: torch.Tensor,
                              o_bias: torch.Tensor | None, post_norm: torch.Tensor, gate_up_weight: torch.Tensor,
                              gate_up_bias: torch.Tensor | None, down_weight: torch.Tensor,
-                             down_bias: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """The rest of one layer: output projection, residual, norm, SwiGLU MLP, residual."""
-    hidden = hidden + F.linear(attention.flatten(1), o_weight, o_bias)
-    return hidden + swiglu(rms_norm(hidden, post_norm, eps), gate_up_weight, gate_up_bias, down_weight, down_bias)
-
-
-def attention_output_and_mlp_unfused_residual(attention: torch.Tensor, hidden: torch.Tensor, o_weight: torch.Tensor,
-                                              o_bias: torch.Tensor | None, post_norm: torch.Tensor,
-                                              gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None,
-                                              down_weight: torch.Tensor, down_bias: torch.Tensor | None,
-                                              eps: float) -> torch.Tensor:
-    """``attention_output_and_mlp`` with the two residual projections behind ``residual_projection``, so that
-    Inductor adds them in its norm kernels instead of copying the residual into an ``addmm``."""
-    hidden = hidden + residual_projection(attention.flatten(1), o_weight, o_bias)
+                             down_bias: torch.Tensor | None, eps: float,
+                             opaque_residual: bool = False) -> torch.Tensor:
+    """The rest of one layer: output projection, residual, norm, SwiGLU MLP, residual. ``opaque_residual``: the
+    two residual projections go through ``residual_projection``, so that Inductor adds them in its norm kernels
+    instead of copying the residual into an ``addmm``."""
+    project = residual_projection if opaque_residual else F.linear
+    hidden = hidden + project(attention.flatten(1), o_weight, o_bias)
     return hidden + swiglu(rms_norm(hidden, post_norm, eps), gate_up_weight, gate_up_bias, down_weight, down_bias,
-                           opaque_down=True)
+                           opaque_down=opaque_residual)
 
 
 class PackedDecoderLayer(nn.Module):
@@ -155,9 +149,9 @@ class PackedDecoder(PackedBody):
     layer launches faster than a step plus a Triton kernel) or captured in a CUDA graph. The choice is the
     ``fused_qk`` and ``fused_qk_min_tokens`` attributes, which may be switched between forwards.
 
-    ``unfused_residual`` (on CUDA by default, same batch rule as the automatic ``fused_qk``): the output and down
-    projections go through ``residual_projection``, so the residual adds fuse into the norm kernels instead of
-    Inductor's ``addmm``, which copies the residual first. Same math; a little more host time per layer.
+    ``unfused_residual`` (wherever the steps are compiled, so on CUDA by default; same batch rule as the automatic
+    ``fused_qk``): the output and down projections go through ``residual_projection``, so the residual adds fuse
+    into the norm kernels instead of Inductor's ``addmm``, which copies the residual first. Same math; a little more host time per layer.
 
     ``fused_swiglu`` (off by default; same batch rule): the gate/up projection and its activation run as one Triton
     GEMM (``rerankit.kernels.swiglu_matmul``), and the output and down projections add onto the residual stream in
@@ -190,9 +184,12 @@ class PackedDecoder(PackedBody):
         self.fused_qk, self.fused_qk_min_tokens = resolve_fused_qk(fused_qk, device, self.head_dim)
         (self._attention_inputs, self._qkv_projection, self._attention_output_and_mlp,
          self._attention_output_and_mlp_unfused, self._rms_norm) = layer_steps(
-            attention_inputs, qkv_projection, attention_output_and_mlp, attention_output_and_mlp_unfused_residual,
-            rms_norm, compile=compile, device=device)
-        self.unfused_residual = device.type == "cuda"  # from FUSED_QK_MIN_TOKENS tokens, or in a CUDA graph
+            attention_inputs, qkv_projection, attention_output_and_mlp,
+            functools.partial(attention_output_and_mlp, opaque_residual=True), rms_norm, compile=compile,
+            device=device)
+        # Only Inductor turns the residual add into addmm: eager steps keep F.linear. From FUSED_QK_MIN_TOKENS
+        # tokens, or in a CUDA graph.
+        self.unfused_residual = self._attention_output_and_mlp is not attention_output_and_mlp
         self.fused_swiglu = False  # same batch rule; off until a GPU run shows it faster
 
     def _run(self, batch: PackedBatch, read_positions: torch.Tensor | None, graphed: bool) -> torch.Tensor:
