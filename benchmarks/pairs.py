@@ -268,6 +268,22 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, marks in KERNEL_KINDS if any(mark in lowered for mark in marks)), "other")
 
 
+def idle_split(events) -> dict:
+    """Where the GPU sat idle during the profiled call: before its first kernel (host: encode, plan, first
+    launches), between kernels (launch gaps, host syncs) and after the last (copies back, building the response)."""
+    call = next((event for event in events if event.name == "rerankit_call"), None)
+    kernels = sorted((event.time_range.start, event.time_range.end) for event in events
+                     if event.device_type == torch.autograd.DeviceType.CUDA and event.name != "rerankit_call")
+    if call is None or not kernels:
+        return {}
+    gaps, busy_end = 0.0, kernels[0][0]
+    for start, end in kernels:
+        gaps += max(start - busy_end, 0.0)
+        busy_end = max(busy_end, end)
+    return {"before_first_kernel": (kernels[0][0] - call.time_range.start) / 1000, "between_kernels": gaps / 1000,
+            "after_last_kernel": (call.time_range.end - busy_end) / 1000}
+
+
 def profile_call(workload: Workload, backend: EmbeddedBackend, folder: Path, results: list[dict]) -> None:
     """Where one call's time goes: host time of each engine phase, GPU time by kernel kind, a profiler table."""
     from torch.profiler import ProfilerActivity, profile
@@ -288,10 +304,13 @@ def profile_call(workload: Workload, backend: EmbeddedBackend, folder: Path, res
     times = time_call(lambda: backend.score_batch(requests), 5)
     phases["call_ms"] = 1000 * statistics.median(times)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        backend.score_batch(requests)
+        with torch.profiler.record_function("rerankit_call"):
+            backend.score_batch(requests)
         torch.cuda.synchronize()
+    phases["gpu_idle_split_ms"] = idle_split(prof.events())
     events = prof.key_averages()
-    kernels = [event for event in events if event.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [event for event in events if event.device_type == torch.autograd.DeviceType.CUDA
+               and event.key != "rerankit_call"]  # the call's annotation shows on the GPU timeline too
     phases["gpu_kernel_ms"] = sum(event.self_device_time_total for event in kernels) / 1000
     phases["gpu_idle_ms"] = phases["call_ms"] - phases["gpu_kernel_ms"]
     by_kind: dict[str, float] = {}
@@ -335,6 +354,12 @@ def kernel_ab(workloads: list[Workload], backend: EmbeddedBackend, results: list
         ab_row({"workload": "kernel-ab", "cuda_graphs": graphed, "ramp": ramped, "fused_qk": "auto",
                 "attention": "default"}, workloads, backend, results)
     runner.graphs, backend._ramp = graphs, ramp
+    # Larger batches replayed too (LI's 13.9k tokens and W1's 26.7k run eagerly under the default 8,192).
+    for max_tokens in (16384, 32768):
+        runner.graphs = graphed_forward(model, runner.device, max_tokens)
+        ab_row({"workload": "kernel-ab", "cuda_graphs": True, "graph_max_tokens": max_tokens}, workloads, backend,
+               results)
+    runner.graphs = graphs
     # The residual projections behind an op Inductor cannot fuse into addmm (no copy of the residual), and the
     # gate/up GEMM with SwiGLU in its epilogue (Triton) against cuBLAS + Inductor's activation. Each setting gets
     # graphs of its own (a graph keeps the steps it was captured with), as the backend's defaults run them.

@@ -85,6 +85,22 @@ def test_a_template_request_is_one_tokenizer_call_of_its_prefix_and_items(loaded
     assert encoded.label_ids == [ids(label)[0] for label in template.labels]
 
 
+def test_a_later_chunk_reuses_the_prefix_and_chunks_concatenate_to_the_whole(loaded, monkeypatch):
+    request = w1_request(loaded, count=7).model_copy(update={"instruction": "judge it " * 50})
+    template = get_template("qwen3-reranker")
+    whole = encode_request(request, loaded, "generative", template)
+    first = encode_request(request, loaded, "generative", template, slice(0, 3))
+    calls: list[list[str]] = []
+    tokenize = encode._tokenize
+    monkeypatch.setattr(encode, "_tokenize",
+                        lambda tokenizer, texts: (calls.append(texts), tokenize(tokenizer, texts))[1])
+    rest = encode_request(request, loaded, "generative", template, slice(3, 7), first.prefix_ids)
+    assert calls == [list(map(template.item, request.items[3:]))]  # the instruction and query not again
+    first.extend(rest)
+    assert (first.prefix_ids, first.suffix_ids, first.item_ids) == (whole.prefix_ids, whole.suffix_ids,
+                                                                     whole.item_ids)
+
+
 def test_an_instruction_gets_its_own_template_ids(loaded):
     template = get_template("qwen3-reranker")
     plain = encode_request(ScoreRequest(query=QUERY, items=["dog"], template="qwen3-reranker"), loaded,

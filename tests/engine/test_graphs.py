@@ -11,7 +11,7 @@ import transformers
 
 from rerankit.engine import EmbeddedBackend
 from rerankit.engine.attention import packed_attention
-from rerankit.engine.graphs import MIN_READS, TOKEN_BUCKETS, GraphCaptureError, GraphKey, graph_key, pad_batch
+from rerankit.engine.graphs import MAX_GRAPH_TOKENS, MIN_READS, TOKEN_BUCKETS, GraphCaptureError, GraphKey, graph_key, pad_batch
 from rerankit.engine.load import load_model
 from rerankit.engine.models import build_packed_model
 from rerankit.engine.runner import PackedRunner, make_runner
@@ -33,7 +33,10 @@ def test_graph_keys_round_tokens_up_and_count_the_padding_sequence():
     assert graph_key(exact, read=False) == GraphKey(256, 2, 0, True, False, False)
     assert graph_key(pack(random_sequences([300, 1000])), read=True).tokens == 1536  # steps of 256 up to 2,048
     huge = pack(random_sequences([TOKEN_BUCKETS[-1] + 1]))
-    assert graph_key(huge, read=True) is None
+    assert graph_key(huge, read=True, max_tokens=10**9) is None
+    large = pack(random_sequences([MAX_GRAPH_TOKENS + 1]))
+    assert graph_key(large, read=True) is None  # eager above the default limit
+    assert graph_key(large, read=True, max_tokens=16384).tokens == MAX_GRAPH_TOKENS + 1024
 
 
 def test_padded_forward_of_every_token_needs_no_read_buffer(tmp_path):

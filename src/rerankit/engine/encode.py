@@ -148,14 +148,16 @@ def resolve_template(request: ScoreRequest, loaded: LoadedModel, option: str | N
 
 
 def encode_request(request: ScoreRequest, loaded: LoadedModel, mode: str, template: Template | None,
-                   items: slice | None = None) -> EncodedRequest:
+                   items: slice | None = None, prefix_ids: list[int] | None = None) -> EncodedRequest:
     """Check ``request`` against the model and turn it into token ids; ``InvalidRequest`` names what is wrong.
 
     ``items`` encodes only ``request.items[items]`` (a chunk, ``step`` 1): errors still name an item by its index
-    in the request, and the chunks of one request concatenate to the whole request's encoding.
+    in the request, and the chunks of one request concatenate to the whole request's encoding. ``prefix_ids``: the
+    ``prefix_ids`` of an earlier chunk of the same request, so a text template's prefix (instruction and query) is
+    not tokenized again.
     """
     _check_fields_apply(request, mode, template)
-    chunk = _Chunk(request, items or slice(0, len(request.items)))
+    chunk = _Chunk(request, items or slice(0, len(request.items)), prefix_ids)
     if mode == "generative":
         if template is None:
             raise InvalidRequest("template", f"no prompt template is known for {loaded.name!r}: name one "
@@ -177,11 +179,12 @@ def encode_request(request: ScoreRequest, loaded: LoadedModel, mode: str, templa
 class _Chunk:
     """The items of a request that one ``encode_request`` call encodes, and the request index of the first."""
 
-    def __init__(self, request: ScoreRequest, items: slice) -> None:
+    def __init__(self, request: ScoreRequest, items: slice, prefix_ids: list[int] | None = None) -> None:
         start, stop, step = items.indices(len(request.items))
         if step != 1:
             raise ValueError("an item chunk must be a contiguous slice")
         self.offset = start
+        self.prefix_ids = prefix_ids  # the request's encoded prefix, from an earlier chunk
         self.items = request.items if (start, stop) == (0, len(request.items)) else request.items[start:stop]
 
 
@@ -256,10 +259,13 @@ def _encode_text(request: ScoreRequest, loaded: LoadedModel, template: Template,
     if request.items_are_token_ids:
         raise InvalidRequest("items", f"template {template.name!r} needs texts, not token ids")
     parts = _template_ids(loaded.tokenizer, template, request.instruction)
-    prefix, *items = _tokenize(loaded.tokenizer, [template.prefix(request.instruction, request.query),
-                                                  *map(template.item, chunk.items)])
-    encoded = EncodedRequest(mode, parts.bos + prefix + parts.separator, [], parts.separator + parts.suffix, [],
-                             read_first=False)
+    if chunk.prefix_ids is None:
+        prefix, *items = _tokenize(loaded.tokenizer, [template.prefix(request.instruction, request.query),
+                                                      *map(template.item, chunk.items)])
+        prefix_ids = parts.bos + prefix + parts.separator
+    else:  # a later chunk: only its items (a long instruction is the costliest text to tokenize)
+        prefix_ids, items = chunk.prefix_ids, _tokenize(loaded.tokenizer, list(map(template.item, chunk.items)))
+    encoded = EncodedRequest(mode, prefix_ids, [], parts.separator + parts.suffix, [], read_first=False)
     encoded.item_ids = _fit_items(items, request, loaded, len(encoded.prefix_ids) + len(encoded.suffix_ids),
                                   chunk.offset, lead_ids=parts.empty_item)
     return encoded

@@ -27,10 +27,11 @@ import torch
 
 from rerankit.engine.batch import PackedBatch
 
-# Steps of 256 tokens up to 2,048, then of 512: a batch pays for at most ~10% of padding above 2k tokens (W3's
-# 5.4k tokens in powers of two padded to 8,192 ran as slowly as eager launches). Larger batches keep the GPU busy
-# on their own.
-TOKEN_BUCKETS = (*range(256, 2048, 256), *range(2048, 8192 + 1, 512))
+# Steps of 256 tokens up to 2,048, then of 512 up to 8,192, then of 1,024: a batch pays for at most ~10% of padding
+# above 2k tokens (W3's 5.4k tokens in powers of two padded to 8,192 ran as slowly as eager launches).
+TOKEN_BUCKETS = (*range(256, 2048, 256), *range(2048, 8192, 512), *range(8192, 32768 + 1, 1024))
+# Batches above this run eagerly by default: larger ones keep the GPU busy on their own (``max_tokens`` moves it).
+MAX_GRAPH_TOKENS = 8192
 MAX_GRAPHS = 32  # captured shapes kept; the least recently used goes first
 # Reads are padded to a power of two of at least this many: a request's item count then moves a call to another
 # graph only past 64 items, so a server's mix of request sizes keeps few shapes (a padded read costs one row of the
@@ -51,9 +52,9 @@ class GraphKey:
     read: bool  # forward_read (the read rows) or forward (every token)
 
 
-def graph_key(batch: PackedBatch, read: bool) -> GraphKey | None:
-    """The bucket ``batch`` pads to, or None when it is too large for a graph to pay."""
-    tokens = next((bucket for bucket in TOKEN_BUCKETS if bucket >= batch.num_tokens), None)
+def graph_key(batch: PackedBatch, read: bool, max_tokens: int = MAX_GRAPH_TOKENS) -> GraphKey | None:
+    """The bucket ``batch`` pads to, or None when it is larger than ``max_tokens`` (or than every bucket)."""
+    tokens = next((bucket for bucket in TOKEN_BUCKETS if batch.num_tokens <= bucket <= max_tokens), None)
     if tokens is None:
         return None
     sequences = batch.cu_seqlens.numel() - 1 + (tokens > batch.num_tokens)  # + the padding's own sequence
@@ -116,15 +117,19 @@ class _Graph:
 class GraphedForward:
     """Runs ``forward`` / ``forward_read`` of a packed model through CUDA graphs, one per padded shape.
 
-    ``run`` returns None for a batch larger than the last bucket (the caller runs it eagerly) and raises
+    ``run`` returns None for a batch of more than ``max_tokens`` tokens (the caller runs it eagerly) and raises
     ``GraphCaptureError`` when a capture fails. Graphs capture the model as it is at capture time: switching its
     options afterwards (``fused_qk``...) does not reach them.
     """
 
     def __init__(self, forward: Callable[[PackedBatch], torch.Tensor],
-                 forward_read: Callable[[PackedBatch], torch.Tensor], device: torch.device) -> None:
+                 forward_read: Callable[[PackedBatch], torch.Tensor], device: torch.device,
+                 max_tokens: int = MAX_GRAPH_TOKENS) -> None:
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
+        if max_tokens < TOKEN_BUCKETS[0]:
+            raise ValueError(f"max_tokens must be at least {TOKEN_BUCKETS[0]}, not {max_tokens}")
+        self.max_tokens = max_tokens
         self._forwards = {False: forward, True: forward_read}
         self._device = device
         self._graphs: OrderedDict[GraphKey, _Graph] = OrderedDict()
@@ -133,7 +138,7 @@ class GraphedForward:
 
     def run(self, batch: PackedBatch, read: bool) -> torch.Tensor | None:
         """The forward's rows for ``batch`` (read rows, or every token), or None when no graph applies."""
-        key = graph_key(batch, read)
+        key = graph_key(batch, read, self.max_tokens)
         if key is None:
             return None
         graph = self._graphs.get(key)

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from rerankit.engine.batch import PackedBatch
-from rerankit.engine.graphs import GraphCaptureError, GraphedForward
+from rerankit.engine.graphs import MAX_GRAPH_TOKENS, GraphCaptureError, GraphedForward
 from rerankit.engine.load import LoadedModel
 from rerankit.engine.models import PackedDecoder, PackedEncoder, build_packed_model
 from rerankit.errors import InvalidRequest, ModelLoadError
@@ -88,10 +88,12 @@ class PackedRunner:
         return dataclasses.replace(batch, **moved)
 
 
-def graphed_forward(model: PackedDecoder | PackedEncoder, device: torch.device) -> GraphedForward:
-    """CUDA graphs over ``model``'s forwards, captured with ``graphed=True`` (the steps that take least GPU time)."""
+def graphed_forward(model: PackedDecoder | PackedEncoder, device: torch.device,
+                    max_tokens: int = MAX_GRAPH_TOKENS) -> GraphedForward:
+    """CUDA graphs over ``model``'s forwards, captured with ``graphed=True`` (the steps that take least GPU time),
+    for micro-batches of at most ``max_tokens`` tokens."""
     return GraphedForward(functools.partial(model.forward, graphed=True),
-                          functools.partial(model.forward_read, graphed=True), device)
+                          functools.partial(model.forward_read, graphed=True), device, max_tokens)
 
 
 class ReferenceRunner:
