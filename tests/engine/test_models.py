@@ -245,6 +245,8 @@ def test_decoder_fused_swiglu_equals_the_compiled_mlp(tmp_path, monkeypatch, nam
     model_class, make_config = DECODERS[name]
     hf = load_tiny(tmp_path, model_class, make_config())
     model = PackedDecoder(hf, attention_fn=dense_attention, fused_qk=False)
+    assert not model.fused_swiglu  # on CUDA only by default
+    assert PackedDecoder(hf, attention_fn=dense_attention, fused_qk=False, fused_swiglu=True).fused_swiglu
     prefix, *items = random_sequences([10, 5, 8, 3], seed=7)
     batch = pack_multi_item(prefix, items)
     plain_read, plain_all = model.forward_read(batch), model(batch)

@@ -25,24 +25,35 @@ def triton_swiglu_matmul(monkeypatch):
     """`swiglu_matmul` on the Triton path (its torch fallback fails), inputs and outputs on the CPU."""
     forbid_reference(monkeypatch, kernels, "swiglu_matmul_reference")
 
-    def run(x, weight, bias=None):
+    def run(x, weight, bias=None, tma=None):
         moved = bias.to(DEVICE) if bias is not None else None
-        return kernels.swiglu_matmul(x.to(DEVICE), weight.to(DEVICE), moved).cpu()
+        return kernels.swiglu_matmul(x.to(DEVICE), weight.to(DEVICE), moved, tma=tma).cpu()
 
     return run
 
 
 @pytest.mark.parametrize("tokens, width, hidden", [(37, 24, 40), (1, 16, 16), (50, 48, 80), (0, 16, 32)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_kernel_equals_the_reference(triton_swiglu_matmul, tokens, width, hidden, with_bias):
-    """Tails on every axis (rows, columns and K not multiples of the 16-wide tiles), one row, no rows, biases."""
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
+def test_kernel_equals_the_reference(triton_swiglu_matmul, tokens, width, hidden, with_bias, tma):
+    """Tails on every axis (rows, columns and K not multiples of the 16-wide tiles), one row, no rows, biases; both
+    the pointer and the tensor-descriptor kernels."""
     generator = torch.Generator().manual_seed(tokens + width + hidden)
     x = torch.randn(tokens, hidden, generator=generator)
     weight = torch.randn(2 * width, hidden, generator=generator) / hidden ** 0.5
     bias = torch.randn(2 * width, generator=generator) if with_bias else None
     expected = swiglu_matmul_reference(x, weight, bias)
     assert expected.shape == (tokens, width)
-    torch.testing.assert_close(triton_swiglu_matmul(x, weight, bias), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(triton_swiglu_matmul(x, weight, bias, tma), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_descriptors_need_16_byte_rows(triton_swiglu_matmul):
+    x, weight = torch.randn(5, 42), torch.randn(24, 42)  # float32 rows of 42 x 4 bytes
+    assert not kernels.takes_tma(x, weight, any_device=True)
+    with pytest.raises(ValueError, match="multiples of 4"):
+        triton_swiglu_matmul(x, weight, tma=True)
+    torch.testing.assert_close(triton_swiglu_matmul(x, weight), swiglu_matmul_reference(x, weight),
+                               atol=1e-5, rtol=1e-5)  # None: the pointer kernel
 
 
 def test_reference_is_the_decoders_swiglu_activation():

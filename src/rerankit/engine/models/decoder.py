@@ -40,6 +40,10 @@ FUSED_QK_ENV = "RERANKIT_FUSED_QK"
 #   62.0 ms fused vs 64.3 ms torch; W3 (5.4k tokens, eager) p50 29.0 ms fused vs 19.0 ms torch.
 # - the residual projections behind ``residual_projection``: W1 61.4 vs 63.0 ms; W3 (eager) 33.0 vs 25.3 ms.
 FUSED_QK_MIN_TOKENS = 12288
+# The SwiGLU GEMM (``fused_swiglu``) by default up to this hidden size. H100, benchmarks/swiglu_matmul.py: against
+# cuBLAS + Inductor's activation 1.35-1.41x at d=1024 (Qwen3-0.6B), even at d=2560 (4B), 0.88-0.94x at d=4096 (8B):
+# it saves the activation's memory traffic, ~1.5/d bytes a FLOP, and loses what cuBLAS does better in the GEMM.
+FUSED_SWIGLU_MAX_HIDDEN = 2048
 
 AttentionFn = Callable[..., torch.Tensor]
 
@@ -153,13 +157,14 @@ class PackedDecoder(PackedBody):
     ``fused_qk``): the output and down projections go through ``residual_projection``, so the residual adds fuse
     into the norm kernels instead of Inductor's ``addmm``, which copies the residual first. Same math; a little more host time per layer.
 
-    ``fused_swiglu`` (off by default; same batch rule): the gate/up projection and its activation run as one Triton
-    GEMM (``rerankit.kernels.swiglu_matmul``), and the output and down projections add onto the residual stream in
-    place. It waits for a GPU measurement against cuBLAS + Inductor (``benchmarks/pairs.py --ab``).
+    ``fused_swiglu`` (same batch rule): the gate/up projection and its activation run as one Triton GEMM
+    (``rerankit.kernels.swiglu_matmul``), and the output and down projections add onto the residual stream in
+    place. None: on CUDA for hidden sizes up to ``FUSED_SWIGLU_MAX_HIDDEN``, where it measured faster.
     """
 
     def __init__(self, hf_model: nn.Module, compile: bool | None = None,
-                 attention_fn: AttentionFn | None = None, fused_qk: bool | None = None) -> None:
+                 attention_fn: AttentionFn | None = None, fused_qk: bool | None = None,
+                 fused_swiglu: bool | None = None) -> None:
         super().__init__()
         config = hf_model.config
         reason = unsupported_reason(config)
@@ -190,7 +195,9 @@ class PackedDecoder(PackedBody):
         # Only Inductor turns the residual add into addmm: eager steps keep F.linear. From FUSED_QK_MIN_TOKENS
         # tokens, or in a CUDA graph.
         self.unfused_residual = self._attention_output_and_mlp is not attention_output_and_mlp
-        self.fused_swiglu = False  # same batch rule; off until a GPU run shows it faster
+        if fused_swiglu is None:
+            fused_swiglu = device.type == "cuda" and config.hidden_size <= FUSED_SWIGLU_MAX_HIDDEN
+        self.fused_swiglu = fused_swiglu  # same batch rule as unfused_residual
 
     def _run(self, batch: PackedBatch, read_positions: torch.Tensor | None, graphed: bool) -> torch.Tensor:
         attention = self._attention_fn or default_attention()
