@@ -8,7 +8,7 @@ and packed GQA (all query heads of a kv head per program), with its max |diff| a
 sweep result is printed as a JSON line as soon as it is measured, then one "best" line per pack.
 
     PYTHONPATH=src python benchmarks/attention.py --out bench_out/attention.json [--sweep] [--sweep-only]
-        [--workloads MIS 32k encoder]
+        [--sweep-set all|tma] [--workloads MIS 32k encoder]
 
 The default config is rerankit.kernels.prefix_attention.default_config, so RERANKIT_ATTENTION_CONFIG applies to
 the "triton" backend rows and to the sweep's reference.
@@ -90,6 +90,13 @@ SWEEP = [AttentionConfig(block_m, block_n, warps, stages) for block_m, block_n, 
 # encoder, where it is the unpacked kernel on smaller tiles).
 SWEEP += [AttentionConfig(block_m, block_n, warps, stages, pack_gqa=True)
           for block_m in (32, 64) for block_n in (32, 64) for warps in (4, 8) for stages in (2, 3)]
+# K/V tiles through tensor descriptors (``tma``), next to the same tiles through pointers: ``--sweep-set tma``.
+TMA_SWEEP = [dataclasses.replace(config, tma=tma) for config in (
+    AttentionConfig(64, 32, 4, 3, pack_gqa=True), AttentionConfig(64, 32, 4, 2, pack_gqa=True),
+    AttentionConfig(64, 64, 4, 3, pack_gqa=True), AttentionConfig(64, 32, 8, 3, pack_gqa=True),
+    AttentionConfig(128, 32, 4, 3)) for tma in (False, True)]
+SWEEP += [config for config in TMA_SWEEP if config.tma]
+SWEEP_SETS = {"all": SWEEP, "tma": TMA_SWEEP}
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -102,7 +109,7 @@ def bench_backend(q, k, v, batch, backend) -> float:
 
 def config_label(config: AttentionConfig) -> str:
     return (f"{'gqa' if config.pack_gqa else 'head'} m{config.block_m:<3d} n{config.block_n:<3d} "
-            f"w{config.num_warps} s{config.num_stages}")
+            f"w{config.num_warps} s{config.num_stages}{' tma' if config.tma else ''}")
 
 
 def print_best(sweep: list[dict]) -> None:
@@ -127,6 +134,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time the Triton kernel over tile configs")
     parser.add_argument("--sweep-only", action="store_true",
                         help="time only the Triton sweep (implies --sweep), not the other backends")
+    parser.add_argument("--sweep-set", choices=tuple(SWEEP_SETS), default="all",
+                        help="the sweep's configs: all, or the tensor-descriptor ones next to their pointer twins")
     parser.add_argument("--workloads", nargs="+", metavar="SUBSTRING",
                         help="run only the packs whose name contains one of these (case-insensitive)")
     args = parser.parse_args()
@@ -161,12 +170,17 @@ def main() -> None:
                                         block_mask_build_ms=mask_ms if backend == "flex" else None))
         if args.sweep:
             default_ms = bench_backend(q, k, v, batch, "triton")
-            for config in SWEEP:
+            for config in SWEEP_SETS[args.sweep_set]:
                 def run_config(config=config):
                     return prefix_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, batch.prefix_lens,
                                             batch.span_starts, batch.causal, config=config)
-                diff = max_abs_diff(run_config(), ours)
-                ms = do_bench(run_config, warmup=25, rep=100)
+                try:
+                    diff = max_abs_diff(run_config(), ours)
+                    ms = do_bench(run_config, warmup=25, rep=100)
+                except Exception as error:  # a tile that does not fit (shared memory, registers) is a result too
+                    print(json.dumps(dict(kind="sweep-failed", workload=name, config=dataclasses.asdict(config),
+                                          error=str(error)[:200])), flush=True)
+                    continue
                 row = dict(workload=name, config=dataclasses.asdict(config), ms=ms, tflops=gflop / ms,
                            max_abs_diff_vs_default=diff, default_ms=default_ms)
                 results["sweep"].append(row)

@@ -41,8 +41,10 @@ CONFIGS = [
     None,
     AttentionConfig(block_m=16, block_n=32, num_warps=1, num_stages=1, pack_gqa=True),
     AttentionConfig(block_m=32, block_n=16, num_warps=1, num_stages=1, pack_gqa=True),
+    AttentionConfig(block_m=16, block_n=16, num_warps=1, num_stages=1, pack_gqa=True, tma=True),
+    AttentionConfig(block_m=32, block_n=16, num_warps=1, num_stages=1, tma=True),
 ]
-CONFIG_IDS = ["unpacked", "packed-m16-n32", "packed-m32-n16"]
+CONFIG_IDS = ["unpacked", "packed-m16-n32", "packed-m32-n16", "packed-tma", "unpacked-tma"]
 with_configs = pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
 
 
@@ -101,13 +103,27 @@ def test_packed_and_unpacked_agree_on_every_head():
     torch.testing.assert_close(packed, unpacked, atol=1e-5, rtol=1e-5)
 
 
+def test_tma_takes_the_projection_layout_and_falls_back_elsewhere():
+    from rerankit.kernels.prefix_attention import takes_tma
+
+    (q, k, v), meta = make_pack(MIS_RAGGED, 4, 2, 16, seed=5)
+    assert takes_tma(k, v)  # [T, H, D] with each token's heads side by side
+    k_strided = torch.randn(k.shape[0], k.shape[2], k.shape[1]).transpose(1, 2)  # heads apart: pointers
+    assert not takes_tma(k_strided, v)
+    expected = prefix_attention_reference(q, k_strided, v, **meta)
+    config = AttentionConfig(16, 16, 1, 1, pack_gqa=True, tma=True)
+    torch.testing.assert_close(prefix_attention(q, k_strided, v, **meta, config=config), expected,
+                               atol=1e-4, rtol=1e-4)
+
+
 def test_parse_config():
     assert parse_config("") == CUDA_DEFAULT_CONFIG
     assert parse_config("pack_gqa=1, block_m=64,block_n=64,num_warps=4,num_stages=3") == AttentionConfig(
-        block_m=64, block_n=64, num_warps=4, num_stages=3, pack_gqa=True)
+        block_m=64, block_n=64, num_warps=4, num_stages=3, pack_gqa=True, tma=True)
     assert parse_config("pack_gqa=false", AttentionConfig(pack_gqa=True)) == AttentionConfig()
     assert parse_config("block_n=64", CPU_DEFAULT_CONFIG) == AttentionConfig(32, 64, 1, 1)
-    for bad in ("block_m", "blockm=64", "block_m=sixty", "pack_gqa=maybe", "block_m=48", "num_stages=0"):
+    assert parse_config("tma=yes", CPU_DEFAULT_CONFIG) == AttentionConfig(32, 16, 1, 1, tma=True)
+    for bad in ("block_m", "blockm=64", "block_m=sixty", "pack_gqa=maybe", "tma=2", "block_m=48", "num_stages=0"):
         with pytest.raises(ValueError):
             parse_config(bad)
 
@@ -116,11 +132,12 @@ def test_default_config_reads_the_environment(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.delenv(CONFIG_ENV, raising=False)
     assert default_config(cpu) == CPU_DEFAULT_CONFIG
-    assert default_config(cuda) == CUDA_DEFAULT_CONFIG == AttentionConfig(64, 32, 4, 3, pack_gqa=True)
-    monkeypatch.setenv(CONFIG_ENV, "pack_gqa=0,block_m=128")
+    assert default_config(cuda) == CUDA_DEFAULT_CONFIG == AttentionConfig(64, 32, 8, 3, pack_gqa=True, tma=True)
+    assert default_config(cuda, causal=False) == AttentionConfig(64, 32, 4, 3, pack_gqa=True)
+    monkeypatch.setenv(CONFIG_ENV, "pack_gqa=0,block_m=128,num_warps=4,tma=0")
     assert default_config(cuda) == AttentionConfig(block_m=128, block_n=32)
     monkeypatch.setenv(CONFIG_ENV, "pack_gqa=1,block_m=64,block_n=64")
-    assert default_config(cuda) == AttentionConfig(block_m=64, block_n=64, pack_gqa=True)
+    assert default_config(cuda) == AttentionConfig(block_m=64, block_n=64, num_warps=8, pack_gqa=True, tma=True)
     assert default_config(cpu) == AttentionConfig(64, 64, 1, 1, pack_gqa=True)
     monkeypatch.setenv(CONFIG_ENV, "pack_gqa=1,block_m=16,block_n=16")
     (q, k, v), meta = make_pack(LONG_PREFIX, 4, 2, 16, seed=4)

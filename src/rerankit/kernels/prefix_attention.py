@@ -29,8 +29,11 @@ changes, set ``RERANKIT_ATTENTION_CONFIG`` to comma-separated ``field=value`` pa
 
     RERANKIT_ATTENTION_CONFIG="pack_gqa=1,block_m=64,block_n=64,num_warps=4,num_stages=3"
 
-Fields left out keep the default; ``pack_gqa`` takes 1/0/true/false/yes/no. To change the default in
-code, edit :data:`CUDA_DEFAULT_CONFIG`.
+Fields left out keep the default; ``pack_gqa`` and ``tma`` take 1/0/true/false/yes/no. To change the defaults
+in code, edit :data:`CUDA_DEFAULT_CONFIG` (causal) and :data:`CUDA_BIDIRECTIONAL_CONFIG`.
+
+``tma=True`` reads the K and V tiles through tensor descriptors (Hopper's copy engine) where their layout allows it
+(``takes_tma``: each token's heads side by side, as the q/k/v projection leaves them), else through pointers.
 """
 
 from __future__ import annotations
@@ -46,6 +49,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # an older triton: K/V through pointers only
+    TensorDescriptor = None
+
 
 @dataclass(frozen=True)
 class AttentionConfig:
@@ -60,6 +68,7 @@ class AttentionConfig:
     num_warps: int = 4
     num_stages: int = 3
     pack_gqa: bool = False
+    tma: bool = False  # K/V tiles through tensor descriptors (Hopper's copy engine), where the layout allows
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "num_warps"):
@@ -74,7 +83,12 @@ class AttentionConfig:
 # warps and 3 stages ran W1 0.299 / W1 MIS 0.292 / 1k-prefix MIS 0.352 / 32k documents 1.128 / D=64 encoder 0.202,
 # against 0.355 / 0.334 / 0.365 / 1.184 / 0.218 for one query head per program (128x32), and was within 7% of the
 # sweep's best on every pack; the one pack where it lost, a 1k-token plain causal pair, lost 3%.
-CUDA_DEFAULT_CONFIG = AttentionConfig(block_m=64, block_n=32, num_warps=4, num_stages=3, pack_gqa=True)
+# --sweep-set tma (2026-11-23): with K/V through tensor descriptors and 8 warps the same tile ran W1 0.293 / W1 MIS
+# 0.266 / 1k-prefix plain 1.678 / 1k-prefix MIS 0.338 / 32k documents 1.116, against 0.298 / 0.289 / 1.698 / 0.353 /
+# 1.099 for the 4-warp pointer tile (8 warps through pointers: 0.376 / 0.343 / 1.981 / 0.394 / 1.248); the D=64
+# encoder ran 0.394 against 0.200, so bidirectional attention keeps the 4-warp pointer tile.
+CUDA_DEFAULT_CONFIG = AttentionConfig(block_m=64, block_n=32, num_warps=8, num_stages=3, pack_gqa=True, tma=True)
+CUDA_BIDIRECTIONAL_CONFIG = AttentionConfig(block_m=64, block_n=32, num_warps=4, num_stages=3, pack_gqa=True)
 # The interpreter runs numpy per program; small tiles keep test packs multi-tile.
 CPU_DEFAULT_CONFIG = AttentionConfig(block_m=32, block_n=16, num_warps=1, num_stages=1)
 CONFIG_ENV = "RERANKIT_ATTENTION_CONFIG"
@@ -92,9 +106,9 @@ def parse_config(spec: str, base: AttentionConfig = CUDA_DEFAULT_CONFIG) -> Atte
         if not sep or name not in fields:
             raise ValueError(f"bad attention config item {item.strip()!r} in {spec!r}: expected field=value with "
                              f"field one of {', '.join(fields)}")
-        if name == "pack_gqa":
+        if fields[name] in (bool, "bool"):
             if value.lower() not in _TRUE + _FALSE:
-                raise ValueError(f"bad pack_gqa value {value!r} in {spec!r}: expected 1/0/true/false")
+                raise ValueError(f"bad {name} value {value!r} in {spec!r}: expected 1/0/true/false")
             changes[name] = value.lower() in _TRUE
         else:
             try:
@@ -112,26 +126,32 @@ def _config_from_env(spec: str, base: AttentionConfig) -> AttentionConfig:
         raise ValueError(f"{CONFIG_ENV}: {err}") from None
 
 
-def default_config(device: torch.device) -> AttentionConfig:
-    """Kernel tiles for ``device``: one shape for every workload on CUDA, small tiles for the CPU interpreter.
+def default_config(device: torch.device, causal: bool = True) -> AttentionConfig:
+    """Kernel tiles for ``device``: on CUDA one shape for causal attention and one for bidirectional (encoders),
+    small tiles for the CPU interpreter.
 
-    :data:`CUDA_DEFAULT_CONFIG` / :data:`CPU_DEFAULT_CONFIG`, with the fields of the environment variable
-    ``RERANKIT_ATTENTION_CONFIG`` (when set) replaced; see the module docstring.
+    :data:`CUDA_DEFAULT_CONFIG` / :data:`CUDA_BIDIRECTIONAL_CONFIG` / :data:`CPU_DEFAULT_CONFIG`, with the fields of
+    the environment variable ``RERANKIT_ATTENTION_CONFIG`` (when set) replaced; see the module docstring.
     """
-    base = CUDA_DEFAULT_CONFIG if device.type == "cuda" else CPU_DEFAULT_CONFIG
+    if device.type != "cuda":
+        base = CPU_DEFAULT_CONFIG
+    else:
+        base = CUDA_DEFAULT_CONFIG if causal else CUDA_BIDIRECTIONAL_CONFIG
     spec = os.environ.get(CONFIG_ENV, "").strip()
     return _config_from_env(spec, base) if spec else base
 
 
 @triton.jit
 def _attend_tiles(
-    acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt,
+    acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, k_desc, v_desc, kv_col,
     offs_m, offs_d, span_q, prefix_end, key_lo, key_hi, qk_scale,
-    CAUSAL: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
     """Online-softmax update of one query block over keys [key_lo, key_hi).
 
-    MASKED=False: the caller guarantees whole tiles that every query of the block sees.
+    MASKED=False: the caller guarantees whole tiles that every query of the block sees. TMA: K and V tiles come
+    through the descriptors (column ``kv_col``); rows past key_hi are then real keys of other spans (zeros past the
+    pack), masked out of the scores, so their V rows get weight 0.
     """
     for tile_start in range(key_lo, key_hi, BLOCK_N):
         offs_n = tile_start + tl.arange(0, BLOCK_N)
@@ -139,6 +159,9 @@ def _attend_tiles(
         v_ptrs = v_head_ptr + offs_n[:, None] * stride_vt + offs_d[None, :]
         if MASKED:
             in_range = offs_n < key_hi
+        if TMA:
+            k = k_desc.load([tile_start, kv_col])
+        elif MASKED:
             k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)
@@ -154,7 +177,9 @@ def _attend_tiles(
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MASKED:
+        if TMA:
+            v = v_desc.load([tile_start, kv_col])
+        elif MASKED:
             v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
         else:
             v = tl.load(v_ptrs)
@@ -165,9 +190,9 @@ def _attend_tiles(
 
 @triton.jit
 def _attend_block(
-    q, offs_m, token_valid, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_d,
+    q, offs_m, token_valid, k_head_ptr, v_head_ptr, stride_kt, stride_vt, k_desc, v_desc, kv_col, offs_d,
     prefix_lens, span_starts, seq, seq_start, seq_end, q_first, q_last, qk_scale,
-    CAUSAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr,
 ):
     """Attention of one block of query rows (tokens ``offs_m``, queries ``q`` [ROWS, D]) over the key ranges its
     tokens can see; (acc, l) of the online softmax. Both kernels call it, with their own row layouts."""
@@ -196,16 +221,21 @@ def _attend_block(
     acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
     qk_scale = qk_scale * 1.4426950408889634  # exp2 instead of exp
     # Shared prefix, then own spans: [lo_span, hi_span) masked, [hi_span, full_end) full, rest masked.
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_m, offs_d,
-                                  span_q, prefix_end, seq_start, shared_full_end, qk_scale, CAUSAL, False, BLOCK_N)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_m, offs_d,
-                                  span_q, prefix_end, shared_full_end, shared_end, qk_scale, CAUSAL, True, BLOCK_N)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_m, offs_d,
-                                  span_q, prefix_end, lo_span, hi_span, qk_scale, CAUSAL, True, BLOCK_N)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_m, offs_d,
-                                  span_q, prefix_end, hi_span, full_end, qk_scale, CAUSAL, False, BLOCK_N)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_m, offs_d,
-                                  span_q, prefix_end, full_end, kv_end, qk_scale, CAUSAL, True, BLOCK_N)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, k_desc, v_desc,
+                                  kv_col, offs_m, offs_d,
+                                  span_q, prefix_end, seq_start, shared_full_end, qk_scale, CAUSAL, False, BLOCK_N, TMA)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, k_desc, v_desc,
+                                  kv_col, offs_m, offs_d,
+                                  span_q, prefix_end, shared_full_end, shared_end, qk_scale, CAUSAL, True, BLOCK_N, TMA)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, k_desc, v_desc,
+                                  kv_col, offs_m, offs_d,
+                                  span_q, prefix_end, lo_span, hi_span, qk_scale, CAUSAL, True, BLOCK_N, TMA)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, k_desc, v_desc,
+                                  kv_col, offs_m, offs_d,
+                                  span_q, prefix_end, hi_span, full_end, qk_scale, CAUSAL, False, BLOCK_N, TMA)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, k_desc, v_desc,
+                                  kv_col, offs_m, offs_d,
+                                  span_q, prefix_end, full_end, kv_end, qk_scale, CAUSAL, True, BLOCK_N, TMA)
     return acc, l_i
 
 
@@ -225,11 +255,11 @@ def _query_block(cu_seqlens, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _prefix_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens, prefix_lens, span_starts,
+    q_ptr, k_ptr, v_ptr, out_ptr, k_desc, v_desc, cu_seqlens, prefix_lens, span_starts,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     qk_scale,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr,
 ):
     head = tl.program_id(1)
     seq, seq_start, seq_end, q_first, q_last = _query_block(cu_seqlens, BLOCK_M)
@@ -244,9 +274,9 @@ def _prefix_attention_kernel(
     k_head_ptr = k_ptr + (head // GROUP) * stride_kh
     v_head_ptr = v_ptr + (head // GROUP) * stride_vh
 
-    acc, l_i = _attend_block(q, offs_m, row_valid, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_d,
-                             prefix_lens, span_starts, seq, seq_start, seq_end, q_first, q_last, qk_scale,
-                             CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM)
+    acc, l_i = _attend_block(q, offs_m, row_valid, k_head_ptr, v_head_ptr, stride_kt, stride_vt, k_desc, v_desc,
+                             (head // GROUP) * HEAD_DIM, offs_d, prefix_lens, span_starts, seq, seq_start, seq_end,
+                             q_first, q_last, qk_scale, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, TMA)
 
     out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
     tl.store(out_ptr + offs_m[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -255,11 +285,11 @@ def _prefix_attention_kernel(
 
 @triton.jit
 def _prefix_attention_packed_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens, prefix_lens, span_starts,
+    q_ptr, k_ptr, v_ptr, out_ptr, k_desc, v_desc, cu_seqlens, prefix_lens, span_starts,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     qk_scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr,
 ):
     """_prefix_attention_kernel with the GROUP query heads of one kv head in one program (pack_gqa=True).
 
@@ -287,9 +317,9 @@ def _prefix_attention_packed_kernel(
     k_head_ptr = k_ptr + kv_head * stride_kh
     v_head_ptr = v_ptr + kv_head * stride_vh
 
-    acc, l_i = _attend_block(q, offs_m, token_valid, k_head_ptr, v_head_ptr, stride_kt, stride_vt, offs_d,
-                             prefix_lens, span_starts, seq, seq_start, seq_end, q_first, q_last, qk_scale,
-                             CAUSAL, ROWS, BLOCK_N, HEAD_DIM)
+    acc, l_i = _attend_block(q, offs_m, token_valid, k_head_ptr, v_head_ptr, stride_kt, stride_vt, k_desc, v_desc,
+                             kv_head * HEAD_DIM, offs_d, prefix_lens, span_starts, seq, seq_start, seq_end, q_first,
+                             q_last, qk_scale, CAUSAL, ROWS, BLOCK_N, HEAD_DIM, TMA)
 
     out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
     tl.store(out_ptr + offs_m[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -321,7 +351,7 @@ def prefix_attention(
     out = torch.empty_like(q)
     if total == 0:
         return out
-    config = config or default_config(q.device)
+    config = config or default_config(q.device, causal)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     group = q_heads // kv_heads
     if config.pack_gqa:  # one program per kv head and its GROUP query heads
@@ -329,14 +359,31 @@ def prefix_attention(
         packing = {"GROUP_PAD": triton.next_power_of_2(group)}
     else:
         kernel, heads, packing = _prefix_attention_kernel, q_heads, {}
+    tma = config.tma and takes_tma(k, v)
+    k_desc, v_desc = (_kv_descriptor(x, config.block_n) for x in (k, v)) if tma else (k, v)
     kernel[(triton.cdiv(max_seqlen, config.block_m), heads, cu_seqlens.numel() - 1)](
-        q, k, v, out, cu_seqlens, prefix_lens, span_starts,
+        q, k, v, out, k_desc, v_desc, cu_seqlens, prefix_lens, span_starts,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         scale,
-        GROUP=group, CAUSAL=causal, BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim,
+        GROUP=group, CAUSAL=causal, BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim, TMA=tma,
         num_warps=config.num_warps, num_stages=config.num_stages, **packing,
     )
     return out
+
+
+def takes_tma(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether K and V can be read through tensor descriptors: a triton that has them, each token's heads side by
+    side ([T, H * D] rows, as the q/k/v projection lays them out), 16-byte row strides and a 16-byte aligned start."""
+    if TensorDescriptor is None:
+        return False
+    return all(x.stride(2) == 1 and x.stride(1) == x.shape[2] and (x.stride(0) * x.element_size()) % 16 == 0
+               and x.data_ptr() % 16 == 0 for x in (k, v))
+
+
+def _kv_descriptor(x: torch.Tensor, block_n: int):
+    """K or V [T, H, D] as the 2-D [T, H * D] it is in memory: a tile is block_n keys of one head (column h * D)."""
+    total, heads, head_dim = x.shape
+    return TensorDescriptor(x, [total, heads * head_dim], [x.stride(0), 1], [block_n, head_dim])
 
 
 def prefix_attention_reference(
