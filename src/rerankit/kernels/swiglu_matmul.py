@@ -79,11 +79,9 @@ def swiglu_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tma:
     grid = lambda meta: (triton.cdiv(tokens, meta["BLOCK_M"]) * triton.cdiv(width, meta["BLOCK_N"]),)  # noqa: E731
     bias_arg = bias if bias is not None else weight
     if tma:
-        # Block shapes are set per tuning config by _set_block_shapes; these are placeholders.
-        descriptors = (TensorDescriptor.from_tensor(x, [16, 16]), TensorDescriptor.from_tensor(weight, [16, 16]),
-                       TensorDescriptor.from_tensor(out, [16, 16]))
+        # Block shapes are set per tuning config by _set_block_shapes; [16, 16] is a placeholder.
+        x_desc, w_desc, out_desc = (TensorDescriptor.from_tensor(t, [16, 16]) for t in (x, weight, out))
         kernel = _swiglu_tma_kernel_interpreted if _INTERPRET else _swiglu_tma_kernel
-        x_desc, w_desc, out_desc = descriptors
         kernel[grid](x_desc, w_desc, bias_arg, out_desc, tokens, width, x.shape[1], HAS_BIAS=bias is not None)
         return out
     kernel = _swiglu_matmul_kernel_interpreted if _INTERPRET else _swiglu_matmul_kernel
