@@ -276,7 +276,7 @@ def test_truncation_cuts_the_item_and_keeps_the_suffix(tiny_qwen3_lm):
         template = resolve_template(request, loaded, None, "generative")
         encoded = encode_request(request, loaded, "generative", template)
         document_tag = loaded.tokenizer("<Document>:", add_special_tokens=False)["input_ids"]
-        sequence = encoded.sequences()[0].input_ids
+        sequence = encoded.prefix_ids + encoded.item_ids[0] + encoded.suffix_ids
         # max_tokens_per_item counts the document's tokens, not the template's "<Document>: " before them
         lead = _shared_lead(loaded.tokenizer, long_doc)
         assert len(encoded.item_ids[0]) == lead + 12 and encoded.item_ids[1] == loaded.tokenizer(

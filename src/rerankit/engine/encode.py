@@ -67,11 +67,6 @@ class EncodedRequest:
         """Tokens of every (query, item) pair scored alone: the figure a one-pair-per-sequence server reports."""
         return sum(self.pair_lengths) + len(self.query_ids or ()) * len(self.item_ids)
 
-    def sequences(self) -> list[Sequence]:
-        """One sequence per item, in input order (the query's own sequence is ``query_sequence``)."""
-        return [self._sequence(index, self.prefix_ids + item + self.suffix_ids, len(item))
-                for index, item in enumerate(self.item_ids)]
-
     def query_sequence(self) -> Sequence | None:
         """The query as its own sequence, for bi-encoders and late interaction; None for pair modes."""
         if self.query_ids is None:
