@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", help="require this key as a Bearer token (default: $RERANKIT_API_KEY)")
     serve.add_argument("--served-model-name", help="the model name /v1/models and the responses report")
     serve.add_argument("--max-batch-items", type=_positive_int, help="items merged into one engine call at most")
-    serve.add_argument("--batch-window-ms", type=_non_negative_float, help="how long a request waits for others to batch with")
+    serve.add_argument("--batch-window-ms", type=_non_negative_float,
+                       help="how long a request waits for others to batch with")
     serve.add_argument("--max-items-per-request", type=_positive_int, help="refuse requests with more items")
     serve.add_argument("--max-batch-tokens", type=_positive_int, help="tokens merged into one engine call at most")
     serve.add_argument("--max-tokens-per-item", type=_positive_int, help="refuse items with more tokens")

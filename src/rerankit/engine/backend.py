@@ -31,8 +31,8 @@ from rerankit.errors import InvalidRequest, ModelLoadError, RerankitError
 from rerankit.schema import ScoreRequest, ScoreResponse, ScoreResult, Usage
 from rerankit.templates import get_template
 
-PROGRESS_MIN_ITEMS = 256
-MAX_CACHED_HEADS = 256  # label sets come from requests: a server keeps the newest heads only  # below this a call is quick enough that a progress bar is noise
+PROGRESS_MIN_ITEMS = 256  # below this a call is quick enough that a progress bar is noise
+MAX_CACHED_HEADS = 256  # label sets come from requests: a server keeps the newest heads only
 PREFETCH_MICRO_BATCHES = 2  # micro-batches planned ahead of the GPU on the planning thread
 # Ramp-up on a GPU: the call's first request is encoded first RAMP_ITEMS items, then the rest; the first chunk runs
 # as a micro-batch of its own when its prefix is at most 1/RAMP_PREFIX_SHARE of its tokens (a long shared prefix
@@ -100,8 +100,8 @@ class EmbeddedBackend:
     per padded shape (``engine/graphs.py``), to take the host's per-layer launches out of small calls; None (the
     default) uses them wherever the packed runner runs on CUDA. On an H100, W3 (1 query x 20 docs) p50 went from
     29.3 to 17.8 ms. With graphs a call also ramps up: its first 16 items run as a micro-batch of their own, replayed
-    in one launch, while the host tokenizes the rest (W1 59.7 vs 63.1 ms). ``show_progress`` None shows a progress bar for calls of more than 256
-    items. Thread-safe: one lock serialises use of the model.
+    in one launch, while the host tokenizes the rest (W1 59.7 vs 63.1 ms). ``show_progress`` None shows a progress
+    bar for calls of more than 256 items. Thread-safe: one lock serialises use of the model.
     """
 
     def __init__(self, model: str, *, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,

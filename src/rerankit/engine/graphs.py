@@ -82,7 +82,8 @@ def empty_batch(key: GraphKey, device: torch.device) -> PackedBatch:
 
 
 def load_padded(target: PackedBatch, batch: PackedBatch) -> None:
-    """Write ``batch`` into ``target`` (buffers of a larger key) with the padding described above, in place."""
+    """Write ``batch`` (on any device) into ``target`` (buffers of a larger key) with the padding described above,
+    in place."""
     tokens, sequences = batch.num_tokens, batch.cu_seqlens.numel() - 1
     for name in ("input_ids", "position_ids", "token_type_ids", "read_positions", "prefix_lens"):
         buffer, values = getattr(target, name), getattr(batch, name)
@@ -137,7 +138,9 @@ class GraphedForward:
         self.captures = 0
 
     def run(self, batch: PackedBatch, read: bool) -> torch.Tensor | None:
-        """The forward's rows for ``batch`` (read rows, or every token), or None when no graph applies."""
+        """The forward's rows for ``batch`` (read rows, or every token), or None when no graph applies. ``batch``
+        may lie on the host (pinned, for asynchronous copies) or on the device: it is copied into the graph's own
+        buffers either way."""
         key = graph_key(batch, read, self.max_tokens)
         if key is None:
             return None

@@ -57,13 +57,14 @@ class PackedRunner:
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """Every token's final state (pooling heads)."""
-        return self._run(self._on_device(batch), read=False)
+        return self._run(batch, read=False)
 
     def forward_read(self, batch: PackedBatch) -> torch.Tensor:
         """The final states at the read positions; the last layer runs on those rows only."""
-        return self._run(self._on_device(batch), read=True)
+        return self._run(batch, read=True)
 
     def _run(self, batch: PackedBatch, read: bool) -> torch.Tensor:
+        # A replay copies the (pinned) host tensors straight into its graph's buffers; only eager runs move them.
         if self.graphs is not None:
             try:
                 replayed = self.graphs.run(batch, read)
@@ -73,6 +74,7 @@ class PackedRunner:
                 replayed = None
             if replayed is not None:
                 return replayed
+        batch = self._on_device(batch)
         return self.model.forward_read(batch) if read else self.model.forward(batch)
 
     def _on_device(self, batch: PackedBatch) -> PackedBatch:
