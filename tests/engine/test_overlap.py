@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from rerankit.engine import EmbeddedBackend
+from rerankit.engine import backend as backend_module
 from rerankit.engine.plan import Planner, RequestParts
 from rerankit.engine.prefetch import prefetch
 from rerankit.errors import InvalidRequest
@@ -144,6 +145,37 @@ def test_overlap_ramp_counts_the_repeated_prefix_once_more(lm_path):
     ramped, single = overlapped.score(request), plain.score(request)
     assert single.usage.computed_tokens == 3 + 40 * 2
     assert ramped.usage.computed_tokens == single.usage.computed_tokens + 3  # the first 16 items ran apart
+
+
+def test_ramp_chunks_follow_the_schedule_while_as_many_items_follow(lm_path, monkeypatch):
+    backend = EmbeddedBackend(str(lm_path), device="cpu", runner="packed", overlap=True)
+    monkeypatch.setattr(backend_module, "RAMP_CHUNKS", (8, 24))
+    request = ScoreRequest(query=[5], items=[[20, 21]] * 100, label_token_ids=[30, 31])
+    assert backend._chunks(request, True) == [slice(0, 8), slice(8, 32), slice(32, 100)]
+    fewer = request.model_copy(update={"items": [[20, 21]] * 40})  # 8 more after 32 would leave fewer than 32
+    assert backend._chunks(fewer, True) == [slice(0, 8), slice(8, 40)]
+    assert backend._chunks(request.model_copy(update={"items": [[20, 21]] * 15}), True) == [slice(0, 15)]
+    assert backend._chunks(request, False) == [slice(0, 100)]
+
+
+def test_ramp_chunks_each_run_apart_and_score_as_one_chunk(lm_path, monkeypatch):
+    monkeypatch.setattr(backend_module, "RAMP_CHUNKS", (8, 24))
+    overlapped = EmbeddedBackend(str(lm_path), device="cpu", runner="packed", overlap=True)
+    plain = EmbeddedBackend(str(lm_path), device="cpu", runner="packed", overlap=False)
+    request = ScoreRequest(query=[5, 6], items=[[20 + index, 21, 22] for index in range(100)], label_token_ids=[30, 31])
+    ramped, single = overlapped.score(request), plain.score(request)
+    assert ramped.usage.computed_tokens == single.usage.computed_tokens + 2 * 2  # two ramp chunks repeat the prefix
+    torch.testing.assert_close(torch.tensor(ramped.scores), torch.tensor(single.scores), atol=1e-5, rtol=0)
+
+
+def test_a_prefix_long_next_to_the_first_items_is_encoded_in_one_chunk(lm_path):
+    backend = EmbeddedBackend(str(lm_path), device="cpu", runner="packed", overlap=True)
+    items = [f"doc {index}" for index in range(40)]
+    long_query = ScoreRequest(query="a long question " * 40, items=items, template="qwen3-reranker")
+    assert backend._chunks(long_query, True) == [slice(0, 40)]
+    long_instruction = ScoreRequest(query="q", items=items, template="qwen3-reranker", instruction="rank well " * 60)
+    assert backend._chunks(long_instruction, True) == [slice(0, 40)]
+    assert backend._chunks(long_query.model_copy(update={"query": "q"}), True) == [slice(0, 16), slice(16, 40)]
 
 
 def test_overlap_errors_in_a_later_chunk_name_the_item_and_drop_the_request(lm_path):

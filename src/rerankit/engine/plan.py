@@ -197,13 +197,24 @@ def pack(sequences: list[Sequence], *, causal: bool) -> PackedBatch:
     return builder.build(causal, pin_memory=False).batch
 
 
+_TORCH_DTYPES = {np.int64: torch.int64, np.int32: torch.int32}
+
+
 def _host_tensors(arrays: list[np.ndarray], dtype: type, pin_memory: bool) -> list[torch.Tensor]:
     """The arrays as views of one host tensor of ``dtype``: with ``pin_memory`` one page-locked block for all of
-    them (one pinned allocation per micro-batch and dtype, not one per field)."""
-    flat = torch.from_numpy(np.concatenate(arrays).astype(dtype, copy=False))
-    if pin_memory:
-        flat = flat.pin_memory()
-    return list(flat.split([len(array) for array in arrays]))
+    them (one pinned allocation per micro-batch and dtype, not one per field).
+
+    The pinned block comes from torch's caching host allocator (``torch.empty(..., pin_memory=True)``) and numpy
+    fills it in place. On the lent H100's host, ``Tensor.pin_memory()`` between tokenizer calls took 3.6 ms a call
+    where this takes 0.2 (0.02 alone), and the tokenizer calls after it ran 2.5x slower (12.6 vs 5.1 ms for W1's
+    documents); W1's planning took 17.7 ms with it and 9.2 ms unpinned.
+    """
+    sizes = [len(array) for array in arrays]
+    if not pin_memory:
+        return list(torch.from_numpy(np.concatenate(arrays).astype(dtype, copy=False)).split(sizes))
+    flat = torch.empty(sum(sizes), dtype=_TORCH_DTYPES[dtype], pin_memory=True)
+    np.concatenate(arrays, out=flat.numpy(), casting="unsafe")
+    return list(flat.split(sizes))
 
 
 class _Planner:
