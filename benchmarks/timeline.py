@@ -1,0 +1,119 @@
+"""Where a call's wall time goes, without a profiler: host time to each micro-batch's launch, and the GPU's time.
+
+For W1, W3 and LI (``pairs.py``'s workloads, Qwen3-Reranker-0.6B shape, random weights), on the GPU:
+  wall_ms        median wall time of a ``score_batch`` call (15 calls after 3 warm-ups);
+  launches       for two instrumented calls, each micro-batch's (event, host ms, GPU ms, tokens): "enter" when the
+                 runner is called for it (host clock) and when the GPU reaches that point of the stream (a CUDA event
+                 recorded there), "exit" when the runner returns (its launches are queued) and when the GPU has run
+                 them; both clocks count from the call's start;
+  gpu_bound_ms   the same micro-batches, planned beforehand, launched back to back (median of 10): the GPU's time
+                 with the host out of the way;
+  plan_ms        the call's encoding and planning alone, no model (median of 10).
+The profiler slows the host and so overstates the GPU's idle time; these numbers do not.
+
+    PYTHONPATH=src python benchmarks/timeline.py [--out timeline.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pairs import build_decoder_dir, decoder_workloads, requests_of, single_token_words  # noqa: E402
+
+from rerankit.engine import EmbeddedBackend  # noqa: E402
+from rerankit.engine.backend import _Call  # noqa: E402
+
+
+def median_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def instrumented_call(backend: EmbeddedBackend, requests: list) -> dict:
+    """One call with each micro-batch's launch marked on the host clock and on the GPU's stream."""
+    runner = backend._runner
+    forward_read = runner.forward_read
+    marks = []
+
+    def marked(batch):
+        marks.append(("enter", time.perf_counter(), _event(), batch.num_tokens))
+        out = forward_read(batch)
+        marks.append(("exit", time.perf_counter(), _event(), batch.num_tokens))
+        return out
+
+    torch.cuda.synchronize()
+    start_event, start = _event(), time.perf_counter()
+    runner.forward_read = marked
+    try:
+        backend.score_batch(requests)
+    finally:
+        runner.forward_read = forward_read
+    returned = time.perf_counter()
+    end_event = _event()
+    torch.cuda.synchronize()
+    return {"launches": [(kind, round(1e3 * (host - start), 2), round(start_event.elapsed_time(event), 2), tokens)
+                         for kind, host, event, tokens in marks],
+            "host_return_ms": round(1e3 * (returned - start), 2),
+            "gpu_end_ms": round(start_event.elapsed_time(end_event), 2)}
+
+
+def _event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="W1,W3,LI")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    folder = build_decoder_dir(Path(tempfile.mkdtemp(prefix="rerankit-timeline-")), "0.6b")
+    backend = EmbeddedBackend(str(folder), device="cuda", dtype="bfloat16")
+    loaded = backend._model()
+    workloads = decoder_workloads(single_token_words(loaded.tokenizer), random.Random(0),
+                                  set(args.workloads.split(",")))
+    rows = [{"device": torch.cuda.get_device_name(), "torch": torch.__version__}]
+    print(json.dumps(rows[0]), flush=True)
+    with torch.inference_mode():
+        for workload in workloads:
+            requests = requests_of(workload, True)
+            for _ in range(3):
+                backend.score_batch(requests)
+            wall = median_ms(lambda: backend.score_batch(requests), 15)
+            calls = [instrumented_call(backend, requests) for _ in range(2)]
+            micro_batches = list(backend._plan(_Call(requests), loaded, False))
+
+            def launch_all():
+                for micro in micro_batches:
+                    backend._runner.forward_read(micro.batch)
+
+            gpu_bound = median_ms(launch_all, 10)
+            plan = median_ms(lambda: list(backend._plan(_Call(requests), loaded, False)), 10)
+            row = {"workload": workload.name, "wall_ms": round(wall, 2), "gpu_bound_ms": round(gpu_bound, 2),
+                   "plan_ms": round(plan, 2), "micro_batch_tokens": [m.batch.num_tokens for m in micro_batches],
+                   "instrumented_calls": calls}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
