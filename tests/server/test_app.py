@@ -219,3 +219,18 @@ def test_the_server_warms_the_engine_up_before_it_answers_unless_told_not_to(cap
         assert reply.status_code == 200 and failing.warm_ups == 1
     assert any("warm-up failed" in record.message and "CUDA out of memory" in record.message
                for record in caplog.records)
+
+
+def test_the_server_freezes_what_is_alive_after_warming_up_when_told_to():
+    import gc
+
+    before = gc.get_freeze_count()
+    warming = WarmingBackend()
+    try:
+        with live_server(create_app(warming, ServerConfig(freeze_gc=True))) as base:
+            assert warming.warm_ups == 1 and gc.get_freeze_count() > before
+            assert httpx.post(base + "/rerank", json={"query": "q", "documents": ["a"]}, timeout=10).status_code == 200
+    finally:
+        gc.unfreeze()
+    with live_server(create_app(WarmingBackend())):
+        assert gc.get_freeze_count() == 0  # the default leaves the caller's process alone

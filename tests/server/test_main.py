@@ -45,3 +45,24 @@ def test_serve_scores_with_the_model_and_takes_the_api_key_from_the_environment(
     finally:
         server.terminate()
         server.wait(30)
+
+
+def test_serve_freezes_the_collector_after_warm_up_unless_told_not_to(monkeypatch):
+    import uvicorn
+
+    import rerankit.reranker
+    import rerankit.server.app
+    from rerankit.server.main import serve
+
+    configs = []
+
+    class Closing:
+        def close(self):
+            pass
+
+    monkeypatch.setattr(rerankit.reranker, "make_backend", lambda model, **options: Closing())
+    monkeypatch.setattr(rerankit.server.app, "create_app", lambda backend, config: configs.append(config))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: None)
+    serve("some-model")
+    serve("some-model", freeze_gc=False)
+    assert [config.freeze_gc for config in configs] == [True, False]

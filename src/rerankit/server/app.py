@@ -7,6 +7,7 @@ carry no key); the scoring routes and ``/v1/models`` need it.
 
 from __future__ import annotations
 
+import gc
 import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
@@ -38,6 +39,9 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if config.warm_up:
             await batcher.warm_up()  # before the server accepts connections: /health answers once it is done
+        if config.freeze_gc:
+            gc.collect()
+            gc.freeze()  # what is alive now (weights' modules, compiled code) stays: full collections skip it
         batcher.start()
         yield
         await batcher.stop()
