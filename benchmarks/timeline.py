@@ -28,21 +28,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pairs import build_decoder_dir, decoder_workloads, requests_of, single_token_words  # noqa: E402
+from pairs import build_decoder_dir, decoder_workloads, requests_of, single_token_words, time_call  # noqa: E402
 
 from rerankit.engine import EmbeddedBackend  # noqa: E402
 from rerankit.engine.backend import _Call  # noqa: E402
 
 
 def median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)
+    return 1e3 * statistics.median(time_call(fn, repeats))
 
 
 def instrumented_call(backend: EmbeddedBackend, requests: list) -> dict:

@@ -143,16 +143,20 @@ def default_config(device: torch.device, causal: bool = True) -> AttentionConfig
 
 @triton.jit
 def _attend_tiles(
-    acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, k_desc, v_desc, kv_col,
-    offs_m, offs_d, span_q, prefix_end, key_lo, key_hi, qk_scale,
+    acc, m_i, l_i, q, kv, queries, key_lo, key_hi, qk_scale,
     CAUSAL: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
     """Online-softmax update of one query block over keys [key_lo, key_hi).
 
+    ``kv`` = (k_head_ptr, v_head_ptr, stride_kt, stride_vt, k_desc, v_desc, kv_col): where the K and V tiles of the
+    block's kv head come from; ``queries`` = (offs_m, offs_d, span_q, prefix_end): each row's token, the head
+    dimensions, each row's span start and the sequence's prefix end.
     MASKED=False: the caller guarantees whole tiles that every query of the block sees. TMA: K and V tiles come
     through the descriptors (column ``kv_col``); rows past key_hi are then real keys of other spans (zeros past the
     pack), masked out of the scores, so their V rows get weight 0.
     """
+    k_head_ptr, v_head_ptr, stride_kt, stride_vt, k_desc, v_desc, kv_col = kv
+    offs_m, offs_d, span_q, prefix_end = queries
     for tile_start in range(key_lo, key_hi, BLOCK_N):
         offs_n = tile_start + tl.arange(0, BLOCK_N)
         k_ptrs = k_head_ptr + offs_n[:, None] * stride_kt + offs_d[None, :]
@@ -221,21 +225,16 @@ def _attend_block(
     acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
     qk_scale = qk_scale * 1.4426950408889634  # exp2 instead of exp
     # Shared prefix, then own spans: [lo_span, hi_span) masked, [hi_span, full_end) full, rest masked.
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, k_desc, v_desc,
-                                  kv_col, offs_m, offs_d,
-                                  span_q, prefix_end, seq_start, shared_full_end, qk_scale, CAUSAL, False, BLOCK_N, TMA)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, k_desc, v_desc,
-                                  kv_col, offs_m, offs_d,
-                                  span_q, prefix_end, shared_full_end, shared_end, qk_scale, CAUSAL, True, BLOCK_N, TMA)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, k_desc, v_desc,
-                                  kv_col, offs_m, offs_d,
-                                  span_q, prefix_end, lo_span, hi_span, qk_scale, CAUSAL, True, BLOCK_N, TMA)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, k_desc, v_desc,
-                                  kv_col, offs_m, offs_d,
-                                  span_q, prefix_end, hi_span, full_end, qk_scale, CAUSAL, False, BLOCK_N, TMA)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, stride_kt, stride_vt, k_desc, v_desc,
-                                  kv_col, offs_m, offs_d,
-                                  span_q, prefix_end, full_end, kv_end, qk_scale, CAUSAL, True, BLOCK_N, TMA)
+    kv = (k_head_ptr, v_head_ptr, stride_kt, stride_vt, k_desc, v_desc, kv_col)
+    queries = (offs_m, offs_d, span_q, prefix_end)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, kv, queries, seq_start, shared_full_end, qk_scale,
+                                  CAUSAL, False, BLOCK_N, TMA)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, kv, queries, shared_full_end, shared_end, qk_scale,
+                                  CAUSAL, True, BLOCK_N, TMA)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, kv, queries, lo_span, hi_span, qk_scale, CAUSAL, True, BLOCK_N, TMA)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, kv, queries, hi_span, full_end, qk_scale, CAUSAL, False, BLOCK_N,
+                                  TMA)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, kv, queries, full_end, kv_end, qk_scale, CAUSAL, True, BLOCK_N, TMA)
     return acc, l_i
 
 
