@@ -48,7 +48,7 @@ def make_batch(layout, causal=True, device="cuda") -> PackedBatch:
     return PackedBatch(
         input_ids=torch.zeros(total, dtype=torch.int64, device=device),
         position_ids=torch.zeros(total, dtype=torch.int64, device=device),
-        read_positions=empty, item_indices=empty, request_ids=empty, causal=causal, **meta,
+        read_positions=empty, causal=causal, **meta,
     )
 
 

@@ -71,8 +71,7 @@ def make_batch(prefix: list[int], docs: list[list[int]], suffix: list[int], shar
     return PackedBatch(input_ids=torch.tensor(ids, **as_long), position_ids=torch.tensor(positions, **as_long),
                        cu_seqlens=torch.tensor(cu, **as_int), max_seqlen=max(b - a for a, b in zip(cu, cu[1:])),
                        prefix_lens=torch.tensor(prefix_lens, **as_int), span_starts=torch.tensor(span_starts, **as_int),
-                       read_positions=torch.tensor(reads, **as_long), item_indices=torch.arange(len(reads), **as_long),
-                       request_ids=torch.zeros(len(reads), **as_long), causal=True)
+                       read_positions=torch.tensor(reads, **as_long), causal=True)
 
 
 def body_flops(config, batch: PackedBatch) -> float:

@@ -28,7 +28,7 @@ def make_batch(layout, causal=True, device="cpu"):
             read_positions.append(item_start - 1)
         cu.append(item_start)
         prefix_lens.append(prefix_len)
-    total, items = cu[-1], len(read_positions)
+    total = cu[-1]
     as_long = dict(dtype=torch.int64, device=device)
     as_int = dict(dtype=torch.int32, device=device)
     return PackedBatch(
@@ -39,8 +39,6 @@ def make_batch(layout, causal=True, device="cpu"):
         prefix_lens=torch.tensor(prefix_lens, **as_int),
         span_starts=torch.tensor(span_starts, **as_int),
         read_positions=torch.tensor(read_positions, **as_long),
-        item_indices=torch.arange(items, **as_long),
-        request_ids=torch.zeros(items, **as_long),
         causal=causal,
     )
 

@@ -59,8 +59,7 @@ def _batch(ids, positions, cu, prefix_lens, span_starts, read_positions, causal,
     return PackedBatch(input_ids=ids.long(), position_ids=positions.long(), cu_seqlens=cu.to(torch.int32),
                        max_seqlen=int((cu[1:] - cu[:-1]).max()), prefix_lens=prefix_lens.to(torch.int32),
                        span_starts=span_starts.to(torch.int32), read_positions=read_positions.long(),
-                       item_indices=torch.arange(read_positions.numel()),
-                       request_ids=torch.zeros(read_positions.numel(), dtype=torch.long), causal=causal,
+                       causal=causal,
                        token_type_ids=token_types)
 
 

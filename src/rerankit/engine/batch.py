@@ -26,9 +26,8 @@ class PackedBatch:
     prefix_lens:   [B] int32 shared-prefix length of each sequence (0 when MIS is off).
     span_starts:   [T] int32 packed index where each token's own span starts (prefix tokens and
                    non-MIS tokens: their sequence start).
-    read_positions:[N] int64 packed indices whose hidden state is scored (one per item).
-    item_indices:  [N] int64 request-level item index of each read position, in the same order.
-    request_ids:   [N] int64 which request of the engine call each read position belongs to.
+    read_positions:[N] int64 packed indices whose hidden state is scored (one per item); which request and item
+                   each belongs to stays on the host (``MicroBatch.read_requests`` / ``read_items``).
     causal:        True for decoders; False for bidirectional encoders (MIS is never used there).
     token_type_ids:[T] int64 segment ids for BERT-style pair encoders, else None.
     """
@@ -40,8 +39,6 @@ class PackedBatch:
     prefix_lens: torch.Tensor
     span_starts: torch.Tensor
     read_positions: torch.Tensor
-    item_indices: torch.Tensor
-    request_ids: torch.Tensor
     causal: bool = True
     token_type_ids: torch.Tensor | None = None
 

@@ -18,7 +18,6 @@ that take least GPU time (launches are free at replay).
 
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,7 +74,6 @@ def empty_batch(key: GraphKey, device: torch.device) -> PackedBatch:
         input_ids=zeros(key.tokens), position_ids=zeros(key.tokens), cu_seqlens=zeros(key.sequences + 1, torch.int32),
         max_seqlen=key.tokens, prefix_lens=zeros(key.sequences, torch.int32),
         span_starts=zeros(key.tokens, torch.int32), read_positions=zeros(key.reads),
-        item_indices=torch.zeros(0, dtype=torch.int64), request_ids=torch.zeros(0, dtype=torch.int64),
         causal=key.causal, token_type_ids=zeros(key.tokens) if key.typed else None)
     batch.cu_seqlens[1:] = key.tokens
     return batch
@@ -101,7 +99,7 @@ def pad_batch(batch: PackedBatch, key: GraphKey) -> PackedBatch:
     """``batch`` padded to ``key`` as a new batch (the CPU-testable form of what a replay sees)."""
     padded = empty_batch(key, batch.input_ids.device)
     load_padded(padded, batch)
-    return dataclasses.replace(padded, item_indices=batch.item_indices, request_ids=batch.request_ids)
+    return padded
 
 
 class GraphCaptureError(RuntimeError):

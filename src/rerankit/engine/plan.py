@@ -93,7 +93,7 @@ class RequestParts:
 class MicroBatch:
     """A packed batch with what the backend needs to run its heads and scatter the results back.
 
-    read_requests / read_items: host copies of ``batch.request_ids`` / ``batch.item_indices``.
+    read_requests / read_items: the request (of the engine call) and item of each read position, in its order.
     head_slices:    (head key, first read, end read) for each run of reads that one head scores.
     request_tokens: tokens this micro-batch runs for each request (shared prefixes counted once).
     """
@@ -381,8 +381,6 @@ class _Builder:
             prefix_lens=ints[1],
             span_starts=ints[2],
             read_positions=longs[2],
-            item_indices=torch.from_numpy(read_items),
-            request_ids=torch.from_numpy(read_requests),
             causal=causal,
             token_type_ids=longs[3] if self.types else None,
         )
