@@ -29,7 +29,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 has tests && python3 -m pytest -q -m gpu tests/engine tests/kernels -p no:cacheprovider 2>&1 | tail -25 | tee "$out/gpu_tests.txt"
 has pairs && python3 benchmarks/pairs.py --ab --profile "$out" --out "$out/pairs.json" > "$out/pairs.txt" 2> /tmp/pairs.err
 has pairs && { tail -3 /tmp/pairs.err; tail -45 "$out/pairs.txt"; }
-has pairs && python3 benchmarks/timeline.py --out "$out/timeline.json" 2> /tmp/timeline.err | grep -v '^{"device' | cut -c1-400
+has pairs && python3 benchmarks/timeline.py --out "$out/timeline.json" 2> /tmp/timeline.err \
+  | grep -v '^{"device' | cut -c1-400
 has w4 && python3 benchmarks/pairs.py --workloads "" --w4 --out "$out/pairs_w4.json" > "$out/pairs_w4.txt" 2> /tmp/w4.err
 has w4 && { tail -3 /tmp/w4.err; tail -16 "$out/pairs_w4.txt"; }
 has kernels && python3 benchmarks/label_logprobs.py --out "$out/label_logprobs.jsonl" > "$out/label_logprobs.txt" 2>&1

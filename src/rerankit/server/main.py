@@ -28,8 +28,8 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
     from rerankit.server.app import create_app
     from rerankit.server.limits import ServerConfig
 
-    config = ServerConfig(api_key=api_key or os.environ.get(API_KEY_ENV) or None,
-                          **{"freeze_gc": True, **{name: value for name, value in settings.items() if value is not None}})
+    given = {name: value for name, value in settings.items() if value is not None}
+    config = ServerConfig(**{"freeze_gc": True, **given, "api_key": api_key or os.environ.get(API_KEY_ENV) or None})
     engine_options = {name: value for name, value in (("device", device), ("dtype", dtype)) if value is not None}
     backend = make_backend(model, **engine_options)
     try:
