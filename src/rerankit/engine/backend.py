@@ -6,7 +6,8 @@ positions), and the results are scattered back to each request in input order. S
 whole call has been launched; one copy to the host ends it. Requests are encoded and planned lazily, as the
 micro-batches are consumed, so on a GPU the host tokenizes request k+1 while the GPU runs request k's launches;
 ``overlap=True`` also moves planning to a worker thread (``prefetch``). With a planning thread or CUDA graphs the
-first request is encoded in two chunks so that the GPU starts on the first one early.
+first request is encoded in two chunks so that the GPU starts on the first one early (unless its query and
+instruction are long next to its first items).
 """
 
 from __future__ import annotations
@@ -95,8 +96,9 @@ class EmbeddedBackend:
     causal model, on CUDA and on the CPU alike; False turns it off for every request. Requests are always encoded and
     planned as the model runs, one micro-batch ahead of it (the launches are asynchronous on a GPU); ``overlap``
     moves that to a worker thread and starts the model on a call's first 16 items while the rest is tokenized. On
-    an H100 that was slower (W1 1,241 vs 1,678 pairs/s, LI 2,103 vs 2,236, W2 equal): the thread contends for the
-    GIL with the launches. It stays an option for hosts where tokenizing is slow next to the model.
+    an H100 it never paid (first W1 1,241 vs 1,678 pairs/s, LI 2,103 vs 2,236; in the latest run W1 and W2 tied and
+    LI 2,142 vs 2,296): the thread contends for the GIL with the launches. It stays an option for hosts where
+    tokenizing is slow next to the model.
     ``cuda_graphs`` replays the packed forward of micro-batches up to 8,192 tokens from CUDA graphs, one captured
     per padded shape (``engine/graphs.py``), to take the host's per-layer launches out of small calls; None (the
     default) uses them wherever the packed runner runs on CUDA. On an H100, W3 (1 query x 20 docs) p50 went from

@@ -250,14 +250,15 @@ class _Planner:
         start = 0
         while start < len(spans):
             # A chunk that follows its request's open sequence goes on in it, without another prefix.
-            prefix = 0 if self.builder.continues(index, parts) else len(parts.prefix)
+            extend = self.builder.continues(index, parts)
+            prefix = 0 if extend else len(parts.prefix)
             room = self.budget - self.builder.tokens
             if self.builder.tokens and room < prefix + spans[start]:
                 yield from self.flush()
-                room, prefix = self.budget, len(parts.prefix)
+                room, prefix, extend = self.budget, len(parts.prefix), False
             filled = prefix + np.cumsum(spans[start:])
             count = max(1, int(np.searchsorted(filled, room, side="right")))
-            self.builder.add_shared(index, parts, np.arange(start, start + count))
+            self.builder.add_shared(index, parts, np.arange(start, start + count), extend)
             start += count
 
 
@@ -305,14 +306,14 @@ class _Builder:
         self._add(index, head, np.array([length]), np.zeros(1, dtype=np.int64), 0, np.array([read_offset]),
                   np.array([item]))
 
-    def add_shared(self, index: int, parts: RequestParts, items: np.ndarray) -> None:
+    def add_shared(self, index: int, parts: RequestParts, items: np.ndarray, extend: bool) -> None:
         """One MIS sequence: the prefix, then a span (item + suffix) per item, each read at its last token.
 
-        When the last sequence is this request's MIS sequence (``continues``), the spans go on in it instead.
+        ``extend`` (the caller checked ``continues``): the spans go on in the last sequence, this request's MIS
+        sequence, instead.
         """
         prefix = len(parts.prefix)
         spans = parts.item_lengths[items] + len(parts.suffix)
-        extend = self.continues(index, parts)
         if not extend:
             self.ids.append(parts.prefix)
         for item in items.tolist():

@@ -78,8 +78,8 @@ class PackedRunner:
         return self.model.forward_read(batch) if read else self.model.forward(batch)
 
     def _on_device(self, batch: PackedBatch) -> PackedBatch:
-        # Only what the model reads moves; item and request ids stay on the host for scattering results.
-        # The planner pinned these tensors, so the copies are queued without waiting.
+        # The tensors the model reads (the planner pinned them, so the copies are queued without waiting); which
+        # request and item each read belongs to stays on the host, in the MicroBatch.
         if batch.input_ids.device == self.device:
             return batch
         moved = {name: getattr(batch, name).to(self.device, non_blocking=True)
