@@ -8,7 +8,7 @@ and packed GQA (all query heads of a kv head per program), with its max |diff| a
 sweep result is printed as a JSON line as soon as it is measured, then one "best" line per pack.
 
     PYTHONPATH=src python benchmarks/attention.py --out bench_out/attention.json [--sweep] [--sweep-only]
-        [--sweep-set all|tma] [--workloads MIS 32k encoder]
+        [--sweep-set all|tma|tiles] [--workloads MIS 32k encoder]
 
 The default config is rerankit.kernels.prefix_attention.default_config, so RERANKIT_ATTENTION_CONFIG applies to
 the "triton" backend rows and to the sweep's reference.
@@ -45,11 +45,13 @@ def make_batch(layout, causal=True, device="cuda") -> PackedBatch:
     meta = pack_meta(layout, device)
     total = meta["span_starts"].numel()
     empty = torch.zeros(0, dtype=torch.int64, device=device)
-    return PackedBatch(
+    batch = PackedBatch(
         input_ids=torch.zeros(total, dtype=torch.int64, device=device),
         position_ids=torch.zeros(total, dtype=torch.int64, device=device),
         read_positions=empty, causal=causal, **meta,
     )
+    batch.keys_per_query = visible_pairs(batch) / total  # as the planner sets it: the kernel's tiles depend on it
+    return batch
 
 
 def visible_pairs(batch: PackedBatch) -> int:
@@ -96,7 +98,16 @@ TMA_SWEEP = [dataclasses.replace(config, tma=tma) for config in (
     AttentionConfig(64, 64, 4, 3, pack_gqa=True), AttentionConfig(64, 32, 8, 3, pack_gqa=True),
     AttentionConfig(128, 32, 4, 3)) for tma in (False, True)]
 SWEEP += [config for config in TMA_SWEEP if config.tma]
-SWEEP_SETS = {"all": SWEEP, "tma": TMA_SWEEP}
+# Descriptor tiles by query-block size, key-tile size, warps, stages and a register cap: ``--sweep-set tiles`` (what
+# chose CUDA_DEFAULT_CONFIG and CUDA_LONG_KEYS_CONFIG).
+TILES_SWEEP = [AttentionConfig(block_m, block_n, warps, stages, pack_gqa=True, tma=True, maxnreg=maxnreg)
+               for block_m, block_n, warps, stages, maxnreg in [
+                   (64, 32, 8, 3, None), (32, 32, 4, 3, None), (32, 32, 4, 2, None), (32, 32, 4, 4, None),
+                   (32, 64, 4, 2, None), (32, 64, 4, 3, None), (32, 64, 4, 3, 168), (64, 64, 8, 2, 128),
+                   (64, 64, 8, 3, 128), (64, 64, 8, 2, None), (64, 64, 8, 3, None), (32, 128, 4, 2, None),
+                   (64, 128, 8, 2, None), (32, 32, 8, 3, None), (16, 32, 4, 3, None)]]
+SWEEP += [config for config in TILES_SWEEP if config not in SWEEP]
+SWEEP_SETS = {"all": SWEEP, "tma": TMA_SWEEP, "tiles": TILES_SWEEP}
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -108,8 +119,9 @@ def bench_backend(q, k, v, batch, backend) -> float:
 
 
 def config_label(config: AttentionConfig) -> str:
+    flags = (" tma" if config.tma else "") + (f" r{config.maxnreg}" if config.maxnreg else "")
     return (f"{'gqa' if config.pack_gqa else 'head'} m{config.block_m:<3d} n{config.block_n:<3d} "
-            f"w{config.num_warps} s{config.num_stages}{' tma' if config.tma else ''}")
+            f"w{config.num_warps} s{config.num_stages}{flags}")
 
 
 def print_best(sweep: list[dict]) -> None:

@@ -11,13 +11,19 @@ For W1, W3 and LI (``pairs.py``'s workloads, Qwen3-Reranker-0.6B shape, random w
   plan_ms        the call's encoding and planning alone, no model (median of 10).
 The profiler slows the host and so overstates the GPU's idle time; these numbers do not.
 
-    PYTHONPATH=src python benchmarks/timeline.py [--out timeline.json]
+``--ab`` instead times wall_ms and gpu_bound_ms of each workload under each engine setting of ``AB_SETTINGS`` (model
+switches and attention kernel configs), the settings interleaved over ``--rounds`` rounds so that a drifting clock
+or host falls on all of them alike; each setting gets CUDA graphs of its own (a graph keeps the kernels it was
+captured with).
+
+    PYTHONPATH=src python benchmarks/timeline.py [--out timeline.json] [--ab [--rounds 3]]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -32,6 +38,15 @@ from pairs import build_decoder_dir, decoder_workloads, requests_of, single_toke
 
 from rerankit.engine import EmbeddedBackend  # noqa: E402
 from rerankit.engine.backend import _Call  # noqa: E402
+from rerankit.engine.runner import graphed_forward  # noqa: E402
+from rerankit.kernels.prefix_attention import CONFIG_ENV  # noqa: E402
+
+# name -> (PackedDecoder attributes, RERANKIT_ATTENTION_CONFIG): the engine settings --ab compares.
+AB_SETTINGS = {
+    "attention tiles by keys per query (default)": ({}, ""),
+    "attention 64x32 tiles, 8 warps, 3 stages": ({}, "block_m=64,block_n=32,num_warps=8,num_stages=3,maxnreg=0"),
+    "attention 32x32 tiles, 4 warps, 2 stages": ({}, "block_m=32,block_n=32,num_warps=4,num_stages=2,maxnreg=0"),
+}
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -72,9 +87,47 @@ def _event() -> torch.cuda.Event:
     return event
 
 
+def gpu_bound_ms(backend: EmbeddedBackend, loaded, requests: list, repeats: int = 10) -> float:
+    """The call's micro-batches, planned beforehand, launched back to back: the GPU's time alone."""
+    micro_batches = list(backend._plan(_Call(requests), loaded, False))
+
+    def launch_all():
+        for micro in micro_batches:
+            backend._runner.forward_read(micro.batch)
+
+    return median_ms(launch_all, repeats)
+
+
+def ab_rows(backend: EmbeddedBackend, loaded, workloads: list, rounds: int) -> list[dict]:
+    """wall_ms / gpu_bound_ms of every workload under every setting of AB_SETTINGS, one round after another."""
+    runner = backend._runner
+    model, graphs = runner.model, runner.graphs
+    rows = []
+    for round_index in range(rounds):
+        for name, (attributes, spec) in AB_SETTINGS.items():
+            for attribute, value in attributes.items():
+                setattr(model, attribute, value)
+            os.environ[CONFIG_ENV] = spec
+            runner.graphs = graphed_forward(model, runner.device) if graphs is not None else None
+            row = {"setting": name, "round": round_index}
+            for workload in workloads:
+                requests = requests_of(workload, True)
+                for _ in range(2):
+                    backend.score_batch(requests)
+                row[f"{workload.name}_wall_ms"] = round(median_ms(lambda: backend.score_batch(requests), 15), 2)
+                row[f"{workload.name}_gpu_bound_ms"] = round(gpu_bound_ms(backend, loaded, requests), 2)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    os.environ.pop(CONFIG_ENV, None)
+    runner.graphs = graphs
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="W1,W3,LI")
+    parser.add_argument("--ab", action="store_true", help="compare the engine settings of AB_SETTINGS instead")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of --ab")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     folder = build_decoder_dir(Path(tempfile.mkdtemp(prefix="rerankit-timeline-")), "0.6b")
@@ -85,23 +138,20 @@ def main() -> None:
     rows = [{"device": torch.cuda.get_device_name(), "torch": torch.__version__}]
     print(json.dumps(rows[0]), flush=True)
     with torch.inference_mode():
+        if args.ab:
+            rows += ab_rows(backend, loaded, workloads, args.rounds)
+            workloads = []
         for workload in workloads:
             requests = requests_of(workload, True)
             for _ in range(3):
                 backend.score_batch(requests)
             wall = median_ms(lambda: backend.score_batch(requests), 15)
             calls = [instrumented_call(backend, requests) for _ in range(2)]
-            micro_batches = list(backend._plan(_Call(requests), loaded, False))
-
-            def launch_all():
-                for micro in micro_batches:
-                    backend._runner.forward_read(micro.batch)
-
-            gpu_bound = median_ms(launch_all, 10)
+            gpu_bound = gpu_bound_ms(backend, loaded, requests)
             plan = median_ms(lambda: list(backend._plan(_Call(requests), loaded, False)), 10)
+            tokens = [m.batch.num_tokens for m in backend._plan(_Call(requests), loaded, False)]
             row = {"workload": workload.name, "wall_ms": round(wall, 2), "gpu_bound_ms": round(gpu_bound, 2),
-                   "plan_ms": round(plan, 2), "micro_batch_tokens": [m.batch.num_tokens for m in micro_batches],
-                   "instrumented_calls": calls}
+                   "plan_ms": round(plan, 2), "micro_batch_tokens": tokens, "instrumented_calls": calls}
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.out:

@@ -280,6 +280,8 @@ def test_every_item_is_planned_once_and_sees_exactly_its_own_pair(causal, padded
             assert len(owners) == 1 or not any(requests[index].own_batches for index in owners)
             heads = [requests[index].head for index in micro.read_requests.tolist()]
             assert [key for key, start, end in micro.head_slices for _ in range(end - start)] == heads
+            # The attention kernel picks its tiles by the mean number of keys a query sees under the mask.
+            assert batch.keys_per_query == pytest.approx(attention_allowed(batch).sum().item() / batch.num_tokens)
             seen += reads_with_their_own_pairs(micro, requests)
         assert sorted(seen) == [(index, item) for index, parts in enumerate(requests)
                                 for item in range(len(parts.items))]

@@ -10,6 +10,8 @@ from rerankit.kernels.prefix_attention import (  # noqa: E402
     CONFIG_ENV,
     CPU_DEFAULT_CONFIG,
     CUDA_DEFAULT_CONFIG,
+    CUDA_LONG_KEYS_CONFIG,
+    LONG_KEYS_PER_QUERY,
     AttentionConfig,
     default_config,
     parse_config,
@@ -123,7 +125,10 @@ def test_parse_config():
     assert parse_config("pack_gqa=false", AttentionConfig(pack_gqa=True)) == AttentionConfig()
     assert parse_config("block_n=64", CPU_DEFAULT_CONFIG) == AttentionConfig(32, 64, 1, 1)
     assert parse_config("tma=yes", CPU_DEFAULT_CONFIG) == AttentionConfig(32, 16, 1, 1, tma=True)
-    for bad in ("block_m", "blockm=64", "block_m=sixty", "pack_gqa=maybe", "tma=2", "block_m=48", "num_stages=0"):
+    assert parse_config("maxnreg=168", CPU_DEFAULT_CONFIG) == AttentionConfig(32, 16, 1, 1, maxnreg=168)
+    assert parse_config("maxnreg=0", CUDA_LONG_KEYS_CONFIG).maxnreg is None
+    for bad in ("block_m", "blockm=64", "block_m=sixty", "pack_gqa=maybe", "tma=2", "block_m=48", "num_stages=0",
+                "maxnreg=300", "maxnreg=many"):
         with pytest.raises(ValueError):
             parse_config(bad)
 
@@ -131,13 +136,21 @@ def test_parse_config():
 def test_default_config_reads_the_environment(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.delenv(CONFIG_ENV, raising=False)
-    assert default_config(cpu) == CPU_DEFAULT_CONFIG
-    assert default_config(cuda) == CUDA_DEFAULT_CONFIG == AttentionConfig(64, 32, 8, 3, pack_gqa=True, tma=True)
-    assert default_config(cuda, causal=False) == AttentionConfig(64, 32, 4, 3, pack_gqa=True)
-    monkeypatch.setenv(CONFIG_ENV, "pack_gqa=0,block_m=128,num_warps=4,tma=0")
+    assert default_config(cpu) == default_config(cpu, keys_per_query=5000) == CPU_DEFAULT_CONFIG
+    assert default_config(cuda) == CUDA_DEFAULT_CONFIG == AttentionConfig(32, 32, 4, 2, pack_gqa=True, tma=True)
+    # Queries that see many keys (long prefixes, long documents) get the larger tile.
+    assert default_config(cuda, keys_per_query=LONG_KEYS_PER_QUERY - 1) == CUDA_DEFAULT_CONFIG
+    assert default_config(cuda, keys_per_query=LONG_KEYS_PER_QUERY) == CUDA_LONG_KEYS_CONFIG == AttentionConfig(
+        64, 64, 8, 2, pack_gqa=True, tma=True, maxnreg=128)
+    assert default_config(cuda, causal=False) == default_config(cuda, False, 5000) == AttentionConfig(
+        64, 32, 4, 3, pack_gqa=True)
+    monkeypatch.setenv(CONFIG_ENV, "pack_gqa=0,block_m=128,num_warps=4,num_stages=3,tma=0")
     assert default_config(cuda) == AttentionConfig(block_m=128, block_n=32)
-    monkeypatch.setenv(CONFIG_ENV, "pack_gqa=1,block_m=64,block_n=64")
-    assert default_config(cuda) == AttentionConfig(block_m=64, block_n=64, num_warps=8, pack_gqa=True, tma=True)
+    assert default_config(cuda, keys_per_query=5000) == AttentionConfig(128, 64, 4, 3, maxnreg=128)
+    monkeypatch.setenv(CONFIG_ENV, "pack_gqa=1,block_m=64,block_n=64,maxnreg=none")
+    assert default_config(cuda) == AttentionConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, pack_gqa=True,
+                                                   tma=True)
+    assert default_config(cuda, keys_per_query=5000) == AttentionConfig(64, 64, 8, 2, pack_gqa=True, tma=True)
     assert default_config(cpu) == AttentionConfig(64, 64, 1, 1, pack_gqa=True)
     monkeypatch.setenv(CONFIG_ENV, "pack_gqa=1,block_m=16,block_n=16")
     (q, k, v), meta = make_pack(LONG_PREFIX, 4, 2, 16, seed=4)
@@ -152,8 +165,9 @@ def test_default_config_reads_the_environment(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
     "config",
-    [None, AttentionConfig(64, 64, 4, 3, pack_gqa=True), AttentionConfig(32, 32, 4, 2, pack_gqa=True)],
-    ids=["default", "packed-m64-n64", "packed-m32-n32"],
+    [None, CUDA_LONG_KEYS_CONFIG, AttentionConfig(64, 64, 4, 3, pack_gqa=True),
+     AttentionConfig(64, 32, 8, 3, pack_gqa=True, tma=True)],
+    ids=["default", "long-keys", "packed-m64-n64", "packed-m64-n32-w8-tma"],
 )
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize(

@@ -61,7 +61,7 @@ def packed_attention(
     backend = backend or default_backend(q.device)
     if backend == "triton":
         return prefix_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, batch.prefix_lens,
-                                batch.span_starts, batch.causal, scale)
+                                batch.span_starts, batch.causal, scale, keys_per_query=batch.keys_per_query)
     if backend == "sdpa":
         return _sdpa(q, k, v, batch, scale)
     if backend == "flex":

@@ -30,6 +30,8 @@ class PackedBatch:
                    each belongs to stays on the host (``MicroBatch.read_requests`` / ``read_items``).
     causal:        True for decoders; False for bidirectional encoders (MIS is never used there).
     token_type_ids:[T] int64 segment ids for BERT-style pair encoders, else None.
+    keys_per_query: mean number of keys a token attends to under the mask (on the host; 0 when not known): the
+                   attention kernel picks its tiles by it (``rerankit.kernels.prefix_attention.default_config``).
     """
 
     input_ids: torch.Tensor
@@ -41,6 +43,7 @@ class PackedBatch:
     read_positions: torch.Tensor
     causal: bool = True
     token_type_ids: torch.Tensor | None = None
+    keys_per_query: float = 0.0
 
     @property
     def num_tokens(self) -> int:

@@ -354,6 +354,17 @@ class _Builder:
         self.read_requests.append(np.full(len(items), index, dtype=np.int64))
         self.read_heads.append(np.full(len(items), head, dtype=np.int64))
 
+    def _keys_per_query(self, segment_lengths: np.ndarray, causal: bool) -> float:
+        """Mean keys a token sees: a causal segment of L tokens whose positions start at p (the prefix it sees: 0 for
+        a sequence's first segment, the prefix length for a MIS span) sees L * p + L (L + 1) / 2 keys in all; a
+        bidirectional sequence of L tokens, L * L."""
+        if not causal:
+            lengths = np.asarray(self.sequence_lengths, dtype=np.float64)
+            return float((lengths * lengths).sum() / self.tokens)
+        lengths = segment_lengths.astype(np.float64)
+        seen = lengths * np.concatenate(self.segment_positions) + lengths * (lengths + 1) / 2
+        return float(seen.sum() / self.tokens)
+
     def build(self, causal: bool, pin_memory: bool) -> MicroBatch:
         lengths = np.concatenate(self.segment_lengths)
         starts = np.cumsum(lengths) - lengths
@@ -384,6 +395,7 @@ class _Builder:
             read_positions=longs[2],
             causal=causal,
             token_type_ids=longs[3] if self.types else None,
+            keys_per_query=self._keys_per_query(lengths, causal),
         )
         slices = [(int(heads[start]), start, end) for start, end in zip(first, last)]
         return MicroBatch(batch, read_requests, read_items, slices, self.request_tokens)

@@ -20,7 +20,7 @@ Two variants, chosen by :attr:`AttentionConfig.pack_gqa`:
   ``GROUP`` query heads of the kv head over ``block_m`` tokens (``GROUP * block_m`` rows, token
   major: row ``r`` is token ``q_first + r // GROUP_PAD`` of head ``r % GROUP_PAD`` of the group,
   ``GROUP_PAD`` the next power of two, padding heads masked). Each K/V tile is loaded once per group
-  and ``block_m`` can shrink (64 tokens x 2 heads = 128 rows), which wastes less of the causal
+  and ``block_m`` can shrink (32 tokens x 2 heads = 64 rows), which wastes less of the causal
   diagonal tiles on short spans. The per-row mask uses each row's token, so the skip logic is the same.
 
 The config comes from :func:`default_config` unless a caller passes one. To switch it without code
@@ -29,8 +29,11 @@ changes, set ``RERANKIT_ATTENTION_CONFIG`` to comma-separated ``field=value`` pa
 
     RERANKIT_ATTENTION_CONFIG="pack_gqa=1,block_m=64,block_n=64,num_warps=4,num_stages=3"
 
-Fields left out keep the default; ``pack_gqa`` and ``tma`` take 1/0/true/false/yes/no. To change the defaults
-in code, edit :data:`CUDA_DEFAULT_CONFIG` (causal) and :data:`CUDA_BIDIRECTIONAL_CONFIG`.
+Fields left out keep the default; ``pack_gqa`` and ``tma`` take 1/0/true/false/yes/no, ``maxnreg`` also
+none (or 0) for no cap. Causal attention has two defaults, chosen per call by the mean number of keys a query sees
+(``keys_per_query``, which the planner puts on each ``PackedBatch``): small tiles for short item spans, larger ones
+where queries see long prefixes or documents. To change the defaults in code, edit :data:`CUDA_DEFAULT_CONFIG`,
+:data:`CUDA_LONG_KEYS_CONFIG` (causal) and :data:`CUDA_BIDIRECTIONAL_CONFIG`.
 
 ``tma=True`` reads the K and V tiles through tensor descriptors (Hopper's copy engine) where their layout allows it
 (``takes_tma``: each token's heads side by side, as the q/k/v projection leaves them), else through pointers.
@@ -69,6 +72,7 @@ class AttentionConfig:
     num_stages: int = 3
     pack_gqa: bool = False
     tma: bool = False  # K/V tiles through tensor descriptors (Hopper's copy engine), where the layout allows
+    maxnreg: int | None = None  # a cap on registers per thread (CUDA only), so that more programs share an SM
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "num_warps"):
@@ -77,17 +81,23 @@ class AttentionConfig:
                 raise ValueError(f"AttentionConfig.{name} must be a power of two, not {value}")
         if self.num_stages < 1:
             raise ValueError(f"AttentionConfig.num_stages must be >= 1, not {self.num_stages}")
+        if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
+            raise ValueError(f"AttentionConfig.maxnreg must be None or 24..255, not {self.maxnreg}")
 
 
-# benchmarks/attention.py --sweep on an H100 (ms per layer, Hq16/Hkv8/D128 bf16): the GQA-packed 64x32 tile with 4
-# warps and 3 stages ran W1 0.299 / W1 MIS 0.292 / 1k-prefix MIS 0.352 / 32k documents 1.128 / D=64 encoder 0.202,
-# against 0.355 / 0.334 / 0.365 / 1.184 / 0.218 for one query head per program (128x32), and was within 7% of the
-# sweep's best on every pack; the one pack where it lost, a 1k-token plain causal pair, lost 3%.
-# --sweep-set tma (2026-11-23): with K/V through tensor descriptors and 8 warps the same tile ran W1 0.293 / W1 MIS
-# 0.266 / 1k-prefix plain 1.678 / 1k-prefix MIS 0.338 / 32k documents 1.116, against 0.298 / 0.289 / 1.698 / 0.353 /
-# 1.099 for the 4-warp pointer tile (8 warps through pointers: 0.376 / 0.343 / 1.981 / 0.394 / 1.248); the D=64
-# encoder ran 0.394 against 0.200, so bidirectional attention keeps the 4-warp pointer tile.
-CUDA_DEFAULT_CONFIG = AttentionConfig(block_m=64, block_n=32, num_warps=8, num_stages=3, pack_gqa=True, tma=True)
+# benchmarks/attention.py --sweep on an H100 (ms per layer, Hq16/Hkv8/D128 bf16), 2026-11-23, K/V through tensor
+# descriptors: the GQA-packed 32-token tile (64 MMA rows) with 4 warps and 2 stages ran W1 MIS 0.229 / W1 plain 0.247 /
+# 1k-prefix MIS 0.335 / 32k documents 1.124 against 0.273 / 0.293 / 0.357 / 1.116 for the 64-token tile with 8 warps
+# and 3 stages that was the default before (16% less on W1's short item spans, whose diagonal tiles it wastes less
+# of). Where queries see many keys (the 1k-prefix packs, long documents) 64-token tiles of 64 keys with 8 warps, 2
+# stages and 128 registers a thread did best: 1k-prefix MIS 0.304, 1k-prefix plain 1.638 (against 1.668), 32k
+# documents 1.035. ``default_config`` takes that one from LONG_KEYS_PER_QUERY keys a query on (W1's MIS packs see
+# ~230, the 1k-prefix ones ~600-1,200). The D=64 encoder keeps the 4-warp pointer tile (descriptors and 8 warps ran it
+# at 0.394 ms against 0.200).
+CUDA_DEFAULT_CONFIG = AttentionConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, pack_gqa=True, tma=True)
+CUDA_LONG_KEYS_CONFIG = AttentionConfig(block_m=64, block_n=64, num_warps=8, num_stages=2, pack_gqa=True, tma=True,
+                                        maxnreg=128)
+LONG_KEYS_PER_QUERY = 512
 CUDA_BIDIRECTIONAL_CONFIG = AttentionConfig(block_m=64, block_n=32, num_warps=4, num_stages=3, pack_gqa=True)
 # The interpreter runs numpy per program; small tiles keep test packs multi-tile.
 CPU_DEFAULT_CONFIG = AttentionConfig(block_m=32, block_n=16, num_warps=1, num_stages=1)
@@ -98,7 +108,7 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 def parse_config(spec: str, base: AttentionConfig = CUDA_DEFAULT_CONFIG) -> AttentionConfig:
     """``base`` with the fields of ``spec`` ("pack_gqa=1,block_m=64,block_n=64,num_warps=4,num_stages=3") replaced."""
     fields = {field.name: field.type for field in dataclasses.fields(AttentionConfig)}
-    changes: dict[str, int | bool] = {}
+    changes: dict[str, int | bool | None] = {}
     for item in spec.replace(";", ",").split(","):
         if not item.strip():
             continue
@@ -110,6 +120,8 @@ def parse_config(spec: str, base: AttentionConfig = CUDA_DEFAULT_CONFIG) -> Atte
             if value.lower() not in _TRUE + _FALSE:
                 raise ValueError(f"bad {name} value {value!r} in {spec!r}: expected 1/0/true/false")
             changes[name] = value.lower() in _TRUE
+        elif name == "maxnreg" and value.lower() in ("none", "0"):
+            changes[name] = None
         else:
             try:
                 changes[name] = int(value)
@@ -126,17 +138,21 @@ def _config_from_env(spec: str, base: AttentionConfig) -> AttentionConfig:
         raise ValueError(f"{CONFIG_ENV}: {err}") from None
 
 
-def default_config(device: torch.device, causal: bool = True) -> AttentionConfig:
-    """Kernel tiles for ``device``: on CUDA one shape for causal attention and one for bidirectional (encoders),
-    small tiles for the CPU interpreter.
+def default_config(device: torch.device, causal: bool = True, keys_per_query: float = 0.0) -> AttentionConfig:
+    """Kernel tiles for ``device``: on CUDA two shapes for causal attention, by the mean number of keys a query sees
+    (``keys_per_query``, 0 when not known), and one for bidirectional attention (encoders); small tiles for the CPU
+    interpreter.
 
-    :data:`CUDA_DEFAULT_CONFIG` / :data:`CUDA_BIDIRECTIONAL_CONFIG` / :data:`CPU_DEFAULT_CONFIG`, with the fields of
-    the environment variable ``RERANKIT_ATTENTION_CONFIG`` (when set) replaced; see the module docstring.
+    :data:`CUDA_DEFAULT_CONFIG` (or :data:`CUDA_LONG_KEYS_CONFIG` from :data:`LONG_KEYS_PER_QUERY` keys a query on) /
+    :data:`CUDA_BIDIRECTIONAL_CONFIG` / :data:`CPU_DEFAULT_CONFIG`, with the fields of the environment variable
+    ``RERANKIT_ATTENTION_CONFIG`` (when set) replaced; see the module docstring.
     """
     if device.type != "cuda":
         base = CPU_DEFAULT_CONFIG
+    elif not causal:
+        base = CUDA_BIDIRECTIONAL_CONFIG
     else:
-        base = CUDA_DEFAULT_CONFIG if causal else CUDA_BIDIRECTIONAL_CONFIG
+        base = CUDA_LONG_KEYS_CONFIG if keys_per_query >= LONG_KEYS_PER_QUERY else CUDA_DEFAULT_CONFIG
     spec = os.environ.get(CONFIG_ENV, "").strip()
     return _config_from_env(spec, base) if spec else base
 
@@ -337,10 +353,12 @@ def prefix_attention(
     scale: float | None = None,
     *,
     config: AttentionConfig | None = None,
+    keys_per_query: float = 0.0,
 ) -> torch.Tensor:
     """Packed attention under the shared-prefix mask: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
 
-    ``prefix_lens`` is [B] (zeros when no sequence shares a prefix), ``span_starts`` is [T].
+    ``prefix_lens`` is [B] (zeros when no sequence shares a prefix), ``span_starts`` is [T]. Without a ``config``
+    the tiles are :func:`default_config`'s for ``keys_per_query`` (the mean keys a query sees; 0: not known).
     """
     total, q_heads, head_dim = q.shape
     kv_heads = k.shape[1]
@@ -350,7 +368,7 @@ def prefix_attention(
     out = torch.empty_like(q)
     if total == 0:
         return out
-    config = config or default_config(q.device, causal)
+    config = config or default_config(q.device, causal, keys_per_query)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     group = q_heads // kv_heads
     if config.pack_gqa:  # one program per kv head and its GROUP query heads
@@ -359,13 +377,14 @@ def prefix_attention(
     else:
         kernel, heads, packing = _prefix_attention_kernel, q_heads, {}
     tma = config.tma and takes_tma(k, v)
+    limits = {"maxnreg": config.maxnreg} if config.maxnreg is not None and q.is_cuda else {}
     k_desc, v_desc = (_kv_descriptor(x, config.block_n) for x in (k, v)) if tma else (k, v)
     kernel[(triton.cdiv(max_seqlen, config.block_m), heads, cu_seqlens.numel() - 1)](
         q, k, v, out, k_desc, v_desc, cu_seqlens, prefix_lens, span_starts,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         scale,
         GROUP=group, CAUSAL=causal, BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim, TMA=tma,
-        num_warps=config.num_warps, num_stages=config.num_stages, **packing,
+        num_warps=config.num_warps, num_stages=config.num_stages, **packing, **limits,
     )
     return out
 
