@@ -339,8 +339,10 @@ def kernel_ab(workloads: list[Workload], backend: EmbeddedBackend, results: list
     runner.graphs = None  # eager launches: a captured graph would keep the kernels it was captured with
     model.fused_qk_min_tokens = 0  # fused or not at every batch size
     for fused_qk in (True, False):
-        for name, spec in (("default", ""), ("gqa-64x32-w4-pointers", "num_warps=4,tma=0"),
-                           ("per-head-128x32-w4-pointers", "pack_gqa=0,block_m=128,block_n=32,num_warps=4,tma=0")):
+        for name, spec in (("default", ""),
+                           ("gqa-64x32-w4-pointers", "block_m=64,block_n=32,num_warps=4,num_stages=3,tma=0,maxnreg=0"),
+                           ("per-head-128x32-w4-pointers",
+                            "pack_gqa=0,block_m=128,block_n=32,num_warps=4,num_stages=3,tma=0,maxnreg=0")):
             model.fused_qk = fused_qk
             os.environ[CONFIG_ENV] = spec
             ab_row({"workload": "kernel-ab", "fused_qk": fused_qk, "attention": name, "cuda_graphs": False},
