@@ -94,11 +94,33 @@ def test_a_later_chunk_reuses_the_prefix_and_chunks_concatenate_to_the_whole(loa
     tokenize = encode._tokenize
     monkeypatch.setattr(encode, "_tokenize",
                         lambda tokenizer, texts: (calls.append(texts), tokenize(tokenizer, texts))[1])
-    rest = encode_request(request, loaded, "generative", template, slice(3, 7), first.prefix_ids)
+    rest = encode_request(request, loaded, "generative", template, slice(3, 7), first)
     assert calls == [list(map(template.item, request.items[3:]))]  # the instruction and query not again
     first.extend(rest)
     assert (first.prefix_ids, first.suffix_ids, first.item_ids) == (whole.prefix_ids, whole.suffix_ids,
                                                                      whole.item_ids)
+
+
+def test_a_later_raw_chunk_takes_the_query_and_labels_from_the_earlier_one(loaded, monkeypatch):
+    """Every encoder's later chunk: only its items are tokenized; the rest is the earlier chunk's encoding."""
+    request = ScoreRequest(query=QUERY, items=["a dog", "the cat sat", "dogs", "a b c d"], label_token_ids=[5, 6],
+                           max_tokens_per_item=2)
+    raw = get_template("raw")
+    whole = encode_request(request, loaded, "generative", raw)
+    first = encode_request(request, loaded, "generative", raw, slice(0, 1))
+    calls: list[list[str]] = []
+    tokenize = encode._tokenize
+    monkeypatch.setattr(encode, "_tokenize",
+                        lambda tokenizer, texts: (calls.append(texts), tokenize(tokenizer, texts))[1])
+    def no_query(*args, **kwargs):
+        raise AssertionError("a later chunk tokenized the query again")
+
+    monkeypatch.setattr(type(loaded.tokenizer), "__call__", no_query)
+    rest = encode_request(request, loaded, "generative", raw, slice(1, 4), first)
+    assert calls == [request.items[1:]]
+    first.extend(rest)
+    assert (first.prefix_ids, first.suffix_ids, first.item_ids, first.label_ids) == (
+        whole.prefix_ids, whole.suffix_ids, whole.item_ids, whole.label_ids)
 
 
 def test_an_instruction_gets_its_own_template_ids(loaded):

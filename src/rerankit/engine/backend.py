@@ -210,14 +210,14 @@ class EmbeddedBackend:
     def _prepare(self, request: ScoreRequest, loaded: LoadedModel, position: int,
                  items: slice | None = None, earlier: _Prepared | None = None) -> _Prepared:
         """Checks and token ids (of ``request.items[items]``), and the key of the head that will score them;
-        ``earlier``: the request's entry so far, whose encoded prefix a later chunk reuses."""
+        ``earlier``: the request's entry so far, whose encoding (all but the items) a later chunk reuses."""
         mode = request.mode or self._mode or loaded.default_mode
         if mode not in loaded.supported_modes:
             raise InvalidRequest("mode", f"{loaded.name!r} cannot score in mode {mode!r}; "
                                  f"it supports {', '.join(loaded.supported_modes)}")
         template = resolve_template(request, loaded, self._template, mode)
         encoded = encode_request(request, loaded, mode, template, items,
-                                 earlier.encoded.prefix_ids if earlier is not None else None)
+                                 earlier.encoded if earlier is not None else None)
         if mode == "generative":
             key: tuple = (mode, tuple(encoded.label_ids), request.apply_softmax, encoded.lone_label_sigmoid)
         elif mode == "cross-encoder":

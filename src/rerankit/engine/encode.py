@@ -10,6 +10,7 @@ as its own sequence.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
@@ -143,16 +144,18 @@ def resolve_template(request: ScoreRequest, loaded: LoadedModel, option: str | N
 
 
 def encode_request(request: ScoreRequest, loaded: LoadedModel, mode: str, template: Template | None,
-                   items: slice | None = None, prefix_ids: list[int] | None = None) -> EncodedRequest:
+                   items: slice | None = None, earlier: EncodedRequest | None = None) -> EncodedRequest:
     """Check ``request`` against the model and turn it into token ids; ``InvalidRequest`` names what is wrong.
 
     ``items`` encodes only ``request.items[items]`` (a chunk, ``step`` 1): errors still name an item by its index
-    in the request, and the chunks of one request concatenate to the whole request's encoding. ``prefix_ids``: the
-    ``prefix_ids`` of an earlier chunk of the same request, so a text template's prefix (instruction and query) is
-    not tokenized again.
+    in the request, and the chunks of one request concatenate to the whole request's encoding. ``earlier``: the
+    encoding of an earlier chunk of the same request (same mode and template); every field but the items is taken
+    from it, so the query (and a template's instruction) is not tokenized again.
     """
     _check_fields_apply(request, mode, template)
-    chunk = _Chunk(request, items or slice(0, len(request.items)), prefix_ids)
+    chunk = _Chunk(request, items or slice(0, len(request.items)))
+    if earlier is not None:
+        return _encode_later_chunk(request, loaded, mode, template, chunk, earlier)
     if mode == "generative":
         if template is None:
             raise InvalidRequest("template", f"no prompt template is known for {loaded.name!r}: name one "
@@ -174,12 +177,11 @@ def encode_request(request: ScoreRequest, loaded: LoadedModel, mode: str, templa
 class _Chunk:
     """The items of a request that one ``encode_request`` call encodes, and the request index of the first."""
 
-    def __init__(self, request: ScoreRequest, items: slice, prefix_ids: list[int] | None = None) -> None:
+    def __init__(self, request: ScoreRequest, items: slice) -> None:
         start, stop, step = items.indices(len(request.items))
         if step != 1:
             raise ValueError("an item chunk must be a contiguous slice")
         self.offset = start
-        self.prefix_ids = prefix_ids  # the request's encoded prefix, from an earlier chunk
         self.items = request.items if (start, stop) == (0, len(request.items)) else request.items[start:stop]
 
 
@@ -254,15 +256,27 @@ def _encode_text(request: ScoreRequest, loaded: LoadedModel, template: Template,
     if request.items_are_token_ids:
         raise InvalidRequest("items", f"template {template.name!r} needs texts, not token ids")
     parts = _template_ids(loaded.tokenizer, template, request.instruction)
-    if chunk.prefix_ids is None:
-        prefix, *items = _tokenize(loaded.tokenizer, [template.prefix(request.instruction, request.query),
-                                                      *map(template.item, chunk.items)])
-        prefix_ids = parts.bos + prefix + parts.separator
-    else:  # a later chunk: only its items (a long instruction is the costliest text to tokenize)
-        prefix_ids, items = chunk.prefix_ids, _tokenize(loaded.tokenizer, list(map(template.item, chunk.items)))
-    encoded = EncodedRequest(mode, prefix_ids, [], parts.separator + parts.suffix, [], read_first=False)
+    prefix, *items = _tokenize(loaded.tokenizer, [template.prefix(request.instruction, request.query),
+                                                  *map(template.item, chunk.items)])
+    encoded = EncodedRequest(mode, parts.bos + prefix + parts.separator, [], parts.separator + parts.suffix, [],
+                             read_first=False)
     encoded.item_ids = _fit_items(items, request, loaded, len(encoded.prefix_ids) + len(encoded.suffix_ids),
                                   chunk.offset, lead_ids=parts.empty_item)
+    return encoded
+
+
+def _encode_later_chunk(request: ScoreRequest, loaded: LoadedModel, mode: str, template: Template | None,
+                        chunk: _Chunk, earlier: EncodedRequest) -> EncodedRequest:
+    """A later chunk of a request: ``earlier``'s fields, and only this chunk's items tokenized and fitted as every
+    encoder fits them (a text template's items through ``template.item``, the others as they come)."""
+    encoded = dataclasses.replace(earlier, item_ids=[])
+    fixed = len(encoded.prefix_ids) + len(encoded.suffix_ids)
+    if mode in ("generative", "cross-encoder") and template is not None and template.name != RAW:
+        parts = _template_ids(loaded.tokenizer, template, request.instruction)
+        items = _tokenize(loaded.tokenizer, list(map(template.item, chunk.items)))
+        encoded.item_ids = _fit_items(items, request, loaded, fixed, chunk.offset, lead_ids=parts.empty_item)
+    else:
+        encoded.item_ids = _fit_items(_item_ids(request, loaded, chunk), request, loaded, fixed, chunk.offset)
     return encoded
 
 

@@ -313,7 +313,7 @@ class _Builder:
         sequence, instead.
         """
         prefix = len(parts.prefix)
-        spans = parts.item_lengths[items] + len(parts.suffix)
+        spans = parts.span_lengths[items]
         if not extend:
             self.ids.append(parts.prefix)
         for item in items.tolist():

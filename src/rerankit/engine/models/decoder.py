@@ -155,7 +155,8 @@ class PackedDecoder(PackedBody):
 
     ``unfused_residual`` (wherever the steps are compiled, so on CUDA by default; same batch rule as the automatic
     ``fused_qk``): the output and down projections go through ``residual_projection``, so the residual adds fuse
-    into the norm kernels instead of Inductor's ``addmm``, which copies the residual first. Same math; a little more host time per layer.
+    into the norm kernels instead of Inductor's ``addmm``, which copies the residual first. Same math; a little
+    more host time per layer.
 
     ``fused_swiglu`` (same batch rule): the gate/up projection and its activation run as one Triton GEMM
     (``rerankit.kernels.swiglu_matmul``), and the output and down projections add onto the residual stream in
