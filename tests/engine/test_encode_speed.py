@@ -64,14 +64,20 @@ def test_backend_tokenization_follows_the_wrapper_settings(loaded):
         tokenizer.split_special_tokens = False
 
 
-def test_a_template_request_is_one_tokenizer_call_of_its_prefix_and_items(loaded, monkeypatch):
-    request = w1_request(loaded, count=5)
-    template = get_template("qwen3-reranker")
-    encode_request(request, loaded, "generative", template)  # the template's parts, once per tokenizer
+def recorded_tokenize_calls(monkeypatch) -> list[list[str]]:
+    """The texts of every ``encode._tokenize`` call from now on (it still tokenizes)."""
     calls: list[list[str]] = []
     tokenize = encode._tokenize
     monkeypatch.setattr(encode, "_tokenize",
                         lambda tokenizer, texts: (calls.append(texts), tokenize(tokenizer, texts))[1])
+    return calls
+
+
+def test_a_template_request_is_one_tokenizer_call_of_its_prefix_and_items(loaded, monkeypatch):
+    request = w1_request(loaded, count=5)
+    template = get_template("qwen3-reranker")
+    encode_request(request, loaded, "generative", template)  # the template's parts, once per tokenizer
+    calls = recorded_tokenize_calls(monkeypatch)
     encoded = encode_request(request, loaded, "generative", template)
     assert calls == [[template.prefix(None, QUERY), *map(template.item, request.items)]]
     tokenizer = loaded.tokenizer
@@ -90,10 +96,7 @@ def test_a_later_chunk_reuses_the_prefix_and_chunks_concatenate_to_the_whole(loa
     template = get_template("qwen3-reranker")
     whole = encode_request(request, loaded, "generative", template)
     first = encode_request(request, loaded, "generative", template, slice(0, 3))
-    calls: list[list[str]] = []
-    tokenize = encode._tokenize
-    monkeypatch.setattr(encode, "_tokenize",
-                        lambda tokenizer, texts: (calls.append(texts), tokenize(tokenizer, texts))[1])
+    calls = recorded_tokenize_calls(monkeypatch)
     rest = encode_request(request, loaded, "generative", template, slice(3, 7), first)
     assert calls == [list(map(template.item, request.items[3:]))]  # the instruction and query not again
     first.extend(rest)
@@ -108,10 +111,8 @@ def test_a_later_raw_chunk_takes_the_query_and_labels_from_the_earlier_one(loade
     raw = get_template("raw")
     whole = encode_request(request, loaded, "generative", raw)
     first = encode_request(request, loaded, "generative", raw, slice(0, 1))
-    calls: list[list[str]] = []
-    tokenize = encode._tokenize
-    monkeypatch.setattr(encode, "_tokenize",
-                        lambda tokenizer, texts: (calls.append(texts), tokenize(tokenizer, texts))[1])
+    calls = recorded_tokenize_calls(monkeypatch)
+
     def no_query(*args, **kwargs):
         raise AssertionError("a later chunk tokenized the query again")
 
