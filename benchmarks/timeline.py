@@ -12,8 +12,8 @@ For W1, W3 and LI (``pairs.py``'s workloads, Qwen3-Reranker-0.6B shape, random w
 The profiler slows the host and so overstates the GPU's idle time; these numbers do not.
 
 ``--ab`` instead times wall_ms and gpu_bound_ms of each workload under each engine setting of ``AB_SETTINGS`` (model
-switches and attention kernel configs), the settings interleaved over ``--rounds`` rounds so that a drifting clock
-or host falls on all of them alike; each setting gets CUDA graphs of its own (a graph keeps the kernels it was
+switches, attention kernel configs, the largest graphed micro-batch), the settings interleaved over ``--rounds``
+rounds so that a drifting clock or host falls on all of them alike; each setting gets CUDA graphs of its own (a graph keeps the kernels it was
 captured with).
 
     PYTHONPATH=src python benchmarks/timeline.py [--out timeline.json] [--ab [--rounds 3]]
@@ -38,14 +38,15 @@ from pairs import build_decoder_dir, decoder_workloads, requests_of, single_toke
 
 from rerankit.engine import EmbeddedBackend  # noqa: E402
 from rerankit.engine.backend import _Call  # noqa: E402
+from rerankit.engine.graphs import MAX_GRAPH_TOKENS  # noqa: E402
 from rerankit.engine.runner import graphed_forward  # noqa: E402
 from rerankit.kernels.prefix_attention import CONFIG_ENV  # noqa: E402
 
-# name -> (PackedDecoder attributes, RERANKIT_ATTENTION_CONFIG): the engine settings --ab compares.
+# name -> (PackedDecoder attributes, RERANKIT_ATTENTION_CONFIG, largest graphed micro-batch in tokens): the engine
+# settings --ab compares.
 AB_SETTINGS = {
-    "attention tiles by keys per query (default)": ({}, ""),
-    "attention 64x32 tiles, 8 warps, 3 stages": ({}, "block_m=64,block_n=32,num_warps=8,num_stages=3,maxnreg=0"),
-    "attention 32x32 tiles, 4 warps, 2 stages": ({}, "block_m=32,block_n=32,num_warps=4,num_stages=2,maxnreg=0"),
+    "graphs up to 8,192 tokens (default)": ({}, "", MAX_GRAPH_TOKENS),
+    "graphs up to 32,768 tokens": ({}, "", 32768),
 }
 
 
@@ -104,11 +105,11 @@ def ab_rows(backend: EmbeddedBackend, loaded, workloads: list, rounds: int) -> l
     model, graphs = runner.model, runner.graphs
     rows = []
     for round_index in range(rounds):
-        for name, (attributes, spec) in AB_SETTINGS.items():
+        for name, (attributes, spec, graph_tokens) in AB_SETTINGS.items():
             for attribute, value in attributes.items():
                 setattr(model, attribute, value)
             os.environ[CONFIG_ENV] = spec
-            runner.graphs = graphed_forward(model, runner.device) if graphs is not None else None
+            runner.graphs = graphed_forward(model, runner.device, graph_tokens) if graphs is not None else None
             row = {"setting": name, "round": round_index}
             for workload in workloads:
                 requests = requests_of(workload, True)

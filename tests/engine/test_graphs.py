@@ -3,6 +3,7 @@ the Triton kernels' interpreter), the buckets, the option's checks; replays agai
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -11,7 +12,8 @@ import transformers
 
 from rerankit.engine import EmbeddedBackend
 from rerankit.engine.attention import packed_attention
-from rerankit.engine.graphs import MAX_GRAPH_TOKENS, MIN_READS, TOKEN_BUCKETS, GraphCaptureError, GraphKey, graph_key, pad_batch
+from rerankit.engine.graphs import (MAX_GRAPH_TOKENS, MIN_READS, TOKEN_BUCKETS, GraphCaptureError, GraphKey,
+                                    empty_batch, graph_key, pad_batch)
 from rerankit.engine.load import load_model
 from rerankit.engine.models import build_packed_model
 from rerankit.engine.runner import PackedRunner, make_runner
@@ -37,6 +39,23 @@ def test_graph_keys_round_tokens_up_and_count_the_padding_sequence():
     large = pack(random_sequences([MAX_GRAPH_TOKENS + 1]))
     assert graph_key(large, read=True) is None  # eager above the default limit
     assert graph_key(large, read=True, max_tokens=16384).tokens == MAX_GRAPH_TOKENS + 1024
+
+
+def test_batches_whose_queries_see_many_keys_get_graphs_of_their_own():
+    """The attention tile is chosen from ``keys_per_query`` when the graph is captured: a batch past the long-keys
+    threshold gets a key (and an empty capture batch) that picks the long-keys tile."""
+    from rerankit.kernels.prefix_attention import CUDA_LONG_KEYS_CONFIG, LONG_KEYS_PER_QUERY, default_config
+
+    short = pack(random_sequences([7, 19, 1, 12]))
+    long = dataclasses.replace(short, keys_per_query=float(LONG_KEYS_PER_QUERY))
+    assert not graph_key(short, read=True).long_keys
+    key = graph_key(long, read=True)
+    assert key.long_keys and key == dataclasses.replace(graph_key(short, read=True), long_keys=True)
+    captured = empty_batch(key, torch.device("cpu"))
+    assert default_config(torch.device("cuda"), True, captured.keys_per_query) == CUDA_LONG_KEYS_CONFIG
+    assert empty_batch(graph_key(short, read=True), torch.device("cpu")).keys_per_query == 0.0
+    bidirectional = dataclasses.replace(long, causal=False)
+    assert not graph_key(bidirectional, read=True).long_keys  # encoders have one tile
 
 
 def test_padded_forward_of_every_token_needs_no_read_buffer(tmp_path):

@@ -2,18 +2,21 @@
 
 The decoder keeps gate and up fused in one weight ``[2I, d]`` (gate rows first). cuBLAS writes the whole ``[T, 2I]``
 projection and a second kernel reads it back to write ``[T, I]``: for Qwen3-0.6B's I = 3,072 that is 30 KB a token
-a layer, the largest share of the "elementwise" time in W1's profile. Here one program computes the gate tile and
-the up tile of the same columns from the same x tile (two accumulators, one x load), applies the activation in
-registers and writes only ``[T, I]``.
+a layer, the largest share of the "elementwise" time in W1's profile. Here a program computes the gate and the up
+tile of the same columns from the same x tile, applies the activation in registers and writes only ``[T, I]``.
 
 Rounding follows the torch path (``F.linear`` then Inductor's fused ``silu(gate) * up``): each projection is rounded
 to the activation dtype, then silu and the product run in float32 and round once at the store.
 
-Two kernels, one tile each: the loads and the store through tensor descriptors (Hopper's copy engine; rows of
-16-byte multiples), or through pointers (any shape, any GPU). H100, ``benchmarks/swiglu_matmul.py``, the Qwen3-0.6B
-MLP (d=1,024, I=3,072) at 5k-27k tokens: descriptors 531-548 TFLOP/s, pointers 469-479; cuBLAS's GEMM alone
-638-663, and with Inductor's activation after it 1.35-1.41x slower than the descriptor kernel. At d=2,560 the two
-paths tie and at d=4,096 cuBLAS wins (``PackedDecoder`` uses the kernel up to d=2,048).
+Two kernels:
+- **Tensor descriptors** (Hopper's copy engine; rows of 16-byte multiples), persistent (one program per SM walking
+  the tiles). The weight is read as ``[2, I, d]``: one copy brings the gate and the up tile of the same columns,
+  and one ``[128, 2 x 128]`` dot computes both. H100, ``benchmarks/swiglu_matmul.py``, Qwen3-0.6B's MLP (d=1,024,
+  I=3,072) at 5k / 14k / 27k tokens: 0.111 / 0.270 / 0.539 ms (582 / 645 / 621 TFLOP/s), cuBLAS's GEMM alone
+  0.101 / 0.255 / 0.537 ms, cuBLAS + Inductor's activation 1.44-1.53x slower. Against cuBLAS + Inductor at the 4B
+  shape (d=2,560) 1.10-1.26x, at 8B (d=4,096) 1.00-1.14x. The kernel before it (two 128 x 64 accumulators, one
+  program per tile) ran 0.122 / 0.324 / 0.619 ms on the 0.6B shape.
+- **Pointers** (any shape, any GPU): two accumulators, one program per tile; 469-479 TFLOP/s on the 0.6B shape.
 
 The Triton kernels run on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1; anything else falls back to
 ``swiglu_matmul_reference``.
@@ -21,6 +24,7 @@ The Triton kernels run on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -76,17 +80,28 @@ def swiglu_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tma:
     elif tma and not takes_tma(x, weight, any_device=True):
         raise ValueError(f"tensor descriptors need d and I multiples of {16 // x.element_size()} (16-byte rows), "
                          f"got d={x.shape[1]}, I={width}")
-    grid = lambda meta: (triton.cdiv(tokens, meta["BLOCK_M"]) * triton.cdiv(width, meta["BLOCK_N"]),)  # noqa: E731
     bias_arg = bias if bias is not None else weight
     if tma:
-        # Block shapes are set per tuning config by _set_block_shapes; [16, 16] is a placeholder.
-        x_desc, w_desc, out_desc = (TensorDescriptor.from_tensor(t, [16, 16]) for t in (x, weight, out))
+        # Block shapes are set per tuning config by _set_block_shapes; the ones given here are placeholders.
+        x_desc, out_desc = (TensorDescriptor.from_tensor(t, [16, 16]) for t in (x, out))
+        w_desc = TensorDescriptor.from_tensor(weight.view(2, width, x.shape[1]), [2, 16, 16])
+        programs = _programs(x.device)
+        grid = lambda meta: (min(programs, triton.cdiv(tokens, meta["BLOCK_M"])  # noqa: E731
+                                 * triton.cdiv(width, meta["BLOCK_N"])),)
         kernel = _swiglu_tma_kernel_interpreted if _INTERPRET else _swiglu_tma_kernel
-        kernel[grid](x_desc, w_desc, bias_arg, out_desc, tokens, width, x.shape[1], HAS_BIAS=bias is not None)
+        kernel[grid](x_desc, w_desc, bias_arg, out_desc, tokens, width, x.shape[1], HAS_BIAS=bias is not None,
+                     NUM_SMS=programs)
         return out
+    grid = lambda meta: (triton.cdiv(tokens, meta["BLOCK_M"]) * triton.cdiv(width, meta["BLOCK_N"]),)  # noqa: E731
     kernel = _swiglu_matmul_kernel_interpreted if _INTERPRET else _swiglu_matmul_kernel
     kernel[grid](x, weight, bias_arg, out, tokens, width, x.shape[1], HAS_BIAS=bias is not None)
     return out
+
+
+@functools.cache
+def _programs(device: torch.device) -> int:
+    """Programs of the persistent kernel: one per SM (four in the interpreter)."""
+    return 4 if device.type != "cuda" else torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def takes_tma(x: Tensor, weight: Tensor, any_device: bool = False) -> bool:
@@ -105,10 +120,9 @@ def takes_tma(x: Tensor, weight: Tensor, any_device: bool = False) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-        """This program's output tile (pid_m, pid_n); programs walk the tiles in groups of GROUP_M row blocks, so
+    def _tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """Output tile number ``pid`` as (pid_m, pid_n); tiles are numbered in groups of GROUP_M row blocks, so
         neighbouring programs share weight tiles in the L2 cache."""
-        pid = tl.program_id(0)
         blocks_m = tl.cdiv(M, BLOCK_M)
         blocks_n = tl.cdiv(N, BLOCK_N)
         per_group = GROUP_M * blocks_n
@@ -129,7 +143,7 @@ if triton is not None:
     def _swiglu_matmul_body(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         """One [BLOCK_M, BLOCK_N] tile of the output, tiles loaded through pointers (any shape)."""
-        pid_m, pid_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
@@ -154,32 +168,39 @@ if triton is not None:
         tl.store(out_ptrs, activated, mask=row_ok[:, None] & col_ok[None, :])
 
     def _swiglu_tma_body(x_desc, w_desc, b_ptr, out_desc, M, N, K, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-        """The same tile with its loads and its store through tensor descriptors: the copy engine moves whole tiles
-        into shared memory (zeros past the edges) and the store drops what lies past them. A gate tile that runs
-        past column N reads up rows; those columns are never stored."""
-        pid_m, pid_n = _tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        first_row, first_col = pid_m * BLOCK_M, pid_n * BLOCK_N
-        gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
-            a = x_desc.load([first_row, start])
-            gate = tl.dot(a, w_desc.load([first_col, start]).T, gate)
-            up = tl.dot(a, w_desc.load([N + first_col, start]).T, up)
-        cols = first_col + tl.arange(0, BLOCK_N)
-        activated = _activate(gate, up, b_ptr, cols, cols < N, out_desc.dtype, HAS_BIAS, N)
-        out_desc.store([first_row, first_col], activated)
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
+        """Persistent: NUM_SMS programs walk the output tiles, each loop flattened so that the next tile's loads
+        overlap this tile's activation and store. ``w_desc`` views the weight as [2, N, K] (gate rows, up rows):
+        one copy-engine load brings the gate and the up tile of the same columns, and one [BLOCK_M, 2 * BLOCK_N]
+        dot computes both (one wide tensor-core instruction per step, not two narrow ones). The accumulator's
+        halves are the gate and the up projection. Past the edges the copy engine reads zeros and the store drops
+        what lies outside."""
+        tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        steps = tl.cdiv(K, BLOCK_K)
+        stored = tl.program_id(0) - NUM_SMS  # the epilogue's tile, counted apart from the loads' (as Triton's
+        for tile in tl.range(tl.program_id(0), tiles, NUM_SMS, flatten=True):  # persistent matmul tutorial does)
+            pid_m, pid_n = _tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            both = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+            for step in range(steps):
+                w = w_desc.load([0, pid_n * BLOCK_N, step * BLOCK_K]).reshape(2 * BLOCK_N, BLOCK_K)
+                both = tl.dot(x_desc.load([pid_m * BLOCK_M, step * BLOCK_K]), w.T, both)
+            stored += NUM_SMS
+            pid_m, pid_n = _tile(stored, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            gate, up = tl.split(tl.permute(tl.reshape(both, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            activated = _activate(gate, up, b_ptr, cols, cols < N, out_desc.dtype, HAS_BIAS, N)
+            out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], activated)
 
     def _set_block_shapes(nargs: dict) -> None:
         """Each tuning config's tile shapes into the descriptors (they are built before a config is chosen)."""
         block_m, block_n, block_k = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
         nargs["x_desc"].block_shape = [block_m, block_k]
-        nargs["w_desc"].block_shape = [block_n, block_k]
+        nargs["w_desc"].block_shape = [2, block_n, block_k]
         nargs["out_desc"].block_shape = [block_m, block_n]
 
-    # Two accumulators per program: 128 x 64 fp32 tiles with 8 warps hold 64 registers a thread each. Autotuned once
-    # per (N, K), on the first call's batch (a CUDA-graph capture warms up eagerly first, so tuning never runs
-    # inside a capture).
+    # The pointer kernel keeps two accumulators per program: 128 x 64 fp32 tiles with 8 warps hold 64 registers a
+    # thread each. Autotuned once per (N, K), on the first call's batch (a CUDA-graph capture warms up eagerly
+    # first, so tuning never runs inside a capture).
     _CONFIGS = [
         triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4),
         triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
@@ -189,9 +210,18 @@ if triton is not None:
         triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4),
         triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
     ]
+    # The descriptor kernel's accumulator is [BLOCK_M, 2 * BLOCK_N] (gate and up side by side). H100, Qwen3-0.6B
+    # MLP, 5k-27k tokens: 128 x 256 with 8 warps and 3 stages ran at 575-619 TFLOP/s, against 527-541 for two
+    # 128 x 64 accumulators fed by separate loads, and 486-509 for the same wide tile launched once per tile.
+    _TMA_CONFIGS = [
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3,
+                      pre_hook=_set_block_shapes),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4,
+                      pre_hook=_set_block_shapes),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4,
+                      pre_hook=_set_block_shapes),
+    ]
     _swiglu_matmul_kernel = triton.autotune(_CONFIGS, key=["N", "K"])(triton.jit(_swiglu_matmul_body))
-    _TMA_CONFIGS = [triton.Config(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages,
-                                  pre_hook=_set_block_shapes) for config in _CONFIGS]
     _swiglu_tma_kernel = triton.autotune(_TMA_CONFIGS, key=["N", "K"])(triton.jit(_swiglu_tma_body))
     # The interpreter runs one small tile: tuning there would only multiply the test time.
     _INTERPRETED = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}

@@ -40,10 +40,13 @@ FUSED_QK_ENV = "RERANKIT_FUSED_QK"
 #   62.0 ms fused vs 64.3 ms torch; W3 (5.4k tokens, eager) p50 29.0 ms fused vs 19.0 ms torch.
 # - the residual projections behind ``residual_projection``: W1 61.4 vs 63.0 ms; W3 (eager) 33.0 vs 25.3 ms.
 FUSED_QK_MIN_TOKENS = 12288
-# The SwiGLU GEMM (``fused_swiglu``) by default up to this hidden size. H100, benchmarks/swiglu_matmul.py: against
-# cuBLAS + Inductor's activation 1.35-1.41x at d=1024 (Qwen3-0.6B), even at d=2560 (4B), 0.88-0.94x at d=4096 (8B):
-# it saves the activation's memory traffic, ~1.5/d bytes a FLOP, and loses what cuBLAS does better in the GEMM.
-FUSED_SWIGLU_MAX_HIDDEN = 2048
+# The SwiGLU GEMM (``fused_swiglu``) by default up to these hidden sizes: through tensor descriptors (Hopper on) and
+# through pointers. H100, benchmarks/swiglu_matmul.py, against cuBLAS + Inductor's activation: descriptors 1.44-1.53x
+# at d=1,024 (Qwen3-0.6B), 1.10-1.26x at d=2,560 (4B), 1.00-1.14x at d=4,096 (8B); pointers 1.11-1.16x at
+# d=1,024 and 0.90-0.98x at d=2,560. It saves the activation's memory traffic, ~1.5/d bytes a FLOP, against
+# cuBLAS's faster GEMM.
+FUSED_SWIGLU_MAX_HIDDEN = 4096
+FUSED_SWIGLU_MAX_HIDDEN_POINTERS = 2048
 
 AttentionFn = Callable[..., torch.Tensor]
 
@@ -160,7 +163,8 @@ class PackedDecoder(PackedBody):
 
     ``fused_swiglu`` (same batch rule): the gate/up projection and its activation run as one Triton GEMM
     (``rerankit.kernels.swiglu_matmul``), and the output and down projections add onto the residual stream in
-    place. None: on CUDA for hidden sizes up to ``FUSED_SWIGLU_MAX_HIDDEN``, where it measured faster.
+    place. None: on CUDA for hidden sizes up to ``FUSED_SWIGLU_MAX_HIDDEN`` (``FUSED_SWIGLU_MAX_HIDDEN_POINTERS``
+    before Hopper), where it measured faster.
     """
 
     def __init__(self, hf_model: nn.Module, compile: bool | None = None,
@@ -197,7 +201,7 @@ class PackedDecoder(PackedBody):
         # tokens, or in a CUDA graph.
         self.unfused_residual = self._attention_output_and_mlp is not attention_output_and_mlp
         if fused_swiglu is None:
-            fused_swiglu = device.type == "cuda" and config.hidden_size <= FUSED_SWIGLU_MAX_HIDDEN
+            fused_swiglu = _fused_swiglu_pays(device, config.hidden_size)
         self.fused_swiglu = fused_swiglu  # same batch rule as unfused_residual
 
     def _run(self, batch: PackedBatch, read_positions: torch.Tensor | None, graphed: bool) -> torch.Tensor:
@@ -253,6 +257,14 @@ class PackedDecoder(PackedBody):
                             layer.q_norm, layer.k_norm, self.eps)
         v = qkv[:, (self.num_heads + self.num_kv_heads) * self.head_dim:]
         return q, k, v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+
+
+def _fused_swiglu_pays(device: torch.device, hidden_size: int) -> bool:
+    """Whether the SwiGLU GEMM measured faster than cuBLAS + the compiled activation for this hidden size."""
+    if device.type != "cuda":
+        return False
+    descriptors = torch.cuda.get_device_capability(device)[0] >= 9
+    return hidden_size <= (FUSED_SWIGLU_MAX_HIDDEN if descriptors else FUSED_SWIGLU_MAX_HIDDEN_POINTERS)
 
 
 def _add_projection(hidden: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
