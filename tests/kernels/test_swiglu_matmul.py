@@ -38,6 +38,8 @@ def triton_swiglu_matmul(monkeypatch):
 def test_kernel_equals_the_reference(triton_swiglu_matmul, tokens, width, hidden, with_bias, tma):
     """Tails on every axis (rows, columns and K not multiples of the 16-wide tiles), one row, no rows, biases; both
     the pointer and the tensor-descriptor kernels."""
+    if tma and DEVICE == "cuda":
+        pytest.skip("on a GPU the descriptor kernel takes 16-bit inputs (the gpu tests run it)")
     generator = torch.Generator().manual_seed(tokens + width + hidden)
     x = torch.randn(tokens, hidden, generator=generator)
     weight = torch.randn(2 * width, hidden, generator=generator) / hidden ** 0.5
@@ -70,6 +72,20 @@ def test_shapes_are_checked():
         kernels.swiglu_matmul(torch.randn(3, 8), torch.randn(7, 8))
     with pytest.raises(ValueError, match=r"bias must be \[6\]"):
         kernels.swiglu_matmul(torch.randn(3, 8), torch.randn(6, 8), torch.randn(3))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_float32_takes_the_pointer_kernel():
+    """The descriptor kernel's tiles fill shared memory at 16 bits an element: float32 goes through pointers by
+    default, and asking for descriptors says why not."""
+    x = torch.randn(300, 64, device="cuda")
+    weight = torch.randn(96, 64, device="cuda") / 8
+    assert not kernels.takes_tma(x, weight) and kernels.takes_tma(x.bfloat16(), weight.bfloat16())
+    with pytest.raises(ValueError, match="16-bit inputs"):
+        kernels.swiglu_matmul(x, weight, tma=True)
+    torch.testing.assert_close(kernels.swiglu_matmul(x, weight), swiglu_matmul_reference(x, weight),
+                               atol=2e-2, rtol=2e-2)  # tf32 dots
 
 
 @pytest.mark.gpu

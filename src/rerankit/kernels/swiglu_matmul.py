@@ -80,6 +80,8 @@ def swiglu_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tma:
     elif tma and not takes_tma(x, weight, any_device=True):
         raise ValueError(f"tensor descriptors need d and I multiples of {16 // x.element_size()} (16-byte rows), "
                          f"got d={x.shape[1]}, I={width}")
+    elif tma and x.is_cuda and x.element_size() != 2:
+        raise ValueError(f"the descriptor kernel's tiles are sized for 16-bit inputs, not {x.dtype}")
     bias_arg = bias if bias is not None else weight
     if tma:
         # Block shapes are set per tuning config by _set_block_shapes; the ones given here are placeholders.
@@ -105,8 +107,10 @@ def _programs(device: torch.device) -> int:
 
 
 def takes_tma(x: Tensor, weight: Tensor, any_device: bool = False) -> bool:
-    """Whether the tensor-descriptor kernel applies: a GPU with the copy engine (Hopper on) or the interpreter (or
-    ``any_device``), and rows of x, the weight and the output that are multiples of 16 bytes."""
+    """Whether the tensor-descriptor kernel applies: a GPU with the copy engine (Hopper on) and 16-bit inputs (its
+    tiles, three stages of [128, 64] x and [2, 128, 64] weight tiles, fill shared memory at two bytes an element),
+    or the interpreter (or ``any_device``); and rows of x, the weight and the output that are multiples of 16
+    bytes."""
     if triton is None or TensorDescriptor is None:
         return False
     multiple = 16 // x.element_size()  # the copy engine's row strides are multiples of 16 bytes
@@ -114,7 +118,8 @@ def takes_tma(x: Tensor, weight: Tensor, any_device: bool = False) -> bool:
     aligned = x.shape[1] % multiple == 0 and width % multiple == 0
     if any_device or _INTERPRET:
         return aligned
-    return aligned and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+    return (aligned and x.element_size() == 2 and x.is_cuda
+            and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
 if triton is not None:
