@@ -98,3 +98,19 @@ def test_gpu_bf16_qwen3_mlp_shape_follows_the_torch_path():
     expected = swiglu_matmul_reference(x, weight).float()
     got = kernels.swiglu_matmul(x, weight).float()
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("tokens, width, hidden", [(777, 1000, 1000), (130, 136, 72)])
+def test_gpu_bf16_edges_of_the_wide_tiles(tokens, width, hidden):
+    """Rows, columns and K that the 128-row, 2 x 128-column, 64-deep tiles do not divide: the copy engine's zeros
+    past the edges and the clipped store keep every real element right, and the bias lands on both halves."""
+    generator = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, hidden, device="cuda", generator=generator).bfloat16()
+    weight = (torch.randn(2 * width, hidden, device="cuda", generator=generator) / hidden ** 0.5).bfloat16()
+    bias = torch.randn(2 * width, device="cuda", generator=generator).bfloat16()
+    assert kernels.takes_tma(x, weight)
+    expected = swiglu_matmul_reference(x, weight, bias).float()
+    torch.testing.assert_close(kernels.swiglu_matmul(x, weight, bias, tma=True).float(), expected,
+                               atol=2e-2, rtol=2e-2)
