@@ -357,12 +357,6 @@ def kernel_ab(workloads: list[Workload], backend: EmbeddedBackend, results: list
         ab_row({"workload": "kernel-ab", "cuda_graphs": graphed, "ramp": ramped, "fused_qk": "auto",
                 "attention": "default"}, workloads, backend, results)
     runner.graphs, backend._ramp = graphs, ramp
-    # Larger batches replayed too (LI's 13.9k tokens and W1's 26.7k run eagerly under the default 8,192).
-    for max_tokens in (16384, 32768):
-        runner.graphs = graphed_forward(model, runner.device, max_tokens)
-        ab_row({"workload": "kernel-ab", "cuda_graphs": True, "graph_max_tokens": max_tokens}, workloads, backend,
-               results)
-    runner.graphs = graphs
     # The residual projections behind an op Inductor cannot fuse into addmm (no copy of the residual), and the
     # gate/up GEMM with SwiGLU in its epilogue (Triton) against cuBLAS + Inductor's activation. Each setting gets
     # graphs of its own (a graph keeps the steps it was captured with), as the backend's defaults run them.

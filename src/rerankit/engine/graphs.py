@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from rerankit.engine.batch import PackedBatch
-from rerankit.kernels.prefix_attention import LONG_KEYS_PER_QUERY
+from rerankit.kernels.prefix_attention import LONG_KEYS_PER_QUERY, takes_long_keys_tile
 
 # Steps of 256 tokens up to 2,048, then of 512 up to 8,192, then of 1,024: a batch pays for at most ~10% of padding
 # above 2k tokens (W3's 5.4k tokens in powers of two padded to 8,192 ran as slowly as eager launches).
@@ -50,7 +50,7 @@ class GraphKey:
     causal: bool
     typed: bool
     read: bool  # forward_read (the read rows) or forward (every token)
-    long_keys: bool = False  # queries see LONG_KEYS_PER_QUERY keys or more: the attention kernel's long-keys tile
+    long_keys: bool = False  # the attention kernel's long-keys tile (``takes_long_keys_tile``)
 
 
 def graph_key(batch: PackedBatch, read: bool, max_tokens: int = MAX_GRAPH_TOKENS) -> GraphKey | None:
@@ -60,9 +60,8 @@ def graph_key(batch: PackedBatch, read: bool, max_tokens: int = MAX_GRAPH_TOKENS
         return None
     sequences = batch.cu_seqlens.numel() - 1 + (tokens > batch.num_tokens)  # + the padding's own sequence
     reads = max(_power_of_two(batch.read_positions.numel()), MIN_READS) if read else 0
-    long_keys = batch.causal and batch.keys_per_query >= LONG_KEYS_PER_QUERY
     return GraphKey(tokens, _power_of_two(sequences), reads, batch.causal, batch.token_type_ids is not None, read,
-                    long_keys)
+                    takes_long_keys_tile(batch.causal, batch.keys_per_query))
 
 
 def _power_of_two(count: int) -> int:

@@ -12,6 +12,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from rerankit.kernels import sm_count
+
 try:
     import triton
     import triton.language as tl
@@ -123,7 +125,7 @@ def _vocab_partial_logsumexp(hidden: Tensor, weight: Tensor, bias: Tensor | None
     row_blocks = triton.cdiv(n_rows, tiling.block_n)
     vocab_tiles = triton.cdiv(vocab, tiling.block_v)
     # Split the vocabulary until every SM has work even for one row; recount so that no split is empty.
-    sms = torch.cuda.get_device_properties(hidden.device).multi_processor_count if hidden.is_cuda else 2
+    sms = sm_count(hidden.device, interpreted=2)
     wanted_splits = min(vocab_tiles, triton.cdiv(tiling.programs_per_sm * sms, row_blocks))
     tiles_per_split = triton.cdiv(vocab_tiles, wanted_splits)
     num_splits = triton.cdiv(vocab_tiles, tiles_per_split)

@@ -152,9 +152,15 @@ def default_config(device: torch.device, causal: bool = True, keys_per_query: fl
     elif not causal:
         base = CUDA_BIDIRECTIONAL_CONFIG
     else:
-        base = CUDA_LONG_KEYS_CONFIG if keys_per_query >= LONG_KEYS_PER_QUERY else CUDA_DEFAULT_CONFIG
+        base = CUDA_LONG_KEYS_CONFIG if takes_long_keys_tile(causal, keys_per_query) else CUDA_DEFAULT_CONFIG
     spec = os.environ.get(CONFIG_ENV, "").strip()
     return _config_from_env(spec, base) if spec else base
+
+
+def takes_long_keys_tile(causal: bool, keys_per_query: float) -> bool:
+    """Whether :func:`default_config` gives attention of this kind :data:`CUDA_LONG_KEYS_CONFIG` on CUDA: causal, and
+    queries that see :data:`LONG_KEYS_PER_QUERY` keys or more on average."""
+    return causal and keys_per_query >= LONG_KEYS_PER_QUERY
 
 
 @triton.jit

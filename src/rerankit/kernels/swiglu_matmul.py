@@ -24,12 +24,13 @@ The Triton kernels run on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from rerankit.kernels import sm_count
 
 try:
     import triton
@@ -87,7 +88,7 @@ def swiglu_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tma:
         # Block shapes are set per tuning config by _set_block_shapes; the ones given here are placeholders.
         x_desc, out_desc = (TensorDescriptor.from_tensor(t, [16, 16]) for t in (x, out))
         w_desc = TensorDescriptor.from_tensor(weight.view(2, width, x.shape[1]), [2, 16, 16])
-        programs = _programs(x.device)
+        programs = sm_count(x.device, interpreted=4)  # the persistent kernel: one program per SM
         grid = lambda meta: (min(programs, triton.cdiv(tokens, meta["BLOCK_M"])  # noqa: E731
                                  * triton.cdiv(width, meta["BLOCK_N"])),)
         kernel = _swiglu_tma_kernel_interpreted if _INTERPRET else _swiglu_tma_kernel
@@ -100,17 +101,11 @@ def swiglu_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tma:
     return out
 
 
-@functools.cache
-def _programs(device: torch.device) -> int:
-    """Programs of the persistent kernel: one per SM (four in the interpreter)."""
-    return 4 if device.type != "cuda" else torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def takes_tma(x: Tensor, weight: Tensor, any_device: bool = False) -> bool:
-    """Whether the tensor-descriptor kernel applies: a GPU with the copy engine (Hopper on) and 16-bit inputs (its
-    tiles, three stages of [128, 64] x and [2, 128, 64] weight tiles, fill shared memory at two bytes an element),
-    or the interpreter (or ``any_device``); and rows of x, the weight and the output that are multiples of 16
-    bytes."""
+    """Whether the tensor-descriptor kernel applies: a GPU with the copy engine (``has_copy_engine``) and 16-bit
+    inputs (its tiles, three stages of [128, 64] x and [2, 128, 64] weight tiles, fill shared memory at two bytes an
+    element), or the interpreter (or ``any_device``); and rows of x, the weight and the output that are multiples of
+    16 bytes."""
     if triton is None or TensorDescriptor is None:
         return False
     multiple = 16 // x.element_size()  # the copy engine's row strides are multiples of 16 bytes
@@ -118,8 +113,13 @@ def takes_tma(x: Tensor, weight: Tensor, any_device: bool = False) -> bool:
     aligned = x.shape[1] % multiple == 0 and width % multiple == 0
     if any_device or _INTERPRET:
         return aligned
-    return (aligned and x.element_size() == 2 and x.is_cuda
-            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+    return aligned and x.element_size() == 2 and has_copy_engine(x.device)
+
+
+def has_copy_engine(device: torch.device) -> bool:
+    """Whether ``device`` is a GPU that loads tiles through tensor descriptors (Hopper on) with this triton."""
+    return (triton is not None and TensorDescriptor is not None and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 if triton is not None:

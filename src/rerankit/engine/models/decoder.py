@@ -261,10 +261,11 @@ class PackedDecoder(PackedBody):
 
 def _fused_swiglu_pays(device: torch.device, hidden_size: int) -> bool:
     """Whether the SwiGLU GEMM measured faster than cuBLAS + the compiled activation for this hidden size."""
+    from rerankit.kernels.swiglu_matmul import has_copy_engine
+
     if device.type != "cuda":
         return False
-    descriptors = torch.cuda.get_device_capability(device)[0] >= 9
-    return hidden_size <= (FUSED_SWIGLU_MAX_HIDDEN if descriptors else FUSED_SWIGLU_MAX_HIDDEN_POINTERS)
+    return hidden_size <= (FUSED_SWIGLU_MAX_HIDDEN if has_copy_engine(device) else FUSED_SWIGLU_MAX_HIDDEN_POINTERS)
 
 
 def _add_projection(hidden: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
