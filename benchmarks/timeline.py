@@ -12,9 +12,9 @@ For W1, W3 and LI (``pairs.py``'s workloads, Qwen3-Reranker-0.6B shape, random w
 The profiler slows the host and so overstates the GPU's idle time; these numbers do not.
 
 ``--ab`` instead times wall_ms and gpu_bound_ms of each workload under each engine setting of ``AB_SETTINGS`` (model
-switches, attention kernel configs, the largest graphed micro-batch), the settings interleaved over ``--rounds``
-rounds so that a drifting clock or host falls on all of them alike; each setting gets CUDA graphs of its own (a
-graph keeps the kernels it was captured with).
+switches, attention kernel configs, the largest graphed micro-batch, the ramp-up's chunk sizes, the template head
+kept or not), the settings interleaved over ``--rounds`` rounds so that a drifting clock or host falls on all of
+them alike; each setting gets CUDA graphs of its own (a graph keeps the kernels it was captured with).
 
     PYTHONPATH=src python benchmarks/timeline.py [--out timeline.json] [--ab [--rounds 3]]
 """
@@ -22,6 +22,7 @@ graph keeps the kernels it was captured with).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -29,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -36,18 +38,55 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pairs import build_decoder_dir, decoder_workloads, requests_of, single_token_words, time_call  # noqa: E402
 
-from rerankit.engine import EmbeddedBackend  # noqa: E402
+from rerankit.engine import EmbeddedBackend, encode  # noqa: E402
+from rerankit.engine import backend as backend_module  # noqa: E402
 from rerankit.engine.backend import _Call  # noqa: E402
 from rerankit.engine.graphs import MAX_GRAPH_TOKENS  # noqa: E402
 from rerankit.engine.runner import graphed_forward  # noqa: E402
 from rerankit.kernels.prefix_attention import CONFIG_ENV  # noqa: E402
 
-# name -> (PackedDecoder attributes, RERANKIT_ATTENTION_CONFIG, largest graphed micro-batch in tokens): the engine
-# settings --ab compares.
+@dataclass(frozen=True)
+class Setting:
+    """One engine setting of ``--ab``: PackedDecoder attributes, RERANKIT_ATTENTION_CONFIG, the largest graphed
+    micro-batch in tokens, the ramp-up's chunk sizes, and whether a template's head is tokenized once."""
+
+    model: dict = field(default_factory=dict)
+    attention: str = ""
+    graph_tokens: int = MAX_GRAPH_TOKENS
+    ramp_chunks: tuple[int, ...] = backend_module.RAMP_CHUNKS
+    head_cache: bool = True
+
+
 AB_SETTINGS = {
-    "graphs up to 8,192 tokens (default)": ({}, "", MAX_GRAPH_TOKENS),
-    "graphs up to 32,768 tokens": ({}, "", 32768),
+    "default (ramp-up 16 items, head kept)": Setting(),
+    "ramp-up 12 items": Setting(ramp_chunks=(12,)),
+    "ramp-up 24 items": Setting(ramp_chunks=(24,)),
+    "head tokenized each request": Setting(head_cache=False),
 }
+
+
+@contextlib.contextmanager
+def applied(setting: Setting, backend: EmbeddedBackend):
+    """The backend under ``setting``, with graphs of its own; everything put back on exit."""
+    runner = backend._runner
+    model, graphs = runner.model, runner.graphs
+    saved = {name: getattr(model, name) for name in setting.model}
+    ramp_chunks, head_ids = backend_module.RAMP_CHUNKS, encode._head_ids
+    try:
+        for name, value in setting.model.items():
+            setattr(model, name, value)
+        os.environ[CONFIG_ENV] = setting.attention
+        backend_module.RAMP_CHUNKS = setting.ramp_chunks
+        if not setting.head_cache:
+            encode._head_ids = lambda *args: None
+        runner.graphs = graphed_forward(model, runner.device, setting.graph_tokens) if graphs is not None else None
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(model, name, value)
+        os.environ.pop(CONFIG_ENV, None)
+        backend_module.RAMP_CHUNKS, encode._head_ids = ramp_chunks, head_ids
+        runner.graphs = graphs
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -101,26 +140,19 @@ def gpu_bound_ms(backend: EmbeddedBackend, loaded, requests: list, repeats: int 
 
 def ab_rows(backend: EmbeddedBackend, loaded, workloads: list, rounds: int) -> list[dict]:
     """wall_ms / gpu_bound_ms of every workload under every setting of AB_SETTINGS, one round after another."""
-    runner = backend._runner
-    model, graphs = runner.model, runner.graphs
     rows = []
     for round_index in range(rounds):
-        for name, (attributes, spec, graph_tokens) in AB_SETTINGS.items():
-            for attribute, value in attributes.items():
-                setattr(model, attribute, value)
-            os.environ[CONFIG_ENV] = spec
-            runner.graphs = graphed_forward(model, runner.device, graph_tokens) if graphs is not None else None
+        for name, setting in AB_SETTINGS.items():
             row = {"setting": name, "round": round_index}
-            for workload in workloads:
-                requests = requests_of(workload, True)
-                for _ in range(2):
-                    backend.score_batch(requests)
-                row[f"{workload.name}_wall_ms"] = round(median_ms(lambda: backend.score_batch(requests), 15), 2)
-                row[f"{workload.name}_gpu_bound_ms"] = round(gpu_bound_ms(backend, loaded, requests), 2)
+            with applied(setting, backend):
+                for workload in workloads:
+                    requests = requests_of(workload, True)
+                    for _ in range(2):
+                        backend.score_batch(requests)
+                    row[f"{workload.name}_wall_ms"] = round(median_ms(lambda: backend.score_batch(requests), 15), 2)
+                    row[f"{workload.name}_gpu_bound_ms"] = round(gpu_bound_ms(backend, loaded, requests), 2)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    os.environ.pop(CONFIG_ENV, None)
-    runner.graphs = graphs
     return rows
 
 

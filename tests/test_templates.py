@@ -81,3 +81,14 @@ def test_unknown_template_names_the_known_ones():
     with pytest.raises(InvalidRequest) as caught:
         get_template("llama-reranker")
     assert caught.value.field == "template" and "qwen3-reranker" in caught.value.reason
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+@pytest.mark.parametrize("instruction", [None, "Find {x} docs.\n", ""])
+def test_prefix_parts_split_the_prefix_before_the_query_line(name, instruction):
+    template = TEMPLATES[name]
+    query = "what {is} it?"
+    head, tail = template.prefix_parts(instruction, query)
+    assert head + tail == template.prefix(instruction, query)
+    assert query not in head and head == template.prefix_parts(instruction, "other")[0]
+    assert head == "" or tail.startswith("\n")

@@ -54,6 +54,20 @@ class Template:
         """The text before the item: system prompt, instruction and query."""
         return self.prefix_format.format(instruction=self._instruction(instruction), query=query)
 
+    def prefix_parts(self, instruction: str | None, query: str) -> tuple[str, str]:
+        """The prefix as ``(head, tail)``, ``head + tail == prefix(...)``: the head is the text before the last line
+        break ahead of the query, so it holds no query text and is the same for every query under one instruction;
+        the tail is the rest, that line break on. The head is "" where no line break comes before the query."""
+        before, marker, after = self.prefix_format.partition("{query}")
+        chosen = self._instruction(instruction)
+        if not marker:
+            return "", self.prefix(instruction, query)
+        rendered = before.format(instruction=chosen)
+        cut = rendered.rfind("\n")
+        if cut <= 0:
+            return "", self.prefix(instruction, query)
+        return rendered[:cut], rendered[cut:] + query + after.format(instruction=chosen)
+
     def item(self, doc: str) -> str:
         """The text of one item."""
         return self.item_format.format(doc=doc)

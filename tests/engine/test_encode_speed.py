@@ -1,4 +1,4 @@
-"""Encoding a request: one batched tokenizer call per request, template parts tokenized once, ids unchanged.
+"""Encoding a request: one batched tokenizer call per request, template parts and head tokenized once, ids unchanged.
 
 Run as a script to time W1's encoding (1 query x 100 docs of 64..448 single-token words, Qwen3-Reranker template,
 the tiny BPE tokenizer), median of 20 calls:
@@ -73,13 +73,13 @@ def recorded_tokenize_calls(monkeypatch) -> list[list[str]]:
     return calls
 
 
-def test_a_template_request_is_one_tokenizer_call_of_its_prefix_and_items(loaded, monkeypatch):
+def test_a_template_request_is_one_tokenizer_call_of_its_query_line_and_items(loaded, monkeypatch):
     request = w1_request(loaded, count=5)
     template = get_template("qwen3-reranker")
-    encode_request(request, loaded, "generative", template)  # the template's parts, once per tokenizer
+    encode_request(request, loaded, "generative", template)  # the template's parts and head, once per tokenizer
     calls = recorded_tokenize_calls(monkeypatch)
     encoded = encode_request(request, loaded, "generative", template)
-    assert calls == [[template.prefix(None, QUERY), *map(template.item, request.items)]]
+    assert calls == [[template.prefix_parts(None, QUERY)[1], *map(template.item, request.items)]]
     tokenizer = loaded.tokenizer
 
     def ids(text):

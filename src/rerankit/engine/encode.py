@@ -3,7 +3,8 @@ that need the model (vocabulary, labels, modes).
 
 Every pair sequence is ``prefix_ids + item_ids[i] + suffix_ids``. The prefix (instruction + query) and the items
 of a request go to the tokenizer in one batched call; the parts that do not depend on the query (separator, suffix,
-label words, special-token layout) are tokenized once per tokenizer and kept. Truncation shortens the item only, so
+label words, special-token layout, and the prefix's head: system prompt and instruction, where tokenizing it apart
+gives the same ids) are tokenized once per tokenizer and kept. Truncation shortens the item only, so
 the suffix where the label is read always survives. Bi-encoder and late-interaction requests also carry the query
 as its own sequence.
 """
@@ -21,6 +22,7 @@ from rerankit.schema import ScoreRequest
 from rerankit.templates import RAW, Template, detect_template, get_template
 
 QUERY_KEY = -1  # the key of a bi-encoder's query sequence; items are keyed by their index
+HEAD_PROBE_QUERY = "a"  # a second query on which a template head's separate tokenization is checked
 MAX_CACHED_PER_TOKENIZER = 256  # instructions and label words come from requests: keep the newest only
 
 _Value = TypeVar("_Value")
@@ -256,13 +258,43 @@ def _encode_text(request: ScoreRequest, loaded: LoadedModel, template: Template,
     if request.items_are_token_ids:
         raise InvalidRequest("items", f"template {template.name!r} needs texts, not token ids")
     parts = _template_ids(loaded.tokenizer, template, request.instruction)
-    prefix, *items = _tokenize(loaded.tokenizer, [template.prefix(request.instruction, request.query),
-                                                  *map(template.item, chunk.items)])
+    head_ids = _head_ids(loaded.tokenizer, template, request.instruction, request.query)
+    if head_ids is None:
+        prefix, *items = _tokenize(loaded.tokenizer, [template.prefix(request.instruction, request.query),
+                                                      *map(template.item, chunk.items)])
+    else:  # the instruction's head is known: only the query's line on is tokenized
+        tail, *items = _tokenize(loaded.tokenizer, [template.prefix_parts(request.instruction, request.query)[1],
+                                                    *map(template.item, chunk.items)])
+        prefix = head_ids + tail
     encoded = EncodedRequest(mode, parts.bos + prefix + parts.separator, [], parts.separator + parts.suffix, [],
                              read_first=False)
     encoded.item_ids = _fit_items(items, request, loaded, len(encoded.prefix_ids) + len(encoded.suffix_ids),
                                   chunk.offset, lead_ids=parts.empty_item)
     return encoded
+
+
+def _head_ids(tokenizer: Any, template: Template, instruction: str | None, query: str) -> list[int] | None:
+    """The ids of the prefix's head (``Template.prefix_parts``: system prompt and instruction, before the query's
+    line), when tokenizing head and tail apart gives the whole prefix's ids; None where it does not, or where the
+    head is empty. Checked once per tokenizer, template and instruction, on the first query and on a probe query.
+
+    A long instruction then costs no tokenizing after its first request. The check holds for every query: a
+    pre-tokenizer (regex split, whitespace split, metaspace) decides a boundary from the text around it, and the
+    text after the head's end up to the query is the template's own (a line break, then ``<Query>: `` or
+    ``query: ``), the same in every request. BPE, WordPiece and Unigram never merge across pre-token boundaries.
+    """
+
+    def check() -> list[int] | None:
+        head, tail = template.prefix_parts(instruction, query)
+        if not head:
+            return None
+        probe = template.prefix_parts(instruction, HEAD_PROBE_QUERY)[1]
+        head_ids, *rest = _tokenize(tokenizer, [head, tail, head + tail, probe, head + probe])
+        tail_ids, whole, probe_ids, probe_whole = rest
+        agrees = head_ids + tail_ids == whole and head_ids + probe_ids == probe_whole
+        return head_ids if agrees else None
+
+    return _cached(tokenizer, ("head", template, instruction), check)
 
 
 def _encode_later_chunk(request: ScoreRequest, loaded: LoadedModel, mode: str, template: Template | None,
