@@ -8,7 +8,7 @@ and packed GQA (all query heads of a kv head per program), with its max |diff| a
 sweep result is printed as a JSON line as soon as it is measured, then one "best" line per pack.
 
     PYTHONPATH=src python benchmarks/attention.py --out bench_out/attention.json [--sweep] [--sweep-only]
-        [--sweep-set all|tma|tiles] [--workloads MIS 32k encoder]
+        [--sweep-set all|tma|tiles|wide] [--workloads MIS 32k encoder]
 
 The default config is rerankit.kernels.prefix_attention.default_config, so RERANKIT_ATTENTION_CONFIG applies to
 the "triton" backend rows and to the sweep's reference.
@@ -80,6 +80,7 @@ def workloads(seed: int = 0) -> dict[str, tuple]:
         "w1 MIS: 76 + 100 items": ([(W1_PREFIX, w1_items)], True, QWEN3_0_6B),
         "prefix 1024, plain: 100 x (1024 + 128)": ([(0, [1024 + 128])] * 100, True, QWEN3_0_6B),
         "prefix 1024 MIS: 1024 + 100 x 128": ([(1024, [128] * 100)], True, QWEN3_0_6B),
+        "LI MIS as planned: 1076 + 100 x 146": ([(1076, [146] * 100)], True, QWEN3_0_6B),
         "32k doc-masked causal pack": ([(0, [n]) for n in doc_lens], True, QWEN3_0_6B),
         "encoder D64: 100 x (76 + 64..448)": ([(0, [W1_PREFIX + n]) for n in w1_items], False, BERT_LARGE),
     }
@@ -107,7 +108,15 @@ TILES_SWEEP = [AttentionConfig(block_m, block_n, warps, stages, pack_gqa=True, t
                    (64, 64, 8, 3, 128), (64, 64, 8, 2, None), (64, 64, 8, 3, None), (32, 128, 4, 2, None),
                    (64, 128, 8, 2, None), (32, 32, 8, 3, None), (16, 32, 4, 3, None)]]
 SWEEP += [config for config in TILES_SWEEP if config not in SWEEP]
-SWEEP_SETS = {"all": SWEEP, "tma": TMA_SWEEP, "tiles": TILES_SWEEP}
+# Wider query blocks (128 tokens x 2 heads = 256 MMA rows, so each K/V tile serves twice the rows) with 8 or 16
+# warps, against the two defaults: ``--sweep-set wide``.
+WIDE_SWEEP = [AttentionConfig(block_m, block_n, warps, stages, pack_gqa=True, tma=True, maxnreg=maxnreg)
+              for block_m, block_n, warps, stages, maxnreg in [
+                  (64, 64, 8, 2, 128), (32, 32, 4, 2, None), (128, 64, 16, 2, None), (128, 64, 16, 3, None),
+                  (128, 32, 16, 2, None), (128, 128, 16, 2, None), (128, 64, 8, 2, None), (64, 64, 4, 2, None),
+                  (64, 128, 8, 2, 128), (64, 32, 4, 2, None)]]
+SWEEP += [config for config in WIDE_SWEEP if config not in SWEEP]
+SWEEP_SETS = {"all": SWEEP, "tma": TMA_SWEEP, "tiles": TILES_SWEEP, "wide": WIDE_SWEEP}
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:

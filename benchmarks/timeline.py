@@ -12,8 +12,8 @@ For W1, W3 and LI (``pairs.py``'s workloads, Qwen3-Reranker-0.6B shape, random w
 The profiler slows the host and so overstates the GPU's idle time; these numbers do not.
 
 ``--ab`` instead times wall_ms and gpu_bound_ms of each workload under each engine setting of ``AB_SETTINGS`` (model
-switches, attention kernel configs, the largest graphed micro-batch, the ramp-up's chunk sizes, the template head
-kept or not), the settings interleaved over ``--rounds`` rounds so that a drifting clock or host falls on all of
+switches, attention kernel configs, the largest graphed micro-batch, the ramp-up's chunk sizes, the template head's
+ids kept or not, its keys and values kept or not), the settings interleaved over ``--rounds`` rounds so that a drifting clock or host falls on all of
 them alike; each setting gets CUDA graphs of its own (a graph keeps the kernels it was captured with).
 
     PYTHONPATH=src python benchmarks/timeline.py [--out timeline.json] [--ab [--rounds 3]]
@@ -48,13 +48,15 @@ from rerankit.kernels.prefix_attention import CONFIG_ENV  # noqa: E402
 @dataclass(frozen=True)
 class Setting:
     """One engine setting of ``--ab``: PackedDecoder attributes, RERANKIT_ATTENTION_CONFIG, the largest graphed
-    micro-batch in tokens, the ramp-up's chunk sizes, and whether a template's head is tokenized once."""
+    micro-batch in tokens, the ramp-up's chunk sizes, whether a template's head is tokenized once, and whether its
+    keys and values are kept across calls (``engine.prefix_cache``)."""
 
     model: dict = field(default_factory=dict)
     attention: str = ""
     graph_tokens: int = MAX_GRAPH_TOKENS
     ramp_chunks: tuple[int, ...] = backend_module.RAMP_CHUNKS
     head_cache: bool = True
+    prefix_cache: bool = True
 
 
 AB_SETTINGS = {
@@ -62,6 +64,7 @@ AB_SETTINGS = {
     "ramp-up 12 items": Setting(ramp_chunks=(12,)),
     "ramp-up 24 items": Setting(ramp_chunks=(24,)),
     "head tokenized each request": Setting(head_cache=False),
+    "head's keys computed each call": Setting(prefix_cache=False),
 }
 
 
@@ -69,7 +72,7 @@ AB_SETTINGS = {
 def applied(setting: Setting, backend: EmbeddedBackend):
     """The backend under ``setting``, with graphs of its own; everything put back on exit."""
     runner = backend._runner
-    model, graphs = runner.model, runner.graphs
+    model, graphs, prefix_cache = runner.model, runner.graphs, runner.prefix_cache
     saved = {name: getattr(model, name) for name in setting.model}
     ramp_chunks, head_ids = backend_module.RAMP_CHUNKS, encode._head_ids
     try:
@@ -79,6 +82,8 @@ def applied(setting: Setting, backend: EmbeddedBackend):
         backend_module.RAMP_CHUNKS = setting.ramp_chunks
         if not setting.head_cache:
             encode._head_ids = lambda *args: None
+        if not setting.prefix_cache:
+            runner.prefix_cache = None
         runner.graphs = graphed_forward(model, runner.device, setting.graph_tokens) if graphs is not None else None
         yield
     finally:
@@ -86,7 +91,7 @@ def applied(setting: Setting, backend: EmbeddedBackend):
             setattr(model, name, value)
         os.environ.pop(CONFIG_ENV, None)
         backend_module.RAMP_CHUNKS, encode._head_ids = ramp_chunks, head_ids
-        runner.graphs = graphs
+        runner.graphs, runner.prefix_cache = graphs, prefix_cache
 
 
 def median_ms(fn, repeats: int) -> float:

@@ -77,7 +77,7 @@ def test_a_failed_capture_falls_back_to_eager_launches_for_good(tmp_path, caplog
     class FailingGraphs:
         calls = 0
 
-        def run(self, batch, read):
+        def run(self, batch, read, cached_kv=None):
             FailingGraphs.calls += 1
             raise GraphCaptureError("capturing the forward of GraphKey(...) failed: out of memory")
 
@@ -110,6 +110,38 @@ def test_padded_decoder_batch_keeps_every_real_row(tmp_path, layout):
         torch.testing.assert_close(model.forward_read(padded)[:batch.read_positions.numel()],
                                    model.forward_read(batch), atol=TOLERANCE, rtol=TOLERANCE)
         torch.testing.assert_close(model(padded)[:batch.num_tokens], model(batch), atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def test_padded_batch_with_a_kept_head_keeps_every_real_row(tmp_path):
+    """A batch whose sequence begins with a kept head: read from a slot of more rows than the head (as a graph reads
+    it), padded, it scores as the whole prefix computed inline."""
+    import numpy as np
+
+    from rerankit.engine.plan import plan_requests, RequestParts
+    from rerankit.engine.prefix_cache import CachedKV
+
+    hf = load_tiny(tmp_path, transformers.Qwen3ForCausalLM, DECODERS["qwen3"][1]())
+    model = build_packed_model(hf, attention_fn=triton_attention)
+    head, prefix, *items = (np.array(ids) for ids in random_sequences([12, 3, 5, 1, 7], seed=5))
+
+    def planned(parts):
+        [micro] = plan_requests([parts], 4096, padded=False, causal=True)
+        return micro.batch
+
+    suffix = np.array([9, 9])
+    whole = planned(RequestParts(np.concatenate([head, prefix]), items, suffix, share_prefix=True))
+    batch = planned(RequestParts(prefix, items, suffix, share_prefix=True, cached_head=head))
+    expected = model.forward_read(whole)
+    kept = model.keep_prefix(head)
+    torch.testing.assert_close(model.forward_read(batch, cached_kv=kept), expected, atol=TOLERANCE, rtol=TOLERANCE)
+    key = graph_key(batch, read=True)
+    assert key.kept == 256 and empty_batch(key, torch.device("cpu")).cached_lens.tolist() == [0] * key.sequences
+    slot = CachedKV(*([torch.cat([x, torch.full((key.kept - len(head), *x.shape[1:]), 7.0)]) for x in part]
+                      for part in (kept.keys, kept.values)))  # rows past the head are never read
+    padded = pad_batch(batch, dataclasses.replace(key, tokens=batch.num_tokens + 5, sequences=2))
+    assert padded.cached_lens.tolist() == [12, 0]
+    torch.testing.assert_close(model.forward_read(padded, cached_kv=slot)[:len(items)], expected, atol=TOLERANCE,
+                               rtol=TOLERANCE)
 
 
 def test_padded_encoder_batch_keeps_every_real_row(tmp_path):

@@ -97,6 +97,43 @@ def test_mis_item_equals_its_own_sequence(config):
         item_start += item_len
 
 
+def cached_pack(layout, cached_len, cached_seqs, q_heads, kv_heads, head_dim, dtype=torch.float32, device="cpu",
+                seed=0):
+    """A pack whose sequences ``cached_seqs`` begin with the same ``cached_len`` prefix tokens, and the same pack with
+    those tokens left out and kept as cached keys: (full q/k/v and meta, kept rows of the full pack, reduced q/k/v,
+    reduced meta, cached)."""
+    (q, k, v), meta = make_pack(layout, q_heads, kv_heads, head_dim, dtype, device, seed)
+    starts = meta["cu_seqlens"].tolist()
+    head = slice(starts[cached_seqs[0]], starts[cached_seqs[0]] + cached_len)
+    for seq in cached_seqs[1:]:  # one cached head shared by the sequences that use it, as the planner makes it
+        for x in (q, k, v):
+            x[starts[seq]:starts[seq] + cached_len] = x[head]
+    kept, reduced = [], []
+    for seq, (prefix_len, items) in enumerate(layout):
+        cut = cached_len if seq in cached_seqs else 0
+        kept += range(starts[seq] + cut, starts[seq + 1])
+        reduced.append((prefix_len - cut, items))
+    cached = (torch.tensor([cached_len if seq in cached_seqs else 0 for seq in range(len(layout))],
+                           dtype=torch.int32, device=device), k[head].clone(), v[head].clone())
+    return (q, k, v), meta, kept, [x[kept] for x in (q, k, v)], pack_meta(reduced, device), cached
+
+
+CACHED_LAYOUTS = [([(40, [5, 1, 19]), (0, [17]), (40, [2, 30])], 37, [0, 2]),
+                  ([(23, [9, 9, 1]), (6, [4])], 23, [0]),
+                  ([(50, [3, 12])], 16, [0])]
+
+
+@with_configs
+@pytest.mark.parametrize("layout, cached_len, cached_seqs", CACHED_LAYOUTS, ids=["two-cached", "all-prefix", "tile"])
+def test_cached_prefix_keys_equal_the_whole_sequence(layout, cached_len, cached_seqs, config):
+    (q, k, v), meta, kept, reduced_qkv, reduced_meta, cached = cached_pack(layout, cached_len, cached_seqs, 4, 2, 16)
+    whole = prefix_attention_reference(q, k, v, **meta)[kept]
+    torch.testing.assert_close(prefix_attention_reference(*reduced_qkv, **reduced_meta, cached=cached), whole,
+                               atol=1e-5, rtol=1e-5)
+    got = prefix_attention(*reduced_qkv, **reduced_meta, config=config, cached=cached)
+    torch.testing.assert_close(got, whole, atol=1e-4, rtol=1e-4)
+
+
 def test_packed_and_unpacked_agree_on_every_head():
     # Group 3 pads the packed tile to 4 heads per kv head: the padding rows must never be stored.
     (q, k, v), meta = make_pack(MIS_RAGGED, 6, 2, 16, seed=3)
@@ -184,3 +221,15 @@ def test_kernel_matches_reference_on_gpu_bf16(layout, head_dim, config):
     expected = prefix_attention_reference(q.float(), k.float(), v.float(), **meta)
     got = prefix_attention(q, k, v, **meta, config=config)
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("config", [None, CUDA_LONG_KEYS_CONFIG], ids=["default", "long-keys"])
+def test_cached_prefix_keys_on_gpu_bf16(config):
+    layout = [(1076, [146] * 30), (0, [300]), (1076, [1, 200])]
+    (q, k, v), meta, kept, reduced_qkv, reduced_meta, cached = cached_pack(
+        layout, 1060, [0, 2], 16, 8, 128, dtype=torch.bfloat16, device="cuda")
+    whole = prefix_attention_reference(q.float(), k.float(), v.float(), **meta)[kept]
+    got = prefix_attention(*reduced_qkv, **reduced_meta, config=config, cached=cached)
+    torch.testing.assert_close(got.float(), whole, atol=2e-2, rtol=2e-2)

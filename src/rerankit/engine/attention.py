@@ -56,13 +56,23 @@ def packed_attention(
     batch: PackedBatch,
     scale: float | None = None,
     backend: str | None = None,
+    cached: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Attention of q [T, Hq, D] over k/v [T, Hkv, D] under the batch's packed (and MIS) mask -> [T, Hq, D]."""
+    """Attention of q [T, Hq, D] over k/v [T, Hkv, D] under the batch's packed (and MIS) mask -> [T, Hq, D].
+
+    ``cached`` = (k, v) [C, Hkv, D]: keys and values of a prefix head kept from an earlier forward; sequence b sees
+    their first ``batch.cached_lens[b]`` rows before its own keys (triton and sdpa backends only).
+    """
     backend = backend or default_backend(q.device)
+    if cached is not None and backend not in ("triton", "sdpa"):
+        raise ValueError(f"the {backend} backend cannot attend to cached prefix keys; use 'triton' or 'sdpa'")
     if backend == "triton":
         return prefix_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, batch.prefix_lens,
-                                batch.span_starts, batch.causal, scale, keys_per_query=batch.keys_per_query)
+                                batch.span_starts, batch.causal, scale, keys_per_query=batch.keys_per_query,
+                                cached=None if cached is None else (batch.cached_lens, *cached))
     if backend == "sdpa":
+        if cached is not None:  # the cached rows first: the span groups index keys from there on
+            k, v = (torch.cat([kept[:batch.cached_len], own]) for kept, own in zip(cached, (k, v)))
         return _sdpa(q, k, v, batch, scale)
     if backend == "flex":
         return _flex(q, k, v, batch, scale)
@@ -136,10 +146,15 @@ def span_groups(batch: PackedBatch) -> list[_SpanGroup]:
 
     A span is a run of tokens with one ``span_starts``: a MIS prefix (it sees itself causally), an item span (it
     sees its sequence's prefix and itself causally), or a whole plain sequence. A group holds spans with a prefix
-    or spans without, longest first, each at least ``SPAN_LENGTH_RATIO`` of the group's longest.
+    or spans without, longest first, each at least ``SPAN_LENGTH_RATIO`` of the group's longest. With cached prefix
+    keys (``batch.cached_lens``) the keys are indexed in the cached rows followed by the batch's own: a span of a
+    sequence with a cached head sees those rows first.
     """
     cu = batch.cu_seqlens.cpu().numpy().astype(np.int64)
     total = batch.num_tokens
+    cached = np.zeros(len(cu) - 1, dtype=np.int64) if batch.cached_lens is None else \
+        batch.cached_lens.cpu().numpy().astype(np.int64)
+    offset = batch.cached_len  # the cached rows sit before the batch's keys
     if batch.causal:
         starts = np.flatnonzero(batch.span_starts.cpu().numpy() == np.arange(total))
         sequence = np.searchsorted(cu, starts, side="right") - 1
@@ -148,6 +163,8 @@ def span_groups(batch: PackedBatch) -> list[_SpanGroup]:
         starts = cu[:-1][cu[1:] > cu[:-1]]
         sequence = np.searchsorted(cu, starts, side="right") - 1
         prefixes = np.zeros(len(starts), dtype=np.int64)
+    heads = cached[sequence]
+    prefixes = prefixes + heads
     lengths = np.diff(np.append(starts, total))
     order = np.lexsort((-lengths, prefixes > 0))
     groups: list[_SpanGroup] = []
@@ -157,7 +174,7 @@ def span_groups(batch: PackedBatch) -> list[_SpanGroup]:
     def close() -> None:
         picked = np.asarray(members)
         groups.append(_span_group(starts[picked], lengths[picked], cu[sequence[picked]], prefixes[picked],
-                                  batch.causal, batch.input_ids.device))
+                                  heads[picked], offset, batch.causal, batch.input_ids.device))
 
     for span in order.tolist():
         if members:
@@ -176,22 +193,26 @@ def span_groups(batch: PackedBatch) -> list[_SpanGroup]:
 
 
 def _span_group(starts: np.ndarray, lengths: np.ndarray, sequence_starts: np.ndarray, prefixes: np.ndarray,
-                causal: bool, device: torch.device) -> _SpanGroup:
+                heads: np.ndarray, offset: int, causal: bool, device: torch.device) -> _SpanGroup:
+    """``prefixes``: keys each span sees before its own, the first ``heads`` of them cached rows (indices from 0),
+    the rest its sequence's prefix in the batch (indices from ``offset``, where the batch's keys begin)."""
     longest, widest = int(lengths.max()), int(prefixes.max())
     offsets = np.arange(longest)
     queries = starts[:, None] + np.minimum(offsets, lengths[:, None] - 1)
     real = offsets < lengths[:, None]
     mask = None
     if widest:
+        prefix_offsets = np.minimum(np.arange(widest), prefixes[:, None] - 1)
+        prefix_keys = np.where(prefix_offsets < heads[:, None], prefix_offsets,
+                               offset + sequence_starts[:, None] + prefix_offsets - heads[:, None])
+        keys = np.concatenate([prefix_keys, offset + queries], axis=1)
         prefix_offsets = np.arange(widest)
-        prefix_keys = sequence_starts[:, None] + np.minimum(prefix_offsets, prefixes[:, None] - 1)
-        keys = np.concatenate([prefix_keys, queries], axis=1)
         sees_prefix = np.broadcast_to((prefix_offsets < prefixes[:, None])[:, None, :], (len(starts), longest, widest))
         # Only causal sequences have a prefix; a real row's own keys are then real ones.
         sees_span = np.broadcast_to(np.tril(np.ones((longest, longest), dtype=bool)), (len(starts), longest, longest))
         mask = np.concatenate([sees_prefix, sees_span], axis=2)[:, None]
     else:
-        keys = queries
+        keys = offset + queries
         if not causal and not real.all():
             mask = real[:, None, None, :]
     rows = np.flatnonzero(real.ravel())

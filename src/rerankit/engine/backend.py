@@ -27,6 +27,7 @@ from rerankit.engine.encode import EncodedRequest, encode_request, resolve_templ
 from rerankit.engine.load import LoadedModel, load_model
 from rerankit.engine.plan import DEFAULT_MAX_BATCH_TOKENS, MicroBatch, Planner, RequestParts, pack
 from rerankit.engine.prefetch import prefetch
+from rerankit.engine.prefix_cache import PREFIX_CACHE_MAX_BYTES, PREFIX_CACHE_MIN_TOKENS
 from rerankit.engine.runner import Runner, make_runner
 from rerankit.errors import InvalidRequest, ModelLoadError, RerankitError
 from rerankit.schema import ScoreRequest, ScoreResponse, ScoreResult, Usage
@@ -41,6 +42,9 @@ PREFETCH_MICRO_BATCHES = 2  # micro-batches planned ahead of the GPU on the plan
 # to its first items (counted in characters, or ids) is encoded in one chunk: one tokenizer call costs ~1 ms more.
 RAMP_CHUNKS = (16,)
 RAMP_PREFIX_SHARE = 8
+# Characters a token that an instruction must have to be taken, before tokenizing, as a head that the runner keeps
+# (``engine.prefix_cache``) and so no part of a ramp chunk's prefix: English BPE averages 4-5.
+KEPT_CHARS_PER_TOKEN = 6
 
 
 @dataclass
@@ -104,20 +108,26 @@ class EmbeddedBackend:
     default) uses them wherever the packed runner runs on CUDA. On an H100, W3 (1 query x 20 docs) p50 went from
     29.3 to 17.8 ms. With graphs a call also ramps up: its first 16 items run as a micro-batch of their own, replayed
     in one launch, while the host tokenizes the rest (W1 59.7 vs 63.1 ms), unless its query and instruction are long
-    next to those items (LI: one tokenizer call, 43.4 vs 45.0 ms). ``show_progress`` None shows a progress
-    bar for calls of more than 256 items. Thread-safe: one lock serialises use of the model.
+    next to those items (LI: one tokenizer call, 43.4 vs 45.0 ms). ``prefix_cache_bytes``: a packed decoder keeps
+    each layer's keys and values of long prompt heads (a template's system prompt and instruction of at least 256
+    tokens) across calls, up to this many bytes, least recently used dropped first (``engine/prefix_cache.py``); a
+    request's micro-batches then leave the head's tokens out (CUDA graphs included), and a request with a long
+    instruction ramps up as one with a short one does; 0 turns it off. ``show_progress`` None shows a progress bar
+    for calls of more than 256 items. Thread-safe: one lock serialises use of the model.
     """
 
     def __init__(self, model: str, *, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                  mode: str | None = None, template: str | None = None,
                  max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, runner: str = "auto",
                  multi_item: bool = True, overlap: bool = False, cuda_graphs: bool | None = None,
-                 show_progress: bool | None = None) -> None:
+                 prefix_cache_bytes: int = PREFIX_CACHE_MAX_BYTES, show_progress: bool | None = None) -> None:
         # Options that do not need the model are checked before it loads, which can take minutes.
         if template is not None:
             get_template(template)
         if max_batch_tokens < 1:
             raise InvalidRequest("max_batch_tokens", f"must be >= 1, got {max_batch_tokens}")
+        if prefix_cache_bytes < 0:
+            raise InvalidRequest("prefix_cache_bytes", f"must be >= 0, got {prefix_cache_bytes}")
         self._loaded: LoadedModel | None = load_model(model, device=device, dtype=dtype)
         loaded = self._loaded
         if mode is not None and mode not in loaded.supported_modes:
@@ -125,7 +135,7 @@ class EmbeddedBackend:
         self._mode = mode
         self._template = template
         self._classify = heads.sequence_classifier(loaded.model) if loaded.kind == "sequence-classifier" else None
-        self._runner: Runner = make_runner(loaded, runner, cuda_graphs)
+        self._runner: Runner = make_runner(loaded, runner, cuda_graphs, prefix_cache_bytes)
         self._multi_item = multi_item
         self._overlap = bool(overlap)
         self._ramp: bool | None = None  # None: ramp up where it pays (``_ramps``); True/False force it
@@ -233,6 +243,10 @@ class EmbeddedBackend:
                 and len(encoded.prefix_ids) > 0 and not encoded.read_first
                 and encoded.mode in ("generative", "cross-encoder"))
 
+    def _keeps_head(self, encoded: EncodedRequest) -> bool:
+        """Whether a MIS request's head comes from the runner's prefix cache: it has one, and the head is long."""
+        return self._runner.prefix_cache is not None and encoded.head_len >= PREFIX_CACHE_MIN_TOKENS
+
     def _ramps(self) -> bool:
         """Whether a call ramps up (its first request's first items as a micro-batch of their own): where the GPU can
         start on them cheaply, with a planning thread or when the small batch replays from a CUDA graph."""
@@ -245,7 +259,7 @@ class EmbeddedBackend:
         at least as many items follow it as came before, and while the prefix looks short next to the first chunk's
         items), then the rest; else all at once."""
         count = len(request.items)
-        if not ramp or not self._ramp_pays(request):
+        if not ramp or not self._ramp_pays(request, self._runner.prefix_cache is not None):
             return [slice(0, count)]
         bounds = [0]
         for size in RAMP_CHUNKS:
@@ -256,10 +270,15 @@ class EmbeddedBackend:
         return [slice(start, end) for start, end in zip(bounds[:-1], bounds[1:])]
 
     @staticmethod
-    def _ramp_pays(request: ScoreRequest) -> bool:
+    def _ramp_pays(request: ScoreRequest, keeps_heads: bool = False) -> bool:
         """Before tokenizing: whether the query and instruction (characters, or ids) are at most
-        1/RAMP_PREFIX_SHARE of the first ramp chunk's items; the planner checks the tokens again."""
-        prefix = len(request.query) + len(request.instruction or "")
+        1/RAMP_PREFIX_SHARE of the first ramp chunk's items; the planner checks the tokens again. ``keeps_heads``:
+        an instruction surely long enough to be kept (``KEPT_CHARS_PER_TOKEN`` characters a token of
+        ``PREFIX_CACHE_MIN_TOKENS``) is not counted, since its head is then not computed again."""
+        instruction = len(request.instruction or "")
+        if keeps_heads and instruction >= KEPT_CHARS_PER_TOKEN * PREFIX_CACHE_MIN_TOKENS:
+            instruction = 0
+        prefix = len(request.query) + instruction
         return prefix * RAMP_PREFIX_SHARE <= sum(len(item) for item in request.items[:RAMP_CHUNKS[0]])
 
     def _plan(self, call: "_Call", loaded: LoadedModel, return_exceptions: bool) -> Iterator[MicroBatch]:
@@ -287,9 +306,11 @@ class EmbeddedBackend:
                     else:
                         entry.encoded.extend(chunk.encoded)
                     encoded = chunk.encoded
+                    share = self._shares_prefix(request, encoded)
                     parts = RequestParts.from_encoded(
-                        encoded, share_prefix=self._shares_prefix(request, encoded), head=head_ids[chunk.head_key],
-                        own_batches=not heads.reads_only(encoded.mode, loaded.pooling), item_offset=items.start)
+                        encoded, cache_head=share and self._keeps_head(encoded), share_prefix=share,
+                        head=head_ids[chunk.head_key], own_batches=not heads.reads_only(encoded.mode, loaded.pooling),
+                        item_offset=items.start)
                     yield from planner.add(position, parts)
                     if chunk_index < len(chunks) - 1:  # a ramp chunk: its own micro-batch where the prefix is small
                         spans = int(parts.span_lengths.sum())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -32,6 +33,11 @@ class PackedBatch:
     token_type_ids:[T] int64 segment ids for BERT-style pair encoders, else None.
     keys_per_query: mean number of keys a token attends to under the mask (on the host; 0 when not known): the
                    attention kernel picks its tiles by it (``rerankit.kernels.prefix_attention.default_config``).
+    cached_head:   [C] int64 ids (on the host) of a prefix head whose keys and values the runner keeps from an
+                   earlier forward (``engine.prefix_cache``), or None. Sequences with ``cached_lens[b] = C`` begin
+                   with that head: its tokens are not in the batch, their positions start at C, and they attend to
+                   the kept keys before their own.
+    cached_lens:   [B] int32 cached head tokens before each sequence (C or 0); None when ``cached_head`` is None.
     """
 
     input_ids: torch.Tensor
@@ -44,6 +50,13 @@ class PackedBatch:
     causal: bool = True
     token_type_ids: torch.Tensor | None = None
     keys_per_query: float = 0.0
+    cached_head: np.ndarray | None = None
+    cached_lens: torch.Tensor | None = None
+
+    @property
+    def cached_len(self) -> int:
+        """Tokens of the cached head these sequences may begin with (0 without one)."""
+        return 0 if self.cached_head is None else len(self.cached_head)
 
     @property
     def num_tokens(self) -> int:

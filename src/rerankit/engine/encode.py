@@ -54,6 +54,7 @@ class EncodedRequest:
     prefix_types: list[int] | None = None
     item_type: int = 0
     suffix_types: list[int] | None = None
+    head_len: int = 0  # the prefix's first tokens that do not depend on the query (BOS, system prompt, instruction)
 
     def extend(self, chunk: "EncodedRequest") -> None:
         """Append the items of the next chunk of the same request (``encode_request(..., items=...)``)."""
@@ -267,7 +268,7 @@ def _encode_text(request: ScoreRequest, loaded: LoadedModel, template: Template,
                                                     *map(template.item, chunk.items)])
         prefix = head_ids + tail
     encoded = EncodedRequest(mode, parts.bos + prefix + parts.separator, [], parts.separator + parts.suffix, [],
-                             read_first=False)
+                             read_first=False, head_len=0 if head_ids is None else len(parts.bos) + len(head_ids))
     encoded.item_ids = _fit_items(items, request, loaded, len(encoded.prefix_ids) + len(encoded.suffix_ids),
                                   chunk.offset, lead_ids=parts.empty_item)
     return encoded

@@ -14,17 +14,25 @@ On by default on CUDA (``EmbeddedBackend(..., cuda_graphs=False)`` turns it off)
 ms replayed vs 29.3 ms launched eagerly. A new padded shape costs two eager warm-up forwards and a capture, once:
 a server sees its first calls of each size slower. Captures run with ``graphed=True``, so the model picks the steps
 that take least GPU time (launches are free at replay).
+
+A batch whose sequences begin with a kept prompt head (``PackedBatch.cached_head``, ``engine.prefix_cache``) replays
+from graphs of its own: their attention reads the head's keys and values from a slot of this object's (per layer,
+``GraphKey.kept`` rows), into which the head's are copied when another head comes; ``cached_lens`` says how many
+rows each sequence sees.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rerankit.engine.batch import PackedBatch
+from rerankit.engine.prefix_cache import CachedKV
 from rerankit.kernels.prefix_attention import LONG_KEYS_PER_QUERY, takes_long_keys_tile
 
 # Steps of 256 tokens up to 2,048, then of 512 up to 8,192, then of 1,024: a batch pays for at most ~10% of padding
@@ -38,6 +46,7 @@ MAX_GRAPHS = 32  # captured shapes kept; the least recently used goes first
 # last layer's MLP).
 MIN_READS = 64
 WARMUP_RUNS = 2  # eager runs on a side stream before a capture: compiles and autotunes outside the graph
+MIN_KEPT_ROWS = 256  # a kept head's slot rows: a power of two of at least this many (heads of 257-512 share one)
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,7 @@ class GraphKey:
     typed: bool
     read: bool  # forward_read (the read rows) or forward (every token)
     long_keys: bool = False  # the attention kernel's long-keys tile (``takes_long_keys_tile``)
+    kept: int = 0  # rows of the kept-head slot the sequences may read (0: no kept head)
 
 
 def graph_key(batch: PackedBatch, read: bool, max_tokens: int = MAX_GRAPH_TOKENS) -> GraphKey | None:
@@ -60,8 +70,9 @@ def graph_key(batch: PackedBatch, read: bool, max_tokens: int = MAX_GRAPH_TOKENS
         return None
     sequences = batch.cu_seqlens.numel() - 1 + (tokens > batch.num_tokens)  # + the padding's own sequence
     reads = max(_power_of_two(batch.read_positions.numel()), MIN_READS) if read else 0
+    kept = 0 if batch.cached_head is None else max(_power_of_two(batch.cached_len), MIN_KEPT_ROWS)
     return GraphKey(tokens, _power_of_two(sequences), reads, batch.causal, batch.token_type_ids is not None, read,
-                    takes_long_keys_tile(batch.causal, batch.keys_per_query))
+                    takes_long_keys_tile(batch.causal, batch.keys_per_query), kept)
 
 
 def _power_of_two(count: int) -> int:
@@ -78,7 +89,9 @@ def empty_batch(key: GraphKey, device: torch.device) -> PackedBatch:
         max_seqlen=key.tokens, prefix_lens=zeros(key.sequences, torch.int32),
         span_starts=zeros(key.tokens, torch.int32), read_positions=zeros(key.reads),
         causal=key.causal, token_type_ids=zeros(key.tokens) if key.typed else None,
-        keys_per_query=float(LONG_KEYS_PER_QUERY) if key.long_keys else 0.0)  # picks the tile the capture bakes in
+        keys_per_query=float(LONG_KEYS_PER_QUERY) if key.long_keys else 0.0,  # picks the tile the capture bakes in
+        cached_head=np.zeros(key.kept, dtype=np.int64) if key.kept else None,
+        cached_lens=zeros(key.sequences, torch.int32) if key.kept else None)
     batch.cu_seqlens[1:] = key.tokens
     return batch
 
@@ -87,7 +100,7 @@ def load_padded(target: PackedBatch, batch: PackedBatch) -> None:
     """Write ``batch`` (on any device) into ``target`` (buffers of a larger key) with the padding described above,
     in place."""
     tokens, sequences = batch.num_tokens, batch.cu_seqlens.numel() - 1
-    for name in ("input_ids", "position_ids", "token_type_ids", "read_positions", "prefix_lens"):
+    for name in ("input_ids", "position_ids", "token_type_ids", "read_positions", "prefix_lens", "cached_lens"):
         buffer, values = getattr(target, name), getattr(batch, name)
         if buffer is None or buffer.numel() == 0:  # no read buffer: a forward of every token
             continue
@@ -137,18 +150,22 @@ class GraphedForward:
         self._device = device
         self._graphs: OrderedDict[GraphKey, _Graph] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle()
+        self._slots: dict[int, tuple[CachedKV, CachedKV | None]] = {}  # rows -> (slot, the head it holds)
         self.captures = 0
 
-    def run(self, batch: PackedBatch, read: bool) -> torch.Tensor | None:
+    def run(self, batch: PackedBatch, read: bool, cached_kv: CachedKV | None = None) -> torch.Tensor | None:
         """The forward's rows for ``batch`` (read rows, or every token), or None when no graph applies. ``batch``
         may lie on the host (pinned, for asynchronous copies) or on the device: it is copied into the graph's own
-        buffers either way."""
+        buffers either way. ``cached_kv``: the keys and values of ``batch.cached_head``, when it has one."""
         key = graph_key(batch, read, self.max_tokens)
         if key is None:
             return None
+        if key.kept and cached_kv is None:
+            raise ValueError("a batch with a cached head needs its cached_kv")
+        slot = self._load_slot(key.kept, cached_kv) if key.kept else None
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._capture(key, batch)
+            graph = self._capture(key, batch, slot)
         else:
             self._graphs.move_to_end(key)
         load_padded(graph.inputs, batch)
@@ -156,12 +173,29 @@ class GraphedForward:
         rows = batch.read_positions.numel() if read else batch.num_tokens
         return graph.output[:rows].clone()  # the next replay of any graph may reuse the output's memory
 
-    def _capture(self, key: GraphKey, batch: PackedBatch) -> _Graph:
+    def _load_slot(self, rows: int, cached_kv: CachedKV) -> CachedKV:
+        """The slot of ``rows`` rows a layer, holding ``cached_kv`` in its first rows (copied there unless it already
+        does; the rows past it are never read)."""
+        slot, holds = self._slots.get(rows, (None, None))
+        if slot is None:
+            def empty(like: torch.Tensor) -> torch.Tensor:
+                return torch.zeros((rows, *like.shape[1:]), dtype=like.dtype, device=like.device)
+
+            slot = CachedKV([empty(k) for k in cached_kv.keys], [empty(v) for v in cached_kv.values])
+        if holds is not cached_kv:
+            for target, source in zip((*slot.keys, *slot.values), (*cached_kv.keys, *cached_kv.values)):
+                target[:source.shape[0]].copy_(source)
+        self._slots[rows] = (slot, cached_kv)
+        return slot
+
+    def _capture(self, key: GraphKey, batch: PackedBatch, slot: CachedKV | None) -> _Graph:
         while len(self._graphs) >= MAX_GRAPHS:
             self._graphs.popitem(last=False)
         inputs = empty_batch(key, self._device)
         load_padded(inputs, batch)
         forward = self._forwards[key.read]
+        if slot is not None:
+            forward = functools.partial(forward, cached_kv=slot)
         try:
             with torch.cuda.device(self._device):
                 output, graph = self._record(forward, inputs)

@@ -44,6 +44,8 @@ class RequestParts:
     share_prefix: the items follow one copy of the prefix (MIS); the caller decides that this is exact.
     head:         reads are grouped by this key in a micro-batch; requests that score alike share one.
     own_batches:  the head needs every token of its sequences, so no other request shares its micro-batches.
+    cached_head:  with share_prefix, the prefix's first tokens, whose keys and values the runner keeps across calls
+                  (``engine.prefix_cache``): they are left out of the batch, and ``prefix`` holds the rest.
     """
 
     prefix: np.ndarray
@@ -57,19 +59,24 @@ class RequestParts:
     item_type: int = 0
     suffix_types: np.ndarray | None = None
     item_offset: int = 0  # index in the request of items[0], when these parts are one chunk of its items
+    cached_head: np.ndarray | None = None
     item_lengths: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
         self.item_lengths = np.fromiter((len(item) for item in self.items), dtype=np.int64, count=len(self.items))
 
     @classmethod
-    def from_encoded(cls, encoded: EncodedRequest, **layout) -> "RequestParts":
-        """The parts of an encoded request as int64 arrays; ``layout`` sets share_prefix, head, own_batches."""
+    def from_encoded(cls, encoded: EncodedRequest, cache_head: bool = False, **layout) -> "RequestParts":
+        """The parts of an encoded request as int64 arrays; ``layout`` sets share_prefix, head, own_batches.
+        ``cache_head``: the prefix's head (``encoded.head_len`` tokens) becomes ``cached_head``."""
         lengths = [len(item) for item in encoded.item_ids]
         flat = np.fromiter(itertools.chain.from_iterable(encoded.item_ids), dtype=np.int64, count=sum(lengths))
         typed = encoded.prefix_types is not None and encoded.suffix_types is not None
+        prefix = np.asarray(encoded.prefix_ids, dtype=np.int64)
+        cut = encoded.head_len if cache_head else 0
         return cls(
-            prefix=np.asarray(encoded.prefix_ids, dtype=np.int64),
+            prefix=prefix[cut:],
+            cached_head=prefix[:cut] if cut else None,
             items=np.split(flat, np.cumsum(lengths)[:-1]),
             suffix=np.asarray(encoded.suffix_ids, dtype=np.int64),
             read_first=encoded.read_first,
@@ -245,7 +252,10 @@ class _Planner:
             self.builder.add_pair(*units[position])
 
     def add_shared(self, index: int, parts: RequestParts) -> Iterator[MicroBatch]:
-        """The request's spans after its prefix, as many per micro-batch as fit, the prefix again in each."""
+        """The request's spans after its prefix, as many per micro-batch as fit, the prefix again in each. A
+        micro-batch keeps one cached head: a request with another one starts a new micro-batch."""
+        if not self.builder.takes_head(parts.cached_head):
+            yield from self.flush()
         spans = parts.span_lengths
         start = 0
         while start < len(spans):
@@ -279,6 +289,12 @@ class _Builder:
         self.read_heads: list[np.ndarray] = []
         self.request_tokens: dict[int, int] = {}
         self.open_shared: tuple | None = None  # (request index, head, prefix) of the last sequence, when it is MIS
+        self.cached_head: np.ndarray | None = None  # the one cached prefix head this micro-batch's sequences use
+        self.cached_lens: list[int] = []  # per sequence: 0, or the cached head's length when it begins with it
+
+    def takes_head(self, cached_head: np.ndarray | None) -> bool:
+        """Whether a sequence beginning with ``cached_head`` (None: no cached head) can join this micro-batch."""
+        return cached_head is None or self.cached_head is None or np.array_equal(cached_head, self.cached_head)
 
     def continues(self, index: int, parts: RequestParts) -> bool:
         """Whether a chunk of request ``index`` can go on in the last sequence (the same request's MIS sequence)."""
@@ -304,30 +320,33 @@ class _Builder:
         if types is not None:
             self.types += types
         self._add(index, head, np.array([length]), np.zeros(1, dtype=np.int64), 0, np.array([read_offset]),
-                  np.array([item]))
+                  np.array([item]), 0)
 
     def add_shared(self, index: int, parts: RequestParts, items: np.ndarray, extend: bool) -> None:
         """One MIS sequence: the prefix, then a span (item + suffix) per item, each read at its last token.
 
         ``extend`` (the caller checked ``continues``): the spans go on in the last sequence, this request's MIS
-        sequence, instead.
+        sequence, instead. A cached head (``parts.cached_head``) is not laid out: positions start after it.
         """
         prefix = len(parts.prefix)
+        cached = 0 if parts.cached_head is None else len(parts.cached_head)
+        if cached:
+            self.cached_head = parts.cached_head
         spans = parts.span_lengths[items]
         if not extend:
             self.ids.append(parts.prefix)
         for item in items.tolist():
             self.ids += (parts.items[item], parts.suffix)
         if extend:
-            self._extend(index, parts.head, spans, prefix, items + parts.item_offset)
+            self._extend(index, parts.head, spans, cached + prefix, items + parts.item_offset)
         else:
             self._add(index, parts.head, np.concatenate(([prefix], spans)),
-                      np.concatenate(([0], np.full(len(spans), prefix))), prefix, prefix + np.cumsum(spans) - 1,
-                      items + parts.item_offset)
+                      np.concatenate(([cached], np.full(len(spans), cached + prefix))), prefix,
+                      prefix + np.cumsum(spans) - 1, items + parts.item_offset, cached)
         self.open_shared = (index, parts.head, parts.prefix)
 
     def _extend(self, index: int, head: int, spans: np.ndarray, prefix: int, items: np.ndarray) -> None:
-        """More item spans at the end of the last (MIS) sequence."""
+        """More item spans at the end of the last (MIS) sequence; ``prefix``: the position their tokens start at."""
         length = int(spans.sum())
         self.segment_lengths.append(spans)
         self.segment_positions.append(np.full(len(spans), prefix))
@@ -337,12 +356,13 @@ class _Builder:
         self.tokens += length
 
     def _add(self, index: int, head: int, segments: np.ndarray, positions: np.ndarray, prefix_length: int,
-             reads: np.ndarray, items: np.ndarray) -> None:
+             reads: np.ndarray, items: np.ndarray, cached: int) -> None:
         length = int(segments.sum())
         self.segment_lengths.append(segments)
         self.segment_positions.append(positions)
         self.sequence_lengths.append(length)
         self.prefix_lengths.append(prefix_length)
+        self.cached_lens.append(cached)
         self._reads(index, head, reads + self.tokens, items)
         self.request_tokens[index] = self.request_tokens.get(index, 0) + length
         self.tokens += length
@@ -356,8 +376,8 @@ class _Builder:
 
     def _keys_per_query(self, segment_lengths: np.ndarray, causal: bool) -> float:
         """Mean keys a token sees: a causal segment of L tokens whose positions start at p (the prefix it sees: 0 for
-        a sequence's first segment, the prefix length for a MIS span) sees L * p + L (L + 1) / 2 keys in all; a
-        bidirectional sequence of L tokens, L * L."""
+        a sequence's first segment, or its cached head; the prefix length for a MIS span) sees L * p + L (L + 1) / 2
+        keys in all; a bidirectional sequence of L tokens, L * L."""
         if not causal:
             lengths = np.asarray(self.sequence_lengths, dtype=np.float64)
             return float((lengths * lengths).sum() / self.tokens)
@@ -384,7 +404,9 @@ class _Builder:
 
         longs = _host_tensors([np.concatenate(self.ids), positions, np.concatenate(self.read_positions)[order],
                                *([np.concatenate(self.types)] if self.types else [])], np.int64, pin_memory)
-        ints = _host_tensors([cu_seqlens, np.asarray(self.prefix_lengths), span_starts], np.int32, pin_memory)
+        cached = self.cached_head is not None
+        ints = _host_tensors([cu_seqlens, np.asarray(self.prefix_lengths), span_starts,
+                              *([np.asarray(self.cached_lens)] if cached else [])], np.int32, pin_memory)
         batch = PackedBatch(
             input_ids=longs[0],
             position_ids=longs[1],
@@ -396,6 +418,8 @@ class _Builder:
             causal=causal,
             token_type_ids=longs[3] if self.types else None,
             keys_per_query=self._keys_per_query(lengths, causal),
+            cached_head=self.cached_head,
+            cached_lens=ints[3] if cached else None,
         )
         slices = [(int(heads[start]), start, end) for start, end in zip(first, last)]
         return MicroBatch(batch, read_requests, read_items, slices, self.request_tokens)

@@ -18,6 +18,7 @@ from rerankit.engine.batch import PackedBatch
 from rerankit.engine.graphs import MAX_GRAPH_TOKENS, GraphCaptureError, GraphedForward
 from rerankit.engine.load import LoadedModel
 from rerankit.engine.models import PackedDecoder, PackedEncoder, build_packed_model
+from rerankit.engine.prefix_cache import PREFIX_CACHE_MAX_BYTES, PrefixCache
 from rerankit.errors import InvalidRequest, ModelLoadError
 from rerankit.kernels import takes_head_dim
 
@@ -33,6 +34,7 @@ class Runner(Protocol):
     supports_multi_item: bool  # True when batches may share a prefix among item spans (MIS)
     pin_memory: bool  # True when the planner should build batches in page-locked memory
     graphs: GraphedForward | None  # CUDA graphs that replay small batches, where the runner has them
+    prefix_cache: PrefixCache | None  # keys and values of long prompt heads kept across calls, where it can
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """Final hidden states ``[batch.num_tokens, d]`` in packed order, on the model's device."""
@@ -48,12 +50,17 @@ class PackedRunner:
 
     padded = False
 
-    def __init__(self, loaded: LoadedModel, model: PackedDecoder | PackedEncoder, cuda_graphs: bool = False) -> None:
+    def __init__(self, loaded: LoadedModel, model: PackedDecoder | PackedEncoder, cuda_graphs: bool = False,
+                 prefix_cache_bytes: int = PREFIX_CACHE_MAX_BYTES) -> None:
         self.model = model
         self.device = loaded.device
         self.supports_multi_item = loaded.is_decoder
         self.pin_memory = loaded.device.type == "cuda"
         self.graphs = graphed_forward(model, loaded.device) if cuda_graphs else None
+        # Kept heads need our attention backends (the model's default): decoders built with another attention_fn
+        # (tests, benchmarks) compute every head.
+        keeps = isinstance(model, PackedDecoder) and model._attention_fn is None and prefix_cache_bytes > 0
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if keeps else None
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """Every token's final state (pooling heads)."""
@@ -64,10 +71,15 @@ class PackedRunner:
         return self._run(batch, read=True)
 
     def _run(self, batch: PackedBatch, read: bool) -> torch.Tensor:
+        cached_kv = None
+        if batch.cached_head is not None:
+            if self.prefix_cache is None:
+                raise ValueError("this runner keeps no prefix heads; plan without cached_head")
+            cached_kv = self.prefix_cache.get(batch.cached_head, self.model.keep_prefix)
         # A replay copies the (pinned) host tensors straight into its graph's buffers; only eager runs move them.
         if self.graphs is not None:
             try:
-                replayed = self.graphs.run(batch, read)
+                replayed = self.graphs.run(batch, read, cached_kv)
             except GraphCaptureError as error:
                 log.warning("%s; rerankit runs this model without CUDA graphs from now on", error)
                 self.graphs = None
@@ -75,7 +87,8 @@ class PackedRunner:
             if replayed is not None:
                 return replayed
         batch = self._on_device(batch)
-        return self.model.forward_read(batch) if read else self.model.forward(batch)
+        run = self.model.forward_read if read else self.model.forward
+        return run(batch, cached_kv=cached_kv)
 
     def _on_device(self, batch: PackedBatch) -> PackedBatch:
         # The tensors the model reads (the planner pinned them, so the copies are queued without waiting); which
@@ -85,8 +98,9 @@ class PackedRunner:
         moved = {name: getattr(batch, name).to(self.device, non_blocking=True)
                  for name in ("input_ids", "position_ids", "cu_seqlens", "prefix_lens", "span_starts",
                               "read_positions")}
-        if batch.token_type_ids is not None:
-            moved["token_type_ids"] = batch.token_type_ids.to(self.device, non_blocking=True)
+        for name in ("token_type_ids", "cached_lens"):
+            if getattr(batch, name) is not None:
+                moved[name] = getattr(batch, name).to(self.device, non_blocking=True)
         return dataclasses.replace(batch, **moved)
 
 
@@ -105,6 +119,7 @@ class ReferenceRunner:
     supports_multi_item = False
     pin_memory = False
     graphs = None
+    prefix_cache = None
 
     def __init__(self, loaded: LoadedModel) -> None:
         self.body = loaded.model.base_model
@@ -136,11 +151,13 @@ class ReferenceRunner:
         return self.forward(batch)[batch.read_positions.to(self.device)]
 
 
-def make_runner(loaded: LoadedModel, runner: str = "auto", cuda_graphs: bool | None = None) -> Runner:
+def make_runner(loaded: LoadedModel, runner: str = "auto", cuda_graphs: bool | None = None,
+                prefix_cache_bytes: int = PREFIX_CACHE_MAX_BYTES) -> Runner:
     """The runner for ``loaded``: "packed" (our forward), "reference" (transformers, padded), or "auto": packed
     when ``engine.models`` runs this architecture, else the reference. ``cuda_graphs`` replays the packed forward
     of small micro-batches from CUDA graphs (``engine.graphs``); True needs the packed runner on a CUDA device,
-    None (the default) uses them wherever the packed runner runs on CUDA."""
+    None (the default) uses them wherever the packed runner runs on CUDA. ``prefix_cache_bytes`` bounds the keys
+    and values of long prompt heads that a packed decoder keeps across calls (``engine.prefix_cache``; 0: none)."""
     if runner not in RUNNERS:
         raise InvalidRequest("runner", f"must be one of {', '.join(RUNNERS)}, got {runner!r}")
     if cuda_graphs and loaded.device.type != "cuda":
@@ -158,7 +175,7 @@ def make_runner(loaded: LoadedModel, runner: str = "auto", cuda_graphs: bool | N
         reason = f"the packed attention kernel needs a head size that is a power of two >= 16, not {model.head_dim}"
     if reason is None:
         graphs = loaded.device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        return PackedRunner(loaded, model, graphs)
+        return PackedRunner(loaded, model, graphs, prefix_cache_bytes)
     if runner == "packed" or cuda_graphs:
         fix = "cuda_graphs=False" if cuda_graphs else "runner='auto' or 'reference'"
         raise ModelLoadError(f"{reason}; use {fix}")

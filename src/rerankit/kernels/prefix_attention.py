@@ -217,11 +217,14 @@ def _attend_tiles(
 @triton.jit
 def _attend_block(
     q, offs_m, token_valid, k_head_ptr, v_head_ptr, stride_kt, stride_vt, k_desc, v_desc, kv_col, offs_d,
-    prefix_lens, span_starts, seq, seq_start, seq_end, q_first, q_last, qk_scale,
+    prefix_lens, span_starts, seq, seq_start, seq_end, q_first, q_last, qk_scale, cached_lens, cached_kv,
     CAUSAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr,
+    HAS_CACHED: tl.constexpr,
 ):
     """Attention of one block of query rows (tokens ``offs_m``, queries ``q`` [ROWS, D]) over the key ranges its
-    tokens can see; (acc, l) of the online softmax. Both kernels call it, with their own row layouts."""
+    tokens can see; (acc, l) of the online softmax. Both kernels call it, with their own row layouts. HAS_CACHED:
+    the sequence's first ``cached_lens[seq]`` prefix keys are rows of other tensors (``cached_kv``, laid out as
+    ``kv``), seen by every query before the batch's own keys."""
     if CAUSAL:
         prefix_end = seq_start + tl.load(prefix_lens + seq).to(tl.int32)
         span_q = tl.load(span_starts + offs_m, mask=token_valid, other=0).to(tl.int32)
@@ -246,9 +249,18 @@ def _attend_block(
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
     qk_scale = qk_scale * 1.4426950408889634  # exp2 instead of exp
-    # Shared prefix, then own spans: [lo_span, hi_span) masked, [hi_span, full_end) full, rest masked.
     kv = (k_head_ptr, v_head_ptr, stride_kt, stride_vt, k_desc, v_desc, kv_col)
     queries = (offs_m, offs_d, span_q, prefix_end)
+    if HAS_CACHED:
+        # Cached prefix keys (rows [0, cached) of their own tensors) come before every key of the sequence, so every
+        # query sees them: whole tiles unmasked, the last one masked past ``cached`` only (CAUSAL=False).
+        cached = tl.load(cached_lens + seq).to(tl.int32)
+        cached_full_end = cached // BLOCK_N * BLOCK_N
+        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, cached_kv, queries, 0, cached_full_end, qk_scale,
+                                      False, False, BLOCK_N, TMA)
+        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, cached_kv, queries, cached_full_end, cached, qk_scale,
+                                      False, True, BLOCK_N, TMA)
+    # Shared prefix, then own spans: [lo_span, hi_span) masked, [hi_span, full_end) full, rest masked.
     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, kv, queries, seq_start, shared_full_end, qk_scale,
                                   CAUSAL, False, BLOCK_N, TMA)
     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, kv, queries, shared_full_end, shared_end, qk_scale,
@@ -278,9 +290,10 @@ def _query_block(cu_seqlens, BLOCK_M: tl.constexpr):
 def _prefix_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, k_desc, v_desc, cu_seqlens, prefix_lens, span_starts,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    qk_scale,
+    qk_scale, cached_lens, ck_ptr, cv_ptr, ck_desc, cv_desc, stride_ckt, stride_ckh, stride_cvt, stride_cvh,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr,
+    HAS_CACHED: tl.constexpr,
 ):
     head = tl.program_id(1)
     seq, seq_start, seq_end, q_first, q_last = _query_block(cu_seqlens, BLOCK_M)
@@ -295,9 +308,12 @@ def _prefix_attention_kernel(
     k_head_ptr = k_ptr + (head // GROUP) * stride_kh
     v_head_ptr = v_ptr + (head // GROUP) * stride_vh
 
+    cached_kv = (ck_ptr + (head // GROUP) * stride_ckh, cv_ptr + (head // GROUP) * stride_cvh, stride_ckt, stride_cvt,
+                 ck_desc, cv_desc, (head // GROUP) * HEAD_DIM)
     acc, l_i = _attend_block(q, offs_m, row_valid, k_head_ptr, v_head_ptr, stride_kt, stride_vt, k_desc, v_desc,
                              (head // GROUP) * HEAD_DIM, offs_d, prefix_lens, span_starts, seq, seq_start, seq_end,
-                             q_first, q_last, qk_scale, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, TMA)
+                             q_first, q_last, qk_scale, cached_lens, cached_kv, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM,
+                             TMA, HAS_CACHED)
 
     out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
     tl.store(out_ptr + offs_m[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -308,9 +324,10 @@ def _prefix_attention_kernel(
 def _prefix_attention_packed_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, k_desc, v_desc, cu_seqlens, prefix_lens, span_starts,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    qk_scale,
+    qk_scale, cached_lens, ck_ptr, cv_ptr, ck_desc, cv_desc, stride_ckt, stride_ckh, stride_cvt, stride_cvh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr,
+    HAS_CACHED: tl.constexpr,
 ):
     """_prefix_attention_kernel with the GROUP query heads of one kv head in one program (pack_gqa=True).
 
@@ -338,9 +355,12 @@ def _prefix_attention_packed_kernel(
     k_head_ptr = k_ptr + kv_head * stride_kh
     v_head_ptr = v_ptr + kv_head * stride_vh
 
+    cached_kv = (ck_ptr + kv_head * stride_ckh, cv_ptr + kv_head * stride_cvh, stride_ckt, stride_cvt, ck_desc, cv_desc,
+                 kv_head * HEAD_DIM)
     acc, l_i = _attend_block(q, offs_m, token_valid, k_head_ptr, v_head_ptr, stride_kt, stride_vt, k_desc, v_desc,
                              kv_head * HEAD_DIM, offs_d, prefix_lens, span_starts, seq, seq_start, seq_end, q_first,
-                             q_last, qk_scale, CAUSAL, ROWS, BLOCK_N, HEAD_DIM, TMA)
+                             q_last, qk_scale, cached_lens, cached_kv, CAUSAL, ROWS, BLOCK_N, HEAD_DIM, TMA,
+                             HAS_CACHED)
 
     out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
     tl.store(out_ptr + offs_m[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -360,17 +380,23 @@ def prefix_attention(
     *,
     config: AttentionConfig | None = None,
     keys_per_query: float = 0.0,
+    cached: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Packed attention under the shared-prefix mask: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
 
     ``prefix_lens`` is [B] (zeros when no sequence shares a prefix), ``span_starts`` is [T]. Without a ``config``
     the tiles are :func:`default_config`'s for ``keys_per_query`` (the mean keys a query sees; 0: not known).
+    ``cached`` = (cached_lens [B], k_cached [C, Hkv, D], v_cached): sequence b's prefix begins with the first
+    ``cached_lens[b]`` rows of k_cached/v_cached (keys kept from an earlier forward), which every token of the
+    sequence sees before its own keys; its ``prefix_lens`` count the prefix tokens in the batch only.
     """
     total, q_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     if q_heads % kv_heads:
         raise ValueError(f"query heads ({q_heads}) must be a multiple of key/value heads ({kv_heads})")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    if cached is not None and not causal:
+        raise ValueError("cached prefix keys need causal attention")
     out = torch.empty_like(q)
     if total == 0:
         return out
@@ -382,15 +408,22 @@ def prefix_attention(
         packing = {"GROUP_PAD": triton.next_power_of_2(group)}
     else:
         kernel, heads, packing = _prefix_attention_kernel, q_heads, {}
-    tma = config.tma and takes_tma(k, v)
+    if cached is None:  # the kernel never reads these without HAS_CACHED
+        cached_lens, ck, cv = prefix_lens, k, v
+    else:
+        cached_lens, ck, cv = cached[0], *(x if x.stride(-1) == 1 else x.contiguous() for x in cached[1:])
+    tma = config.tma and takes_tma(k, v) and takes_tma(ck, cv)
     limits = {"maxnreg": config.maxnreg} if config.maxnreg is not None and q.is_cuda else {}
     k_desc, v_desc = (_kv_descriptor(x, config.block_n) for x in (k, v)) if tma else (k, v)
+    ck_desc, cv_desc = (k_desc, v_desc) if cached is None else \
+        (_kv_descriptor(x, config.block_n) for x in (ck, cv)) if tma else (ck, cv)
     kernel[(triton.cdiv(max_seqlen, config.block_m), heads, cu_seqlens.numel() - 1)](
         q, k, v, out, k_desc, v_desc, cu_seqlens, prefix_lens, span_starts,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        scale,
+        scale, cached_lens, ck, cv, ck_desc, cv_desc, ck.stride(0), ck.stride(1), cv.stride(0), cv.stride(1),
         GROUP=group, CAUSAL=causal, BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim, TMA=tma,
-        num_warps=config.num_warps, num_stages=config.num_stages, **packing, **limits,
+        HAS_CACHED=cached is not None, num_warps=config.num_warps, num_stages=config.num_stages, **packing,
+        **limits,
     )
     return out
 
@@ -420,6 +453,7 @@ def prefix_attention_reference(
     span_starts: torch.Tensor,
     causal: bool = True,
     scale: float | None = None,
+    cached: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The same attention as :func:`prefix_attention`, one torch SDPA call per sequence with a boolean mask.
 
@@ -427,6 +461,7 @@ def prefix_attention_reference(
     """
     out = torch.empty_like(q)
     bounds, prefix_lens = cu_seqlens.tolist(), prefix_lens.tolist()
+    cached_lens = [0] * len(prefix_lens) if cached is None else cached[0].tolist()
     for seq, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         if end == start:
             continue
@@ -436,7 +471,11 @@ def prefix_attention_reference(
             prefix_end = start + prefix_lens[seq]
             visible = (keys[None, :] < prefix_end) | (keys[None, :] >= span_starts[start:end, None])
             mask = (keys[None, :] <= keys[:, None]) & visible
-        heads_first = [x[start:end].transpose(0, 1) for x in (q, k, v)]
+        keys_values = [k[start:end], v[start:end]]
+        if cached_lens[seq]:
+            keys_values = [torch.cat([kept[:cached_lens[seq]], own]) for kept, own in zip(cached[1:], keys_values)]
+            mask = torch.cat([mask.new_ones(end - start, cached_lens[seq]), mask], dim=1)
+        heads_first = [x.transpose(0, 1) for x in (q[start:end], *keys_values)]
         attended = F.scaled_dot_product_attention(*heads_first, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:end] = attended.transpose(0, 1)
     return out

@@ -11,6 +11,7 @@ import functools
 import os
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,6 +30,7 @@ from rerankit.engine.models.layers import (
     rotary_cos_sin,
     swiglu,
 )
+from rerankit.engine.prefix_cache import CachedKV
 from rerankit.errors import ModelLoadError
 from rerankit.kernels import takes_head_dim
 
@@ -204,7 +206,27 @@ class PackedDecoder(PackedBody):
             fused_swiglu = _fused_swiglu_pays(device, config.hidden_size)
         self.fused_swiglu = fused_swiglu  # same batch rule as unfused_residual
 
-    def _run(self, batch: PackedBatch, read_positions: torch.Tensor | None, graphed: bool) -> torch.Tensor:
+    @torch.no_grad()
+    def keep_prefix(self, head_ids: np.ndarray) -> CachedKV:
+        """Each layer's keys and values (after norm and rotary) of ``head_ids`` run as one sequence from position 0:
+        what a sequence that begins with them attends to (``engine.prefix_cache``)."""
+        device = self.embed_weight.device
+        tokens = len(head_ids)
+        ids = torch.as_tensor(np.asarray(head_ids, dtype=np.int64), device=device)
+        zeros = torch.zeros(1, dtype=torch.int32, device=device)
+        batch = PackedBatch(input_ids=ids, position_ids=torch.arange(tokens, device=device),
+                            cu_seqlens=torch.tensor([0, tokens], dtype=torch.int32, device=device), max_seqlen=tokens,
+                            prefix_lens=zeros, span_starts=torch.zeros(tokens, dtype=torch.int32, device=device),
+                            read_positions=torch.zeros(0, dtype=torch.int64, device=device),
+                            keys_per_query=(tokens + 1) / 2)
+        kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # graphed=True: the steps of large batches (fused q/k kernel...), as the batches that read these keys run.
+        self._run(batch, None, True, kv_sink=kept)
+        return CachedKV([k for k, _ in kept], [v for _, v in kept])
+
+    def _run(self, batch: PackedBatch, read_positions: torch.Tensor | None, graphed: bool,
+             cached_kv: CachedKV | None = None, kv_sink: list | None = None) -> torch.Tensor:
+        """The forward (see ``PackedBody``); ``kv_sink`` collects each layer's (keys, values), contiguous."""
         attention = self._attention_fn or default_attention()
         hidden = F.embedding(batch.input_ids, self.embed_weight)
         fused_qk = self.fused_qk and (graphed or batch.num_tokens >= self.fused_qk_min_tokens)
@@ -223,7 +245,13 @@ class PackedDecoder(PackedBody):
                 q, k, v = self._attention_inputs(hidden, layer.input_norm, layer.qkv_weight, layer.qkv_bias,
                                                  layer.q_norm, layer.k_norm, cos, sin, self.eps, self.num_heads,
                                                  self.num_kv_heads, self.head_dim)
-            attended = attention(q, k, v, batch, scale=self.scale)
+            if kv_sink is not None:
+                kv_sink.append((k.contiguous(), v.contiguous()))
+            if cached_kv is None:
+                attended = attention(q, k, v, batch, scale=self.scale)
+            else:
+                attended = attention(q, k, v, batch, scale=self.scale,
+                                     cached=(cached_kv.keys[index], cached_kv.values[index]))
             if index == last and read_positions is not None:
                 # Past the last attention no token needs another, so only the read rows go on
                 # (1.5% of the W1 forward on an H100, benchmarks/forward.py).

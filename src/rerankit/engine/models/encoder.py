@@ -131,7 +131,10 @@ class PackedEncoder(PackedBody):
             raise ModelLoadError(f"{type(self.config).__name__}: the loaded model has no classification head")
         return F.linear(self.pool(cls_hidden), self.classifier_weight, self.classifier_bias)
 
-    def _run(self, batch: PackedBatch, read_positions: torch.Tensor | None, graphed: bool) -> torch.Tensor:
+    def _run(self, batch: PackedBatch, read_positions: torch.Tensor | None, graphed: bool,
+             cached_kv=None) -> torch.Tensor:
+        if cached_kv is not None:
+            raise ValueError("a bidirectional encoder has no cached prefix keys")
         attention = self._attention_fn or default_attention()
         token_types = (batch.token_type_ids if batch.token_type_ids is not None
                        else torch.zeros_like(batch.input_ids))

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rerankit.engine.batch import PackedBatch
+from rerankit.engine.prefix_cache import CachedKV
 
 ROPE_TYPES = ("default", "llama3")
 GELU_APPROXIMATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
@@ -161,14 +162,17 @@ class PackedBody(nn.Module):
     """
 
     @torch.no_grad()
-    def forward(self, batch: PackedBatch, graphed: bool = False) -> torch.Tensor:
-        """Final hidden states [T, hidden] of every packed token."""
-        return self._run(batch, None, graphed)
+    def forward(self, batch: PackedBatch, graphed: bool = False, cached_kv: CachedKV | None = None) -> torch.Tensor:
+        """Final hidden states [T, hidden] of every packed token. ``cached_kv``: the keys and values of
+        ``batch.cached_head`` (``engine.prefix_cache``), when the batch has one."""
+        return self._run(batch, None, graphed, cached_kv)
 
     @torch.no_grad()
-    def forward_read(self, batch: PackedBatch, graphed: bool = False) -> torch.Tensor:
+    def forward_read(self, batch: PackedBatch, graphed: bool = False,
+                     cached_kv: CachedKV | None = None) -> torch.Tensor:
         """Final hidden states [N, hidden] at ``batch.read_positions`` only (in their order)."""
-        return self._run(batch, batch.read_positions, graphed)
+        return self._run(batch, batch.read_positions, graphed, cached_kv)
 
-    def _run(self, batch: PackedBatch, read_positions: torch.Tensor | None, graphed: bool) -> torch.Tensor:
+    def _run(self, batch: PackedBatch, read_positions: torch.Tensor | None, graphed: bool,
+             cached_kv: CachedKV | None = None) -> torch.Tensor:
         raise NotImplementedError
