@@ -65,6 +65,7 @@ AB_SETTINGS = {
     "ramp-up 24 items": Setting(ramp_chunks=(24,)),
     "head tokenized each request": Setting(head_cache=False),
     "head's keys computed each call": Setting(prefix_cache=False),
+    "compiled norms (no Triton RMSNorm)": Setting(model={"triton_norms": False}),
 }
 
 

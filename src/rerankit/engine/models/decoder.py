@@ -167,6 +167,10 @@ class PackedDecoder(PackedBody):
     (``rerankit.kernels.swiglu_matmul``), and the output and down projections add onto the residual stream in
     place. None: on CUDA for hidden sizes up to ``FUSED_SWIGLU_MAX_HIDDEN`` (``FUSED_SWIGLU_MAX_HIDDEN_POINTERS``
     before Hopper), where it measured faster.
+
+    ``triton_norms`` (the attribute; True by default): where the fused q/k kernel and the SwiGLU GEMM run, the two
+    RMSNorms of a layer are one Triton launch each (``rerankit.kernels.rms_norm``) instead of compiled steps, whose
+    guards and wrapper cost several times a launch's host time in an eager micro-batch.
     """
 
     def __init__(self, hf_model: nn.Module, compile: bool | None = None,
@@ -205,6 +209,7 @@ class PackedDecoder(PackedBody):
         if fused_swiglu is None:
             fused_swiglu = _fused_swiglu_pays(device, config.hidden_size)
         self.fused_swiglu = fused_swiglu  # same batch rule as unfused_residual
+        self.triton_norms = True
 
     @torch.no_grad()
     def keep_prefix(self, head_ids: np.ndarray) -> CachedKV:
@@ -272,7 +277,7 @@ class PackedDecoder(PackedBody):
         from rerankit.kernels.swiglu_matmul import swiglu_matmul  # imported at first use, like the other kernels
 
         _add_projection(hidden, attended.flatten(1), o_weight, o_bias)
-        activated = swiglu_matmul(self._rms_norm(hidden, post_norm, eps), gate_up_weight, gate_up_bias)
+        activated = swiglu_matmul(self._norm(hidden, post_norm, eps), gate_up_weight, gate_up_bias)
         return _add_projection(hidden, activated, down_weight, down_bias)
 
     def _fused_attention_inputs(self, hidden: torch.Tensor, layer: PackedDecoderLayer,
@@ -280,11 +285,23 @@ class PackedDecoder(PackedBody):
         """``attention_inputs`` with the per-head norm and rotary in ``qk_norm_rope``; v a view of the projection."""
         from rerankit.kernels.qk_norm_rope import qk_norm_rope  # imported at first use, like the attention kernel
 
-        qkv = self._qkv_projection(hidden, layer.input_norm, layer.qkv_weight, layer.qkv_bias, self.eps)
+        if self.triton_norms:
+            qkv = F.linear(self._norm(hidden, layer.input_norm, self.eps), layer.qkv_weight, layer.qkv_bias)
+        else:
+            qkv = self._qkv_projection(hidden, layer.input_norm, layer.qkv_weight, layer.qkv_bias, self.eps)
         q, k = qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim, position_ids, self.inv_freq,
                             layer.q_norm, layer.k_norm, self.eps)
         v = qkv[:, (self.num_heads + self.num_kv_heads) * self.head_dim:]
         return q, k, v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+
+
+    def _norm(self, hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """A layer's RMSNorm on the fused path: the Triton kernel (``triton_norms``) or the compiled step."""
+        if not self.triton_norms:
+            return self._rms_norm(hidden, weight, eps)
+        from rerankit.kernels.rms_norm import rms_norm as rms_norm_rows
+
+        return rms_norm_rows(hidden, weight, eps)
 
 
 def _fused_swiglu_pays(device: torch.device, hidden_size: int) -> bool:
