@@ -16,7 +16,7 @@ switches, attention kernel configs, the largest graphed micro-batch, the ramp-up
 ids kept or not, its keys and values kept or not), the settings interleaved over ``--rounds`` rounds so that a drifting clock or host falls on all of
 them alike; each setting gets CUDA graphs of its own (a graph keeps the kernels it was captured with).
 
-    PYTHONPATH=src python benchmarks/timeline.py [--out timeline.json] [--ab [--rounds 3]]
+    PYTHONPATH=src python benchmarks/timeline.py [--out timeline.json] [--ab [--rounds 3] [--settings ramp,norms]]
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ class Setting:
     ramp_chunks: tuple[int, ...] = backend_module.RAMP_CHUNKS
     head_cache: bool = True
     prefix_cache: bool = True
+    ramp: bool | None = None  # EmbeddedBackend's ramp-up: None where it pays, False never
 
 
 AB_SETTINGS = {
@@ -66,6 +67,7 @@ AB_SETTINGS = {
     "head tokenized each request": Setting(head_cache=False),
     "head's keys computed each call": Setting(prefix_cache=False),
     "compiled norms (no Triton RMSNorm)": Setting(model={"triton_norms": False}),
+    "no ramp-up": Setting(ramp=False),
 }
 
 
@@ -85,6 +87,7 @@ def applied(setting: Setting, backend: EmbeddedBackend):
             encode._head_ids = lambda *args: None
         if not setting.prefix_cache:
             runner.prefix_cache = None
+        backend._ramp = setting.ramp
         runner.graphs = graphed_forward(model, runner.device, setting.graph_tokens) if graphs is not None else None
         yield
     finally:
@@ -93,6 +96,7 @@ def applied(setting: Setting, backend: EmbeddedBackend):
         os.environ.pop(CONFIG_ENV, None)
         backend_module.RAMP_CHUNKS, encode._head_ids = ramp_chunks, head_ids
         runner.graphs, runner.prefix_cache = graphs, prefix_cache
+        backend._ramp = None
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -144,11 +148,11 @@ def gpu_bound_ms(backend: EmbeddedBackend, loaded, requests: list, repeats: int 
     return median_ms(launch_all, repeats)
 
 
-def ab_rows(backend: EmbeddedBackend, loaded, workloads: list, rounds: int) -> list[dict]:
-    """wall_ms / gpu_bound_ms of every workload under every setting of AB_SETTINGS, one round after another."""
+def ab_rows(backend: EmbeddedBackend, loaded, workloads: list, rounds: int, settings: dict) -> list[dict]:
+    """wall_ms / gpu_bound_ms of every workload under every setting of ``settings``, one round after another."""
     rows = []
     for round_index in range(rounds):
-        for name, setting in AB_SETTINGS.items():
+        for name, setting in settings.items():
             row = {"setting": name, "round": round_index}
             with applied(setting, backend):
                 for workload in workloads:
@@ -167,6 +171,8 @@ def main() -> None:
     parser.add_argument("--workloads", default="W1,W3,LI")
     parser.add_argument("--ab", action="store_true", help="compare the engine settings of AB_SETTINGS instead")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of --ab")
+    parser.add_argument("--settings", default="", help="--ab: only the settings whose name contains one of these "
+                        "comma-separated words (the default setting always runs)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     folder = build_decoder_dir(Path(tempfile.mkdtemp(prefix="rerankit-timeline-")), "0.6b")
@@ -178,7 +184,10 @@ def main() -> None:
     print(json.dumps(rows[0]), flush=True)
     with torch.inference_mode():
         if args.ab:
-            rows += ab_rows(backend, loaded, workloads, args.rounds)
+            words = [word for word in args.settings.split(",") if word]
+            settings = {name: setting for index, (name, setting) in enumerate(AB_SETTINGS.items())
+                        if index == 0 or not words or any(word in name for word in words)}
+            rows += ab_rows(backend, loaded, workloads, args.rounds, settings)
             workloads = []
         for workload in workloads:
             requests = requests_of(workload, True)

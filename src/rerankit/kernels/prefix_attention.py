@@ -412,7 +412,7 @@ def prefix_attention(
         cached_lens, ck, cv = prefix_lens, k, v
     else:
         cached_lens, ck, cv = cached[0], *(x if x.stride(-1) == 1 else x.contiguous() for x in cached[1:])
-    tma = config.tma and takes_tma(k, v) and takes_tma(ck, cv)
+    tma = config.tma and takes_tma(k, v) and (cached is None or takes_tma(ck, cv))
     limits = {"maxnreg": config.maxnreg} if config.maxnreg is not None and q.is_cuda else {}
     k_desc, v_desc = (_kv_descriptor(x, config.block_n) for x in (k, v)) if tma else (k, v)
     ck_desc, cv_desc = (k_desc, v_desc) if cached is None else \
