@@ -156,9 +156,3 @@ def test_kept_heads_on_gpu_bf16(tiny_qwen3_lm):
         np.testing.assert_allclose(scores([kept.score(request)])[0], want, atol=2e-2)
     assert kept._runner.prefix_cache.fills == 1 and kept._runner.prefix_cache.hits >= 1
 
-
-def test_a_long_instruction_ramps_up_when_its_head_is_kept():
-    request = ScoreRequest(query="capital", items=["paris is the capital of france"] * 40,
-                           instruction="judge " * 300, template="qwen3-reranker")  # 1,800 characters
-    assert EmbeddedBackend._ramp_pays(request, keeps_heads=True)
-    assert not EmbeddedBackend._ramp_pays(request, keeps_heads=False)

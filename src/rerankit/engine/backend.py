@@ -42,9 +42,6 @@ PREFETCH_MICRO_BATCHES = 2  # micro-batches planned ahead of the GPU on the plan
 # to its first items (counted in characters, or ids) is encoded in one chunk: one tokenizer call costs ~1 ms more.
 RAMP_CHUNKS = (16,)
 RAMP_PREFIX_SHARE = 8
-# Characters a token that an instruction must have to be taken, before tokenizing, as a head that the runner keeps
-# (``engine.prefix_cache``) and so no part of a ramp chunk's prefix: English BPE averages 4-5.
-KEPT_CHARS_PER_TOKEN = 6
 
 
 @dataclass
@@ -111,9 +108,9 @@ class EmbeddedBackend:
     next to those items (LI: one tokenizer call, 43.4 vs 45.0 ms). ``prefix_cache_bytes``: a packed decoder keeps
     each layer's keys and values of long prompt heads (a template's system prompt and instruction of at least 256
     tokens) across calls, up to this many bytes, least recently used dropped first (``engine/prefix_cache.py``); a
-    request's micro-batches then leave the head's tokens out (CUDA graphs included), and a request with a long
-    instruction ramps up as one with a short one does; 0 turns it off. ``show_progress`` None shows a progress bar
-    for calls of more than 256 items. Thread-safe: one lock serialises use of the model.
+    request's micro-batches then leave the head's tokens out (CUDA graphs included); 0 turns it off.
+    ``show_progress`` None shows a progress bar for calls of more than 256 items. Thread-safe: one lock serialises
+    use of the model.
     """
 
     def __init__(self, model: str, *, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
@@ -259,7 +256,7 @@ class EmbeddedBackend:
         at least as many items follow it as came before, and while the prefix looks short next to the first chunk's
         items), then the rest; else all at once."""
         count = len(request.items)
-        if not ramp or not self._ramp_pays(request, self._runner.prefix_cache is not None):
+        if not ramp or not self._ramp_pays(request):
             return [slice(0, count)]
         bounds = [0]
         for size in RAMP_CHUNKS:
@@ -270,15 +267,12 @@ class EmbeddedBackend:
         return [slice(start, end) for start, end in zip(bounds[:-1], bounds[1:])]
 
     @staticmethod
-    def _ramp_pays(request: ScoreRequest, keeps_heads: bool = False) -> bool:
+    def _ramp_pays(request: ScoreRequest) -> bool:
         """Before tokenizing: whether the query and instruction (characters, or ids) are at most
-        1/RAMP_PREFIX_SHARE of the first ramp chunk's items; the planner checks the tokens again. ``keeps_heads``:
-        an instruction surely long enough to be kept (``KEPT_CHARS_PER_TOKEN`` characters a token of
-        ``PREFIX_CACHE_MIN_TOKENS``) is not counted, since its head is then not computed again."""
-        instruction = len(request.instruction or "")
-        if keeps_heads and instruction >= KEPT_CHARS_PER_TOKEN * PREFIX_CACHE_MIN_TOKENS:
-            instruction = 0
-        prefix = len(request.query) + instruction
+        1/RAMP_PREFIX_SHARE of the first ramp chunk's items; the planner checks the tokens again. A long instruction
+        whose head the runner keeps (``engine.prefix_cache``) still counts: ramping LI up with its head kept tied
+        with one launch (H100, ``timeline.py --ab``, 4 rounds: 38.3-39.3 ms against 37.7-38.9)."""
+        prefix = len(request.query) + len(request.instruction or "")
         return prefix * RAMP_PREFIX_SHARE <= sum(len(item) for item in request.items[:RAMP_CHUNKS[0]])
 
     def _plan(self, call: "_Call", loaded: LoadedModel, return_exceptions: bool) -> Iterator[MicroBatch]:
