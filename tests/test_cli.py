@@ -134,6 +134,7 @@ def test_a_bad_flag_value_is_a_usage_error():
 @pytest.mark.parametrize("flag, value, message", [
     ("--batch-window-ms", "-1", "must be >= 0, got -1.0"),
     ("--port", "70000", "must be a port number, 0 to 65535, got 70000"),
+    ("--prefix-cache-mib", "-1", "must be >= 0, got -1"),
 ])
 def test_a_bad_serve_flag_is_a_usage_error_before_the_model_loads(flag, value, message):
     completed = rerankit_cli("serve", "--model", "/no/such/model", flag, value)
@@ -233,3 +234,13 @@ def test_rank_takes_the_servers_key_from_the_environment(served_minilm):
 
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.splitlines()[1].endswith(DOCUMENTS[1])
+
+
+def test_serve_hands_the_prefix_cache_size_to_the_engine(monkeypatch):
+    from rerankit import cli
+
+    given = {}
+    monkeypatch.setattr(cli, "serve", lambda model, **options: given.update(options, model=model))
+    assert cli.main(["serve", "--model", "some/model", "--prefix-cache-mib", "256"]) == 0
+    assert given["prefix_cache_bytes"] == 256 << 20 and given["model"] == "some/model"
+    assert cli.main(["serve", "--model", "some/model"]) == 0 and given["prefix_cache_bytes"] is None

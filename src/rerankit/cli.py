@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how long a request waits for others to batch with")
     serve.add_argument("--max-items-per-request", type=_positive_int, help="refuse requests with more items")
     serve.add_argument("--max-batch-tokens", type=_positive_int, help="tokens merged into one engine call at most")
+    serve.add_argument("--prefix-cache-mib", type=_non_negative_int,
+                       help="local model: GPU/CPU memory for the keys and values of long instructions kept across "
+                            "requests (default: 1024; 0: none)")
     serve.add_argument("--max-tokens-per-item", type=_positive_int, help="refuse items with more tokens")
     serve.add_argument("--max-queue-requests", type=_positive_int, help="answer 429 when this many requests wait")
     serve.add_argument("--max-body-bytes", type=_positive_int, help="answer 413 to larger request bodies")
@@ -116,8 +119,10 @@ def refuse_misplaced(args: argparse.Namespace, names: Sequence[str]) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     """``rerankit serve``: hand the flags to the server (a server URL as --model serves it as a proxy)."""
     if is_url(args.model):
-        refuse_misplaced(args, ("device", "dtype"))
-    serve(args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype, api_key=args.api_key,
+        refuse_misplaced(args, ("device", "dtype", "prefix_cache_mib"))
+    kept_bytes = None if args.prefix_cache_mib is None else args.prefix_cache_mib << 20
+    serve(args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
+          prefix_cache_bytes=kept_bytes, api_key=args.api_key,
           log_level=args.log_level, served_model_name=args.served_model_name, max_batch_items=args.max_batch_items,
           batch_window_ms=args.batch_window_ms, max_items_per_request=args.max_items_per_request,
           max_batch_tokens=args.max_batch_tokens, max_tokens_per_item=args.max_tokens_per_item,
@@ -154,6 +159,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
