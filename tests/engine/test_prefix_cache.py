@@ -156,3 +156,15 @@ def test_kept_heads_on_gpu_bf16(tiny_qwen3_lm):
         np.testing.assert_allclose(scores([kept.score(request)])[0], want, atol=2e-2)
     assert kept._runner.prefix_cache.fills == 1 and kept._runner.prefix_cache.hits >= 1
 
+
+
+def test_a_decoder_cross_encoder_keeps_heads_too(tiny_qwen3_classifier):
+    kept = EmbeddedBackend(str(tiny_qwen3_classifier), device="cpu")
+    computed = EmbeddedBackend(str(tiny_qwen3_classifier), device="cpu", prefix_cache_bytes=0)
+    rng = random.Random(5)
+    request = ScoreRequest(query="capital of france", items=[words(rng, 12) for _ in range(6)],
+                           instruction=words(rng, 300), template="qwen3-reranker")
+    want = scores([computed.score(request)])[0]
+    for _ in range(2):
+        np.testing.assert_allclose(scores([kept.score(request)])[0], want, atol=1e-5, rtol=1e-5)
+    assert kept._runner.prefix_cache.fills == 1 and kept._runner.prefix_cache.hits == 1
