@@ -132,7 +132,7 @@ def test_padded_batch_with_a_kept_head_keeps_every_real_row(tmp_path):
     whole = planned(RequestParts(np.concatenate([head, prefix]), items, suffix, share_prefix=True))
     batch = planned(RequestParts(prefix, items, suffix, share_prefix=True, cached_head=head))
     expected = model.forward_read(whole)
-    kept = model.keep_prefix(head)
+    kept = model.keep_prefix(pack([head.tolist()]))
     torch.testing.assert_close(model.forward_read(batch, cached_kv=kept), expected, atol=TOLERANCE, rtol=TOLERANCE)
     key = graph_key(batch, read=True)
     assert key.kept == 256 and empty_batch(key, torch.device("cpu")).cached_lens.tolist() == [0] * key.sequences

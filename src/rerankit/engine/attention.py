@@ -202,11 +202,11 @@ def _span_group(starts: np.ndarray, lengths: np.ndarray, sequence_starts: np.nda
     real = offsets < lengths[:, None]
     mask = None
     if widest:
-        prefix_offsets = np.minimum(np.arange(widest), prefixes[:, None] - 1)
-        prefix_keys = np.where(prefix_offsets < heads[:, None], prefix_offsets,
-                               offset + sequence_starts[:, None] + prefix_offsets - heads[:, None])
-        keys = np.concatenate([prefix_keys, offset + queries], axis=1)
         prefix_offsets = np.arange(widest)
+        clipped = np.minimum(prefix_offsets, prefixes[:, None] - 1)  # padding repeats a span's last prefix key
+        prefix_keys = np.where(clipped < heads[:, None], clipped,
+                               offset + sequence_starts[:, None] + clipped - heads[:, None])
+        keys = np.concatenate([prefix_keys, offset + queries], axis=1)
         sees_prefix = np.broadcast_to((prefix_offsets < prefixes[:, None])[:, None, :], (len(starts), longest, widest))
         # Only causal sequences have a prefix; a real row's own keys are then real ones.
         sees_span = np.broadcast_to(np.tril(np.ones((longest, longest), dtype=bool)), (len(starts), longest, longest))

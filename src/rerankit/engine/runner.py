@@ -12,13 +12,16 @@ import functools
 import logging
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from rerankit.engine.batch import PackedBatch
+from rerankit.engine.encode import Sequence
 from rerankit.engine.graphs import MAX_GRAPH_TOKENS, GraphCaptureError, GraphedForward
 from rerankit.engine.load import LoadedModel
 from rerankit.engine.models import PackedDecoder, PackedEncoder, build_packed_model
-from rerankit.engine.prefix_cache import PREFIX_CACHE_MAX_BYTES, PrefixCache
+from rerankit.engine.plan import pack
+from rerankit.engine.prefix_cache import PREFIX_CACHE_MAX_BYTES, CachedKV, PrefixCache
 from rerankit.errors import InvalidRequest, ModelLoadError
 from rerankit.kernels import takes_head_dim
 
@@ -75,7 +78,7 @@ class PackedRunner:
         if batch.cached_head is not None:
             if self.prefix_cache is None:
                 raise ValueError("this runner keeps no prefix heads; plan without cached_head")
-            cached_kv = self.prefix_cache.get(batch.cached_head, self.model.keep_prefix)
+            cached_kv = self.prefix_cache.get(batch.cached_head, self._keep_prefix)
         # A replay copies the (pinned) host tensors straight into its graph's buffers; only eager runs move them.
         if self.graphs is not None:
             try:
@@ -89,6 +92,11 @@ class PackedRunner:
         batch = self._on_device(batch)
         run = self.model.forward_read if read else self.model.forward
         return run(batch, cached_kv=cached_kv)
+
+    def _keep_prefix(self, head_ids: np.ndarray) -> CachedKV:
+        """The model's keys and values of a prompt head, run alone as one sequence."""
+        head = Sequence(0, head_ids.tolist(), None, len(head_ids) - 1)
+        return self.model.keep_prefix(self._on_device(pack([head], causal=True)))
 
     def _on_device(self, batch: PackedBatch) -> PackedBatch:
         # The tensors the model reads (the planner pinned them, so the copies are queued without waiting); which

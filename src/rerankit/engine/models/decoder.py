@@ -11,7 +11,6 @@ import functools
 import os
 from collections.abc import Callable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -212,18 +211,9 @@ class PackedDecoder(PackedBody):
         self.triton_norms = True
 
     @torch.no_grad()
-    def keep_prefix(self, head_ids: np.ndarray) -> CachedKV:
-        """Each layer's keys and values (after norm and rotary) of ``head_ids`` run as one sequence from position 0:
-        what a sequence that begins with them attends to (``engine.prefix_cache``)."""
-        device = self.embed_weight.device
-        tokens = len(head_ids)
-        ids = torch.as_tensor(np.asarray(head_ids, dtype=np.int64), device=device)
-        zeros = torch.zeros(1, dtype=torch.int32, device=device)
-        batch = PackedBatch(input_ids=ids, position_ids=torch.arange(tokens, device=device),
-                            cu_seqlens=torch.tensor([0, tokens], dtype=torch.int32, device=device), max_seqlen=tokens,
-                            prefix_lens=zeros, span_starts=torch.zeros(tokens, dtype=torch.int32, device=device),
-                            read_positions=torch.zeros(0, dtype=torch.int64, device=device),
-                            keys_per_query=(tokens + 1) / 2)
+    def keep_prefix(self, batch: PackedBatch) -> CachedKV:
+        """Each layer's keys and values (after norm and rotary) of ``batch``, a head packed as one sequence from
+        position 0: what a sequence that begins with it attends to (``engine.prefix_cache``)."""
         kept: list[tuple[torch.Tensor, torch.Tensor]] = []
         # graphed=True: the steps of large batches (fused q/k kernel...), as the batches that read these keys run.
         self._run(batch, None, True, kv_sink=kept)
@@ -293,7 +283,6 @@ class PackedDecoder(PackedBody):
                             layer.q_norm, layer.k_norm, self.eps)
         v = qkv[:, (self.num_heads + self.num_kv_heads) * self.head_dim:]
         return q, k, v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-
 
     def _norm(self, hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """A layer's RMSNorm on the fused path: the Triton kernel (``triton_norms``) or the compiled step."""

@@ -21,6 +21,7 @@ from rerankit.engine.models.layers import (
     fuse_rows,
     layer_steps,
 )
+from rerankit.engine.prefix_cache import CachedKV
 from rerankit.errors import ModelLoadError
 
 MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
@@ -132,7 +133,7 @@ class PackedEncoder(PackedBody):
         return F.linear(self.pool(cls_hidden), self.classifier_weight, self.classifier_bias)
 
     def _run(self, batch: PackedBatch, read_positions: torch.Tensor | None, graphed: bool,
-             cached_kv=None) -> torch.Tensor:
+             cached_kv: CachedKV | None = None) -> torch.Tensor:
         if cached_kv is not None:
             raise ValueError("a bidirectional encoder has no cached prefix keys")
         attention = self._attention_fn or default_attention()
