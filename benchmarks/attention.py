@@ -8,7 +8,7 @@ and packed GQA (all query heads of a kv head per program), with its max |diff| a
 sweep result is printed as a JSON line as soon as it is measured, then one "best" line per pack.
 
     PYTHONPATH=src python benchmarks/attention.py --out bench_out/attention.json [--sweep] [--sweep-only]
-        [--sweep-set all|tma|tiles|wide] [--workloads MIS 32k encoder]
+        [--sweep-set all|tma|tiles|wide|defaults] [--workloads MIS 32k encoder]
 
 The default config is rerankit.kernels.prefix_attention.default_config, so RERANKIT_ATTENTION_CONFIG applies to
 the "triton" backend rows and to the sweep's reference.
@@ -30,7 +30,8 @@ from triton.testing import do_bench
 
 from rerankit.engine.attention import available_backends, build_block_mask, packed_attention
 from rerankit.engine.batch import PackedBatch
-from rerankit.kernels.prefix_attention import AttentionConfig, prefix_attention
+from rerankit.kernels.prefix_attention import (CUDA_DEFAULT_CONFIG, CUDA_LONG_KEYS_CONFIG, AttentionConfig,
+                                               prefix_attention)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from packs import pack_meta  # noqa: E402  (the tests' pack layouts)
@@ -116,7 +117,9 @@ WIDE_SWEEP = [AttentionConfig(block_m, block_n, warps, stages, pack_gqa=True, tm
                   (128, 32, 16, 2, None), (128, 128, 16, 2, None), (128, 64, 8, 2, None), (64, 64, 4, 2, None),
                   (64, 128, 8, 2, 128), (64, 32, 4, 2, None)]]
 SWEEP += [config for config in WIDE_SWEEP if config not in SWEEP]
-SWEEP_SETS = {"all": SWEEP, "tma": TMA_SWEEP, "tiles": TILES_SWEEP, "wide": WIDE_SWEEP}
+# The two causal defaults alone: ``--sweep-only --sweep-set defaults`` times a kernel change on every pack.
+DEFAULTS_SWEEP = [CUDA_DEFAULT_CONFIG, CUDA_LONG_KEYS_CONFIG]
+SWEEP_SETS = {"all": SWEEP, "tma": TMA_SWEEP, "tiles": TILES_SWEEP, "wide": WIDE_SWEEP, "defaults": DEFAULTS_SWEEP}
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:

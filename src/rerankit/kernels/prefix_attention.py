@@ -191,7 +191,7 @@ def _attend_tiles(
             k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        qk = tl.dot(q, tl.trans(k))  # unscaled: the scale goes into the exponent's one fused multiply-add
         if MASKED:
             allowed = in_range[None, :]
             if CAUSAL:
@@ -199,9 +199,9 @@ def _attend_tiles(
                 visible = (keys < prefix_end) | (keys >= span_q[:, None])
                 allowed = allowed & (keys <= offs_m[:, None]) & visible
             qk = tl.where(allowed, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # the running maximum, scaled
         alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(qk - m_new[:, None])
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if TMA:
             v = v_desc.load([tile_start, kv_col])
@@ -402,6 +402,8 @@ def prefix_attention(
         return out
     config = config or default_config(q.device, causal, keys_per_query)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    if not scale > 0:
+        raise ValueError(f"the attention scale must be positive, not {scale}")  # the running maximum is scaled
     group = q_heads // kv_heads
     if config.pack_gqa:  # one program per kv head and its GROUP query heads
         kernel, heads = _prefix_attention_packed_kernel, kv_heads
