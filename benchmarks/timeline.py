@@ -49,9 +49,8 @@ from rerankit.kernels.prefix_attention import CONFIG_ENV  # noqa: E402
 @dataclass(frozen=True)
 class Setting:
     """One engine setting of ``--ab``: PackedDecoder attributes, RERANKIT_ATTENTION_CONFIG, the largest graphed
-    micro-batch in tokens, the ramp-up's chunk sizes, whether a template's head is tokenized once, whether its
-    keys and values are kept across calls (``engine.prefix_cache``), and whether such a request leads with a
-    micro-batch of one graph's tokens."""
+    micro-batch in tokens, the ramp-up's chunk sizes, whether a template's head is tokenized once, and whether its
+    keys and values are kept across calls (``engine.prefix_cache``)."""
 
     model: dict = field(default_factory=dict)
     attention: str = ""
@@ -60,7 +59,6 @@ class Setting:
     head_cache: bool = True
     prefix_cache: bool = True
     ramp: bool | None = None  # EmbeddedBackend's ramp-up: None where it pays, False never
-    lead: bool = True  # a kept-head request's lead micro-batch of one graph's tokens (EmbeddedBackend._lead_items)
 
 
 AB_SETTINGS = {
@@ -72,7 +70,6 @@ AB_SETTINGS = {
     "compiled norms (no Triton RMSNorm)": Setting(model={"triton_norms": False}),
     "no ramp-up": Setting(ramp=False),
     "graphs up to 16,384 tokens": Setting(graph_tokens=16384),
-    "kept heads without a lead micro-batch": Setting(lead=False),
 }
 
 
@@ -92,7 +89,7 @@ def applied(setting: Setting, backend: EmbeddedBackend):
             encode._head_ids = lambda *args: None
         if not setting.prefix_cache:
             runner.prefix_cache = None
-        backend._ramp, backend._lead = setting.ramp, setting.lead
+        backend._ramp = setting.ramp
         runner.graphs = graphed_forward(model, runner.device, setting.graph_tokens) if graphs is not None else None
         yield
     finally:
@@ -101,7 +98,7 @@ def applied(setting: Setting, backend: EmbeddedBackend):
         os.environ.pop(CONFIG_ENV, None)
         backend_module.RAMP_CHUNKS, encode._head_ids = ramp_chunks, head_ids
         runner.graphs, runner.prefix_cache = graphs, prefix_cache
-        backend._ramp, backend._lead = None, True
+        backend._ramp = None
 
 
 def median_ms(fn, repeats: int) -> float:

@@ -86,11 +86,8 @@ def test_chunks_and_early_closes_plan_every_item_once_with_its_own_pair(causal):
         planner = Planner(budget, padded=False, causal=causal)
         micro_batches = []
         for index, parts in enumerate(requests):
-            for position, chunk in enumerate(chunked(parts, rng)):
-                if position == 0 and chunk.share_prefix and rng.random() < 0.5:  # a lead micro-batch
-                    micro_batches += planner.add(index, chunk, lead_tokens=rng.randint(1, budget))
-                else:
-                    micro_batches += planner.add(index, chunk)
+            for chunk in chunked(parts, rng):
+                micro_batches += planner.add(index, chunk)
                 if rng.random() < 0.3:
                     micro_batches += planner.close()
         micro_batches += planner.finish()
@@ -154,13 +151,11 @@ def test_ramp_chunks_follow_the_schedule_while_as_many_items_follow(lm_path, mon
     backend = EmbeddedBackend(str(lm_path), device="cpu", runner="packed", overlap=True)
     monkeypatch.setattr(backend_module, "RAMP_CHUNKS", (8, 24))
     request = ScoreRequest(query=[5], items=[[20, 21]] * 100, label_token_ids=[30, 31])
-    loaded = backend._model()
-    assert backend._chunks(request, loaded, True) == ([slice(0, 8), slice(8, 32), slice(32, 100)], None)
+    assert backend._chunks(request, True) == [slice(0, 8), slice(8, 32), slice(32, 100)]
     fewer = request.model_copy(update={"items": [[20, 21]] * 40})  # 8 more after 32 would leave fewer than 32
-    assert backend._chunks(fewer, loaded, True) == ([slice(0, 8), slice(8, 40)], None)
-    assert backend._chunks(request.model_copy(update={"items": [[20, 21]] * 15}), loaded, True) == \
-        ([slice(0, 15)], None)
-    assert backend._chunks(request, loaded, False) == ([slice(0, 100)], None)
+    assert backend._chunks(fewer, True) == [slice(0, 8), slice(8, 40)]
+    assert backend._chunks(request.model_copy(update={"items": [[20, 21]] * 15}), True) == [slice(0, 15)]
+    assert backend._chunks(request, False) == [slice(0, 100)]
 
 
 def test_ramp_chunks_each_run_apart_and_score_as_one_chunk(lm_path, monkeypatch):
@@ -177,12 +172,10 @@ def test_a_prefix_long_next_to_the_first_items_is_encoded_in_one_chunk(lm_path):
     backend = EmbeddedBackend(str(lm_path), device="cpu", runner="packed", overlap=True)
     items = [f"doc {index}" for index in range(40)]
     long_query = ScoreRequest(query="a long question " * 40, items=items, template="qwen3-reranker")
-    loaded = backend._model()
-    assert backend._chunks(long_query, loaded, True) == ([slice(0, 40)], None)
+    assert backend._chunks(long_query, True) == [slice(0, 40)]
     long_instruction = ScoreRequest(query="q", items=items, template="qwen3-reranker", instruction="rank well " * 60)
-    assert backend._chunks(long_instruction, loaded, True) == ([slice(0, 40)], None)
-    assert backend._chunks(long_query.model_copy(update={"query": "q"}), loaded, True) == \
-        ([slice(0, 16), slice(16, 40)], None)
+    assert backend._chunks(long_instruction, True) == [slice(0, 40)]
+    assert backend._chunks(long_query.model_copy(update={"query": "q"}), True) == [slice(0, 16), slice(16, 40)]
 
 
 def test_overlap_errors_in_a_later_chunk_name_the_item_and_drop_the_request(lm_path):

@@ -122,71 +122,6 @@ def test_planner_lays_sequences_out_after_their_head():
     assert batches[0].request_tokens == {0: 8, 1: 4}
 
 
-def test_a_lead_micro_batch_closes_at_its_tokens_and_the_rest_fills_the_budget():
-    head = list(range(100, 110))
-    planner = Planner(10_000, padded=False, causal=True)
-    lead = parts_with_head(head, [1, 2], [[3] * 4, [4] * 5, [5] * 3, [6] * 6], [9])  # spans of 5, 6, 4, 7 tokens
-    rest = parts_with_head(head, [1, 2], [[7] * 2, [8] * 3], [9])
-    rest.item_offset = 4
-    batches = [*planner.add(0, lead, lead_tokens=15), *planner.add(0, rest), *planner.finish()]
-    # 2 + 5 + 6 = 13 tokens fit 15, the next span does not: the lead closes there; the others share one batch,
-    # the prefix again in front of them, and the second chunk goes on in that sequence.
-    assert [micro.batch.num_tokens for micro in batches] == [13, 2 + 4 + 7 + 3 + 4]
-    assert [micro.read_items.tolist() for micro in batches] == [[0, 1], [2, 3, 4, 5]]
-    assert batches[1].batch.cu_seqlens.tolist() == [0, 20]
-    assert all(micro.batch.cached_lens.tolist() == [10] * (len(micro.batch.cu_seqlens) - 1) for micro in batches)
-    # A lead chunk that fits closes with its last item; a span longer than the lead still gets a batch.
-    planner = Planner(10_000, padded=False, causal=True)
-    batches = [*planner.add(0, parts_with_head(head, [1], [[3], [4]], [9]), lead_tokens=100),
-               *planner.add(1, parts_with_head(head, [1], [[5] * 30], [9]), lead_tokens=8), *planner.finish()]
-    assert [micro.batch.num_tokens for micro in batches] == [5, 32]
-    with pytest.raises(ValueError, match="lead micro-batch"):
-        list(planner.add(2, RequestParts(prefix=np.array([1]), items=[np.array([2])], suffix=np.array([9])),
-                         lead_tokens=10))
-
-
-class RecordingGraphs:
-    """A stand-in for ``GraphedForward`` on the CPU: it replays nothing (the runner then runs each batch eagerly)
-    and records the tokens of each batch it was offered."""
-
-    def __init__(self, max_tokens: int) -> None:
-        self.max_tokens = max_tokens
-        self.offered: list[int] = []
-
-    def run(self, batch, read, cached_kv=None):
-        self.offered.append(batch.num_tokens)
-        return None
-
-
-def test_a_kept_head_leads_with_one_graphs_worth_of_items(tiny_qwen3_lm):
-    leading = EmbeddedBackend(str(tiny_qwen3_lm), device="cpu")
-    computed = EmbeddedBackend(str(tiny_qwen3_lm), device="cpu", prefix_cache_bytes=0)
-    graphs = leading._runner.graphs = RecordingGraphs(max_tokens=1500)
-    rng = random.Random(6)
-    request = ScoreRequest(query="capital of france", items=[words(rng, rng.randrange(10, 40)) for _ in range(40)],
-                           instruction=words(rng, 300), template="qwen3-reranker")
-    want = scores([computed.score(request)])[0]
-    loaded = leading._model()
-    lead = leading._lead_items(request, loaded)
-    assert 0 < lead < len(request.items)
-    for _ in range(2):
-        graphs.offered.clear()
-        got = leading.score(request)
-        np.testing.assert_allclose(scores([got])[0], want, atol=1e-5, rtol=1e-5)
-        assert [result.index for result in got.results] == list(range(len(request.items)))
-        # The lead is full: at most one graph's tokens, and one more item (at most ~160 tokens) would not have fit.
-        first, *others = graphs.offered
-        assert 1500 - 160 < first <= 1500 and sum(others) > 0
-    # No lead: items that fit one graph, a short head, one item, or the lead switched off.
-    short = request.model_copy(update={"items": request.items[:5]})
-    plain = request.model_copy(update={"instruction": words(rng, 20)})
-    single = request.model_copy(update={"items": request.items[:1]})
-    assert [leading._lead_items(r, loaded) for r in (short, plain, single)] == [0, 0, 0]
-    leading._lead = False
-    assert leading._lead_items(request, loaded) == 0
-    assert computed._lead_items(request, loaded) == 0  # no graphs, no prefix cache
-
-
 def kv(tokens: int) -> CachedKV:
     return CachedKV([torch.zeros(tokens, 1, 4)], [torch.zeros(tokens, 1, 4)])  # 32 bytes a token
 
@@ -220,6 +155,7 @@ def test_kept_heads_on_gpu_bf16(tiny_qwen3_lm):
     for _ in range(2):
         np.testing.assert_allclose(scores([kept.score(request)])[0], want, atol=2e-2)
     assert kept._runner.prefix_cache.fills == 1 and kept._runner.prefix_cache.hits >= 1
+
 
 
 def test_a_decoder_cross_encoder_keeps_heads_too(tiny_qwen3_classifier):

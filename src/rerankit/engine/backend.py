@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rerankit.engine import heads
-from rerankit.engine.encode import EncodedRequest, encode_request, estimate_head, resolve_template
+from rerankit.engine.encode import EncodedRequest, encode_request, resolve_template
 from rerankit.engine.load import LoadedModel, load_model
 from rerankit.engine.plan import DEFAULT_MAX_BATCH_TOKENS, MicroBatch, Planner, RequestParts, pack
 from rerankit.engine.prefetch import prefetch
@@ -42,11 +42,6 @@ PREFETCH_MICRO_BATCHES = 2  # micro-batches planned ahead of the GPU on the plan
 # to its first items (counted in characters, or ids) is encoded in one chunk: one tokenizer call costs ~1 ms more.
 RAMP_CHUNKS = (16,)
 RAMP_PREFIX_SHARE = 8
-# A request whose prompt head the runner keeps (``engine.prefix_cache``) ramps up differently: its items beyond one
-# CUDA graph's tokens are encoded in two chunks, the first of about LEAD_OVERFILL graphs' tokens (estimated from the
-# head's characters per token), of which a lead micro-batch of at most one graph's tokens is planned and replayed
-# while the host tokenizes the rest. Overfilled, so that an estimate a little high still fills the graph.
-LEAD_OVERFILL = 1.15
 
 
 @dataclass
@@ -141,7 +136,6 @@ class EmbeddedBackend:
         self._multi_item = multi_item
         self._overlap = bool(overlap)
         self._ramp: bool | None = None  # None: ramp up where it pays (``_ramps``); True/False force it
-        self._lead = True  # kept-head requests ramp up with a graph-sized lead micro-batch (``_lead_items``)
         self._heads: dict[tuple, heads.Head] = {}
         self.max_batch_tokens = max_batch_tokens
         self.show_progress = show_progress
@@ -257,53 +251,20 @@ class EmbeddedBackend:
             return self._ramp
         return self._overlap or self._runner.graphs is not None
 
-    def _chunks(self, request: ScoreRequest, loaded: LoadedModel, ramp: bool) -> tuple[list[slice], int | None]:
-        """The item chunks a request is encoded in, and the tokens of the first one's lead micro-batch (None: it
-        makes none). When the call
-        ramps up: a lead chunk where ``_lead_items`` finds one, else the ``RAMP_CHUNKS`` (each while at least as
-        many items follow it as came before, and while the prefix looks short next to the first chunk's items),
-        then the rest; else all at once."""
+    def _chunks(self, request: ScoreRequest, ramp: bool) -> list[slice]:
+        """The item chunks a request is encoded in: when the call ramps up, first the ``RAMP_CHUNKS`` (each while
+        at least as many items follow it as came before, and while the prefix looks short next to the first chunk's
+        items), then the rest; else all at once."""
         count = len(request.items)
-        lead = self._lead_items(request, loaded) if ramp else 0
-        if lead:
-            return [slice(0, lead), slice(lead, count)], self._runner.graphs.max_tokens
         if not ramp or not self._ramp_pays(request):
-            return [slice(0, count)], None
+            return [slice(0, count)]
         bounds = [0]
         for size in RAMP_CHUNKS:
             if count - (bounds[-1] + size) < bounds[-1] + size:
                 break
             bounds.append(bounds[-1] + size)
         bounds.append(count)
-        return [slice(start, end) for start, end in zip(bounds[:-1], bounds[1:])], None
-
-    def _lead_items(self, request: ScoreRequest, loaded: LoadedModel) -> int:
-        """Items of a lead chunk (0: none) for a MIS request whose head the runner keeps and whose items, estimated
-        from their characters and the head's characters per token, outrun one CUDA graph: about LEAD_OVERFILL
-        graphs' tokens of them. The lead micro-batch replays from a graph while the host tokenizes the rest, and no
-        prefix is computed twice. Without it such a request ran as one eager micro-batch, its GPU idle while all
-        its items were tokenized."""
-        graphs = self._runner.graphs
-        if (not self._lead or graphs is None or self._runner.prefix_cache is None or not self._multi_item
-                or not self._runner.supports_multi_item or not request.multi_item or len(request.items) < 2):
-            return 0
-        mode = request.mode or self._mode or loaded.default_mode
-        if mode not in ("generative", "cross-encoder") or mode not in loaded.supported_modes:
-            return 0
-        try:
-            template = resolve_template(request, loaded, self._template, mode)
-            head = estimate_head(request, loaded, template)
-        except RerankitError:  # the request's encoding raises it, with the request's own index
-            return 0
-        if head is None or head.tokens < PREFIX_CACHE_MIN_TOKENS:
-            return 0
-        chars = np.fromiter((len(template.item(text)) for text in request.items), dtype=np.float64,
-                            count=len(request.items))
-        tokens = np.cumsum(chars / head.chars_per_token + head.item_overhead)
-        if tokens[-1] <= graphs.max_tokens:
-            return 0  # one micro-batch replays them all
-        lead = int(np.searchsorted(tokens, LEAD_OVERFILL * graphs.max_tokens, side="right"))
-        return lead if 0 < lead < len(request.items) else 0
+        return [slice(start, end) for start, end in zip(bounds[:-1], bounds[1:])]
 
     @staticmethod
     def _ramp_pays(request: ScoreRequest) -> bool:
@@ -318,8 +279,7 @@ class EmbeddedBackend:
         """Encode the requests in order and yield their micro-batches as they fill.
 
         With ``overlap`` or CUDA graphs the call ramps up: the first request's first few items go in a micro-batch of
-        their own (when their prefix is a small share of it), so the GPU starts on them while the rest is tokenized;
-        a request whose head is kept leads with a micro-batch of one CUDA graph's tokens instead (``_lead_items``).
+        their own (when their prefix is a small share of it), so the GPU starts on them while the rest is tokenized.
         """
         planner = Planner(self.max_batch_tokens, padded=self._runner.padded, causal=loaded.is_decoder,
                           pin_memory=self._runner.pin_memory)
@@ -327,7 +287,7 @@ class EmbeddedBackend:
         ramp = self._ramps()
         for position, request in enumerate(call.requests):
             try:
-                chunks, lead_tokens = self._chunks(request, loaded, ramp)
+                chunks = self._chunks(request, ramp)
                 ramp = False  # only the call's first request ramps up
                 for chunk_index, items in enumerate(chunks):
                     entry = call.entries[position]
@@ -345,10 +305,6 @@ class EmbeddedBackend:
                         encoded, cache_head=share and self._keeps_head(encoded), share_prefix=share,
                         head=head_ids[chunk.head_key], own_batches=not heads.reads_only(encoded.mode, loaded.pooling),
                         item_offset=items.start)
-                    if (lead_tokens and chunk_index == 0 and parts.share_prefix and not parts.own_batches
-                            and parts.cached_head is not None):
-                        yield from planner.add(position, parts, lead_tokens=lead_tokens)
-                        continue
                     yield from planner.add(position, parts)
                     if chunk_index < len(chunks) - 1:  # a ramp chunk: its own micro-batch where the prefix is small
                         spans = int(parts.span_lengths.sum())

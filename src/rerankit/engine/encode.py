@@ -274,30 +274,6 @@ def _encode_text(request: ScoreRequest, loaded: LoadedModel, template: Template,
     return encoded
 
 
-@dataclass(frozen=True)
-class HeadEstimate:
-    """What a request's prompt head will be, known before its items are tokenized (``estimate_head``)."""
-
-    tokens: int  # ``EncodedRequest.head_len`` of the request's encoding: BOS, system prompt and instruction
-    chars_per_token: float  # of the head's text: sizes item chunks by their characters before tokenizing them
-    item_overhead: int  # tokens each item carries besides its document: separator and suffix
-
-
-def estimate_head(request: ScoreRequest, loaded: LoadedModel, template: Template | None) -> HeadEstimate | None:
-    """The head that ``encode_request`` will give ``request`` under a text template (its ids are tokenized once per
-    template and instruction, and kept); None where the encoding will have none (raw or no template, token ids, a
-    prefix that does not split at the query)."""
-    if template is None or template.name == RAW or not isinstance(request.query, str) or request.items_are_token_ids:
-        return None
-    head_ids = _head_ids(loaded.tokenizer, template, request.instruction, request.query)
-    if not head_ids:
-        return None
-    parts = _template_ids(loaded.tokenizer, template, request.instruction)
-    head_text = template.prefix_parts(request.instruction, request.query)[0]
-    return HeadEstimate(len(parts.bos) + len(head_ids), len(head_text) / len(head_ids),
-                        len(parts.separator) + len(parts.suffix))
-
-
 def _head_ids(tokenizer: Any, template: Template, instruction: str | None, query: str) -> list[int] | None:
     """The ids of the prefix's head (``Template.prefix_parts``: system prompt and instruction, before the query's
     line), when tokenizing head and tail apart gives the whole prefix's ids; None where it does not, or where the

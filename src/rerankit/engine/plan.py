@@ -152,8 +152,6 @@ class Planner:
     ``add(index, parts)`` takes request ``index`` whole, or one chunk of its items (``parts.item_offset``): chunks of
     one request must come in item order, before any other request's parts. ``close`` ends the micro-batch being
     filled early (the backend does so to start the GPU on the first chunk of a call); ``finish`` ends the plan.
-    ``add(index, parts, lead_tokens=n)`` (MIS parts) starts a micro-batch that closes at ``n`` tokens, or with the
-    parts' last item, whichever comes first; the parts' items past it go on under the planner's budget.
     """
 
     def __init__(self, max_batch_tokens: int, *, padded: bool, causal: bool, pin_memory: bool = False) -> None:
@@ -163,12 +161,9 @@ class Planner:
         self._pending: list[tuple[int, RequestParts, int]] = []  # pairs waiting to be sorted: (index, parts, item)
         self._pending_tokens = 0
 
-    def add(self, index: int, parts: RequestParts, lead_tokens: int | None = None) -> Iterator[MicroBatch]:
-        """Plan request ``index`` (or a chunk of it); ``lead_tokens``: its first micro-batch's size (see above)."""
+    def add(self, index: int, parts: RequestParts) -> Iterator[MicroBatch]:
+        """Plan request ``index`` (or a chunk of it)."""
         planner = self._planner
-        if lead_tokens is not None and (not parts.share_prefix or parts.own_batches or lead_tokens < 1):
-            raise ValueError(f"a lead micro-batch of {lead_tokens} tokens needs the items of a request that shares "
-                             "its prefix, and at least one token")
         units = [(index, parts, item) for item in range(len(parts.items))]
         if parts.own_batches:
             yield from planner.flush()
@@ -177,11 +172,7 @@ class Planner:
         elif parts.share_prefix:
             if self._padded:
                 raise ValueError("a padded runner cannot share a prefix among items")
-            if lead_tokens is None:
-                yield from planner.add_shared(index, parts)
-            else:
-                yield from self.close()
-                yield from self._lead(index, parts, lead_tokens)
+            yield from planner.add_shared(index, parts)
         else:
             self._pending += units
             self._pending_tokens += int(parts.span_lengths.sum()) + len(parts.items) * len(parts.prefix)
@@ -196,22 +187,6 @@ class Planner:
     def finish(self) -> Iterator[MicroBatch]:
         """Every micro-batch still open."""
         yield from self.close()
-
-    def _lead(self, index: int, parts: RequestParts, tokens: int) -> Iterator[MicroBatch]:
-        """MIS parts in a micro-batch of at most ``tokens`` tokens (one span at least), closed once full or after the
-        last item; the items that did not fit go on in the next micro-batch under the planner's own budget."""
-        planner = self._planner
-        budget = planner.budget
-        planner.budget = min(tokens, budget)
-        closed = False
-        try:
-            for micro in planner.add_shared(index, parts):
-                planner.budget, closed = budget, True  # before the yield: the items after it fill full budgets
-                yield micro
-        finally:
-            planner.budget = budget
-        if not closed:
-            yield from planner.flush()
 
     def _plan_pending(self) -> Iterator[MicroBatch]:
         units, self._pending, self._pending_tokens = self._pending, [], 0
