@@ -13,7 +13,7 @@ The profiler slows the host and so overstates the GPU's idle time; these numbers
 
 ``--ab`` instead times wall_ms and gpu_bound_ms of each workload under each engine setting of ``AB_SETTINGS`` (model
 switches, attention kernel configs, the largest graphed micro-batch, the ramp-up's chunk sizes, the template head's
-ids kept or not, its keys and values kept or not), the settings interleaved over ``--rounds`` rounds so that a
+ids kept or not, its keys and values kept or not, cut to whole key tiles or not), the settings interleaved over ``--rounds`` rounds so that a
 drifting clock or host falls on all of them alike; each setting gets CUDA graphs of its own (a graph keeps the
 kernels it was captured with).
 
@@ -41,6 +41,7 @@ from pairs import build_decoder_dir, decoder_workloads, requests_of, single_toke
 
 from rerankit.engine import EmbeddedBackend, encode  # noqa: E402
 from rerankit.engine import backend as backend_module  # noqa: E402
+from rerankit.engine import prefix_cache as prefix_cache_module  # noqa: E402
 from rerankit.engine.backend import _Call  # noqa: E402
 from rerankit.engine.graphs import MAX_GRAPH_TOKENS  # noqa: E402
 from rerankit.engine.runner import graphed_forward  # noqa: E402
@@ -49,8 +50,8 @@ from rerankit.kernels.prefix_attention import CONFIG_ENV  # noqa: E402
 @dataclass(frozen=True)
 class Setting:
     """One engine setting of ``--ab``: PackedDecoder attributes, RERANKIT_ATTENTION_CONFIG, the largest graphed
-    micro-batch in tokens, the ramp-up's chunk sizes, whether a template's head is tokenized once, and whether its
-    keys and values are kept across calls (``engine.prefix_cache``)."""
+    micro-batch in tokens, the ramp-up's chunk sizes, whether a template's head is tokenized once, whether its
+    keys and values are kept across calls (``engine.prefix_cache``), and the multiple a kept head is cut to."""
 
     model: dict = field(default_factory=dict)
     attention: str = ""
@@ -59,6 +60,7 @@ class Setting:
     head_cache: bool = True
     prefix_cache: bool = True
     ramp: bool | None = None  # EmbeddedBackend's ramp-up: None where it pays, False never
+    kept_multiple: int = prefix_cache_module.KEPT_HEAD_MULTIPLE  # a kept head is cut to a multiple of these tokens
 
 
 AB_SETTINGS = {
@@ -70,6 +72,7 @@ AB_SETTINGS = {
     "compiled norms (no Triton RMSNorm)": Setting(model={"triton_norms": False}),
     "no ramp-up": Setting(ramp=False),
     "graphs up to 16,384 tokens": Setting(graph_tokens=16384),
+    "kept heads uncut (no whole key tiles)": Setting(kept_multiple=1),
 }
 
 
@@ -80,6 +83,7 @@ def applied(setting: Setting, backend: EmbeddedBackend):
     model, graphs, prefix_cache = runner.model, runner.graphs, runner.prefix_cache
     saved = {name: getattr(model, name) for name in setting.model}
     ramp_chunks, head_ids = backend_module.RAMP_CHUNKS, encode._head_ids
+    kept_multiple = prefix_cache_module.KEPT_HEAD_MULTIPLE
     try:
         for name, value in setting.model.items():
             setattr(model, name, value)
@@ -90,6 +94,7 @@ def applied(setting: Setting, backend: EmbeddedBackend):
         if not setting.prefix_cache:
             runner.prefix_cache = None
         backend._ramp = setting.ramp
+        prefix_cache_module.KEPT_HEAD_MULTIPLE = setting.kept_multiple
         runner.graphs = graphed_forward(model, runner.device, setting.graph_tokens) if graphs is not None else None
         yield
     finally:
@@ -99,6 +104,7 @@ def applied(setting: Setting, backend: EmbeddedBackend):
         backend_module.RAMP_CHUNKS, encode._head_ids = ramp_chunks, head_ids
         runner.graphs, runner.prefix_cache = graphs, prefix_cache
         backend._ramp = None
+        prefix_cache_module.KEPT_HEAD_MULTIPLE = kept_multiple
 
 
 def median_ms(fn, repeats: int) -> float:

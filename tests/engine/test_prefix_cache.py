@@ -11,7 +11,8 @@ import torch
 
 from rerankit.engine import EmbeddedBackend
 from rerankit.engine.plan import Planner, RequestParts
-from rerankit.engine.prefix_cache import PREFIX_CACHE_MIN_TOKENS, CachedKV, PrefixCache
+from rerankit.engine.prefix_cache import (KEPT_HEAD_MULTIPLE, PREFIX_CACHE_MIN_TOKENS, CachedKV, PrefixCache,
+                                          kept_length)
 from rerankit.schema import ScoreRequest
 
 WORDS = ["paris", "france", "capital", "river", "museum", "bread", "wine", "tower", "city", "art", "history"]
@@ -55,6 +56,7 @@ def test_kept_heads_score_as_computed_heads(backends):
             np.testing.assert_allclose(got_scores, want, atol=1e-5, rtol=1e-5)
     cache = kept._runner.prefix_cache
     assert (len(cache), cache.fills) == (2, 2) and cache.hits >= 4
+    assert all(entry.tokens % KEPT_HEAD_MULTIPLE == 0 for entry in cache._entries.values())  # whole key tiles
     # Every item comes back once, with its index; the kept head's tokens are not computed again.
     for response, request in zip(got, batch):
         assert [result.index for result in response.results] == list(range(len(request.items)))
@@ -120,6 +122,12 @@ def test_planner_lays_sequences_out_after_their_head():
     assert first.keys_per_query == pytest.approx(seen / 12)
     np.testing.assert_array_equal(batches[1].batch.cached_head, other)
     assert batches[0].request_tokens == {0: 8, 1: 4}
+
+
+def test_a_kept_head_is_cut_to_whole_key_tiles():
+    assert kept_length(1_060) == 1_024 and kept_length(1_024) == 1_024 and kept_length(1_087) == 1_024
+    assert kept_length(PREFIX_CACHE_MIN_TOKENS + KEPT_HEAD_MULTIPLE - 1) == PREFIX_CACHE_MIN_TOKENS
+    assert kept_length(PREFIX_CACHE_MIN_TOKENS - 1) == 0 and kept_length(0) == 0
 
 
 def kv(tokens: int) -> CachedKV:

@@ -27,7 +27,7 @@ from rerankit.engine.encode import EncodedRequest, encode_request, resolve_templ
 from rerankit.engine.load import LoadedModel, load_model
 from rerankit.engine.plan import DEFAULT_MAX_BATCH_TOKENS, MicroBatch, Planner, RequestParts, pack
 from rerankit.engine.prefetch import prefetch
-from rerankit.engine.prefix_cache import PREFIX_CACHE_MAX_BYTES, PREFIX_CACHE_MIN_TOKENS
+from rerankit.engine.prefix_cache import PREFIX_CACHE_MAX_BYTES, kept_length
 from rerankit.engine.runner import Runner, make_runner
 from rerankit.errors import InvalidRequest, ModelLoadError, RerankitError
 from rerankit.schema import ScoreRequest, ScoreResponse, ScoreResult, Usage
@@ -242,7 +242,7 @@ class EmbeddedBackend:
 
     def _keeps_head(self, encoded: EncodedRequest) -> bool:
         """Whether a MIS request's head comes from the runner's prefix cache: it has one, and the head is long."""
-        return self._runner.prefix_cache is not None and encoded.head_len >= PREFIX_CACHE_MIN_TOKENS
+        return self._runner.prefix_cache is not None and kept_length(encoded.head_len) > 0
 
     def _ramps(self) -> bool:
         """Whether a call ramps up (its first request's first items as a micro-batch of their own): where the GPU can

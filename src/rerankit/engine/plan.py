@@ -27,6 +27,7 @@ import torch
 
 from rerankit.engine.batch import PackedBatch
 from rerankit.engine.encode import EncodedRequest, Sequence
+from rerankit.engine.prefix_cache import kept_length
 
 # Tokens per micro-batch for a packed runner. On an H100 (benchmarks/pairs.py --budgets, Qwen3-0.6B shape, MIS) W1
 # ran at 1,028 / 1,239 / 1,377 / 1,429 pairs/s with 8k / 16k / 32k / 64k, 16 W2 queries at 864 / 1,340 / 1,381 /
@@ -68,12 +69,13 @@ class RequestParts:
     @classmethod
     def from_encoded(cls, encoded: EncodedRequest, cache_head: bool = False, **layout) -> "RequestParts":
         """The parts of an encoded request as int64 arrays; ``layout`` sets share_prefix, head, own_batches.
-        ``cache_head``: the prefix's head (``encoded.head_len`` tokens) becomes ``cached_head``."""
+        ``cache_head``: the prefix's head (``encoded.head_len`` tokens, cut to ``prefix_cache.kept_length``) becomes
+        ``cached_head``."""
         lengths = [len(item) for item in encoded.item_ids]
         flat = np.fromiter(itertools.chain.from_iterable(encoded.item_ids), dtype=np.int64, count=sum(lengths))
         typed = encoded.prefix_types is not None and encoded.suffix_types is not None
         prefix = np.asarray(encoded.prefix_ids, dtype=np.int64)
-        cut = encoded.head_len if cache_head else 0
+        cut = kept_length(encoded.head_len) if cache_head else 0
         return cls(
             prefix=prefix[cut:],
             cached_head=prefix[:cut] if cut else None,
