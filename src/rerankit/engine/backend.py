@@ -27,7 +27,7 @@ from rerankit.engine.encode import EncodedRequest, encode_request, resolve_templ
 from rerankit.engine.load import LoadedModel, load_model
 from rerankit.engine.plan import DEFAULT_MAX_BATCH_TOKENS, MicroBatch, Planner, RequestParts, pack
 from rerankit.engine.prefetch import prefetch
-from rerankit.engine.prefix_cache import PREFIX_CACHE_MAX_BYTES, kept_length
+from rerankit.engine.prefix_cache import PREFIX_CACHE_MAX_BYTES
 from rerankit.engine.runner import Runner, make_runner
 from rerankit.errors import InvalidRequest, ModelLoadError, RerankitError
 from rerankit.schema import ScoreRequest, ScoreResponse, ScoreResult, Usage
@@ -240,10 +240,6 @@ class EmbeddedBackend:
                 and len(encoded.prefix_ids) > 0 and not encoded.read_first
                 and encoded.mode in ("generative", "cross-encoder"))
 
-    def _keeps_head(self, encoded: EncodedRequest) -> bool:
-        """Whether a MIS request's head comes from the runner's prefix cache: it has one, and the head is long."""
-        return self._runner.prefix_cache is not None and kept_length(encoded.head_len) > 0
-
     def _ramps(self) -> bool:
         """Whether a call ramps up (its first request's first items as a micro-batch of their own): where the GPU can
         start on them cheaply, with a planning thread or when the small batch replays from a CUDA graph."""
@@ -302,7 +298,7 @@ class EmbeddedBackend:
                     encoded = chunk.encoded
                     share = self._shares_prefix(request, encoded)
                     parts = RequestParts.from_encoded(
-                        encoded, cache_head=share and self._keeps_head(encoded), share_prefix=share,
+                        encoded, cache_head=share and self._runner.prefix_cache is not None, share_prefix=share,
                         head=head_ids[chunk.head_key], own_batches=not heads.reads_only(encoded.mode, loaded.pooling),
                         item_offset=items.start)
                     yield from planner.add(position, parts)

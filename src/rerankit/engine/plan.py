@@ -70,7 +70,7 @@ class RequestParts:
     def from_encoded(cls, encoded: EncodedRequest, cache_head: bool = False, **layout) -> "RequestParts":
         """The parts of an encoded request as int64 arrays; ``layout`` sets share_prefix, head, own_batches.
         ``cache_head``: the prefix's head (``encoded.head_len`` tokens, cut to ``prefix_cache.kept_length``) becomes
-        ``cached_head``."""
+        ``cached_head``, where that leaves a head long enough to keep."""
         lengths = [len(item) for item in encoded.item_ids]
         flat = np.fromiter(itertools.chain.from_iterable(encoded.item_ids), dtype=np.int64, count=sum(lengths))
         typed = encoded.prefix_types is not None and encoded.suffix_types is not None

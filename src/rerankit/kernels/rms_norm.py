@@ -27,10 +27,11 @@ _TILE_ELEMENTS = 4096  # elements a program holds: rows per program = this / pad
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """Plain torch: statistics in float32, the scale applied in the input dtype."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    """Plain torch, the decoder's own ``rms_norm``: statistics in float32, the scale applied in the input dtype."""
+    # Imported at call time: the kernel module itself does not depend on the engine package.
+    from rerankit.engine.models.layers import rms_norm as decoder_rms_norm
+
+    return decoder_rms_norm(x, weight, eps)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
