@@ -13,8 +13,7 @@ The profiler slows the host and so overstates the GPU's idle time; these numbers
 
 ``--ab`` instead times wall_ms and gpu_bound_ms of each workload under each engine setting of ``AB_SETTINGS`` (model
 switches, attention kernel configs, the largest graphed micro-batch, the ramp-up's chunk sizes, the template head's
-ids kept or not, its keys and values kept or not, cut to whole key tiles or not, attended through cuDNN first or
-not), the settings interleaved over ``--rounds`` rounds so that a
+ids kept or not, its keys and values kept or not, cut to whole key tiles or not), the settings interleaved over ``--rounds`` rounds so that a
 drifting clock or host falls on all of them alike; each setting gets CUDA graphs of its own (a graph keeps the
 kernels it was captured with).
 
@@ -41,7 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pairs import build_decoder_dir, decoder_workloads, requests_of, single_token_words, time_call  # noqa: E402
 
 from rerankit.engine import EmbeddedBackend, encode  # noqa: E402
-from rerankit.engine import attention as attention_module  # noqa: E402
 from rerankit.engine import backend as backend_module  # noqa: E402
 from rerankit.engine import prefix_cache as prefix_cache_module  # noqa: E402
 from rerankit.engine.backend import _Call  # noqa: E402
@@ -63,7 +61,6 @@ class Setting:
     prefix_cache: bool = True
     ramp: bool | None = None  # EmbeddedBackend's ramp-up: None where it pays, False never
     kept_multiple: int = prefix_cache_module.KEPT_HEAD_MULTIPLE  # a kept head is cut to a multiple of these tokens
-    kept_state: bool = True  # a large eager batch's kept head through cuDNN first (engine.attention.kept_keys_state)
 
 
 AB_SETTINGS = {
@@ -76,7 +73,6 @@ AB_SETTINGS = {
     "no ramp-up": Setting(ramp=False),
     "graphs up to 16,384 tokens": Setting(graph_tokens=16384),
     "kept heads uncut (no whole key tiles)": Setting(kept_multiple=1),
-    "kept head in the kernel's tiles (no cuDNN pass)": Setting(kept_state=False),
 }
 
 
@@ -88,7 +84,6 @@ def applied(setting: Setting, backend: EmbeddedBackend):
     saved = {name: getattr(model, name) for name in setting.model}
     ramp_chunks, head_ids = backend_module.RAMP_CHUNKS, encode._head_ids
     kept_multiple = prefix_cache_module.KEPT_HEAD_MULTIPLE
-    kept_state_tokens = attention_module.KEPT_STATE_MIN_TOKENS
     try:
         for name, value in setting.model.items():
             setattr(model, name, value)
@@ -100,8 +95,6 @@ def applied(setting: Setting, backend: EmbeddedBackend):
             runner.prefix_cache = None
         backend._ramp = setting.ramp
         prefix_cache_module.KEPT_HEAD_MULTIPLE = setting.kept_multiple
-        if not setting.kept_state:
-            attention_module.KEPT_STATE_MIN_TOKENS = 1 << 62
         runner.graphs = graphed_forward(model, runner.device, setting.graph_tokens) if graphs is not None else None
         yield
     finally:
@@ -112,7 +105,6 @@ def applied(setting: Setting, backend: EmbeddedBackend):
         runner.graphs, runner.prefix_cache = graphs, prefix_cache
         backend._ramp = None
         prefix_cache_module.KEPT_HEAD_MULTIPLE = kept_multiple
-        attention_module.KEPT_STATE_MIN_TOKENS = kept_state_tokens
 
 
 def median_ms(fn, repeats: int) -> float:

@@ -2,7 +2,6 @@ import os
 import random
 import warnings
 
-import numpy as np
 import pytest
 import torch
 
@@ -176,42 +175,3 @@ def test_backend_matches_dense_mask_reference_on_gpu_bf16(backend, layout_name):
     got = packed_attention(q, k, v, batch, backend=backend)
     expected = dense_reference(q, k, v, batch, 128**-0.5)
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
-
-
-def test_kept_keys_state_reference_is_attention_and_its_log_sum_exp():
-    torch.manual_seed(0)
-    q, k, v = torch.randn(9, 4, 16), torch.randn(13, 2, 16), torch.randn(13, 2, 16)
-    out, lse = attention.kept_keys_state_reference(q, k, v, scale=0.3)
-    heads_first = [x.transpose(0, 1) for x in (q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))]
-    expected = torch.nn.functional.scaled_dot_product_attention(*heads_first, scale=0.3).transpose(0, 1)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    scores = torch.einsum("qhd,khd->qhk", q, k.repeat_interleave(2, 1)) * 0.3
-    torch.testing.assert_close(lse, torch.logsumexp(scores, -1), atol=1e-5, rtol=1e-5)
-    assert attention.kept_keys_state(q, k, v, 0.3)[0].equal(out)  # the reference serves off CUDA
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_kept_head_through_cudnn_equals_the_kernels_tiles_on_gpu():
-    # LI's shape: 1,024 kept keys, a 52-token prefix in the batch, 100 items of 146 tokens (an eager batch).
-    layout = [(52, [146] * 100)]
-    batch = make_batch(layout, device="cuda")
-    kept = 1024
-    batch.cached_lens = torch.tensor([kept], dtype=torch.int32, device="cuda")
-    batch.cached_head = np.zeros(kept, dtype=np.int64)  # the head's ids: only its length matters here
-    batch.keys_per_query = kept + 52 + 73.5
-    assert attention._takes_kept_state(torch.empty(1, device="cuda", dtype=torch.bfloat16), batch)
-    q, k, v = random_qkv(batch.num_tokens, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
-    ck, cv = (torch.randn(kept + 64, 8, 128, device="cuda").bfloat16() for _ in range(2))
-    state = attention.kept_keys_state(q, ck[:kept], cv[:kept])
-    reference = attention.kept_keys_state_reference(q, ck[:kept], cv[:kept])
-    torch.testing.assert_close(state[0].float(), reference[0].float(), atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(state[1], reference[1], atol=1e-3, rtol=1e-3)  # natural log, float32
-    got = packed_attention(q, k, v, batch, cached=(ck, cv))
-    attention._kept_state_failed = True  # the kernel's own tiles over the kept keys
-    try:
-        tiles = packed_attention(q, k, v, batch, cached=(ck, cv))
-    finally:
-        attention._kept_state_failed = False
-    assert not torch.equal(got, tiles)  # the two paths really differ in how they ran
-    torch.testing.assert_close(got.float(), tiles.float(), atol=2e-2, rtol=2e-2)

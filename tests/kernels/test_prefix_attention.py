@@ -134,32 +134,6 @@ def test_cached_prefix_keys_equal_the_whole_sequence(layout, cached_len, cached_
     torch.testing.assert_close(got, whole, atol=1e-4, rtol=1e-4)
 
 
-@with_configs
-@pytest.mark.parametrize("layout, cached_len, cached_seqs", CACHED_LAYOUTS, ids=["two-cached", "all-prefix", "tile"])
-def test_kept_state_equals_cached_keys(layout, cached_len, cached_seqs, config):
-    # The kept keys attended elsewhere (every token over all of them), the kernel starting from that state: the
-    # result of attending them in the kernel; sequences without the head (cached_lens 0) ignore their state rows.
-    from rerankit.engine.attention import kept_keys_state_reference
-
-    (q, k, v), meta, kept, reduced_qkv, reduced_meta, cached = cached_pack(layout, cached_len, cached_seqs, 4, 2, 16)
-    whole = prefix_attention_reference(q, k, v, **meta)[kept]
-    state = kept_keys_state_reference(reduced_qkv[0], cached[1], cached[2])
-    got = prefix_attention(*reduced_qkv, **reduced_meta, config=config, kept_state=(cached[0], *state))
-    torch.testing.assert_close(got, whole, atol=1e-4, rtol=1e-4)
-
-
-def test_kept_state_is_checked():
-    (q, k, v), meta, _, reduced_qkv, reduced_meta, cached = cached_pack(*CACHED_LAYOUTS[1], 4, 2, 16)
-    out = torch.zeros_like(reduced_qkv[0])
-    lse = torch.zeros(out.shape[:2])
-    with pytest.raises(ValueError, match="not both"):
-        prefix_attention(*reduced_qkv, **reduced_meta, cached=cached, kept_state=(cached[0], out, lse))
-    with pytest.raises(ValueError, match="kept_state must be"):
-        prefix_attention(*reduced_qkv, **reduced_meta, kept_state=(cached[0], out, lse[:, :1]))
-    with pytest.raises(ValueError, match="causal"):
-        prefix_attention(*reduced_qkv, **reduced_meta, causal=False, kept_state=(cached[0], out, lse))
-
-
 def test_packed_and_unpacked_agree_on_every_head():
     # Group 3 pads the packed tile to 4 heads per kv head: the padding rows must never be stored.
     (q, k, v), meta = make_pack(MIS_RAGGED, 6, 2, 16, seed=3)

@@ -7,10 +7,6 @@ Backends (all compute the mask of :func:`rerankit.engine.batch.attention_allowed
   sdpa    torch SDPA over spans: the CPU default. Every span (a MIS prefix, an item span, a whole plain sequence)
           attends to its sequence's prefix keys and its own keys only, and spans of about one length run as one
           padded call, so no [L, L] mask over a whole MIS sequence is ever built
-
-A kept prompt head (``engine.prefix_cache``) is attended by the triton backend in one of two ways: its keys' tiles
-inside the kernel, or, for a large eager micro-batch on CUDA, every query over all of them first through cuDNN's
-fused attention (:func:`kept_keys_state`), whose output and log-sum-exp the kernel starts from.
 """
 
 from __future__ import annotations
@@ -18,7 +14,6 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
-import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -29,19 +24,13 @@ import triton
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from rerankit.engine.batch import PackedBatch
-from rerankit.kernels.prefix_attention import prefix_attention, takes_long_keys_tile
+from rerankit.kernels.prefix_attention import prefix_attention
 
 BACKENDS = ("triton", "flex", "varlen", "sdpa")
 # The sdpa backend pads the spans of one call to the longest: a span joins a call while it is at least this
 # fraction of the call's longest span, and a call gathers at most MAX_SPAN_KEYS key rows (span copies of the prefix).
 SPAN_LENGTH_RATIO = 0.75
 MAX_SPAN_KEYS = 1 << 16
-# A kept head's keys go through cuDNN first (kept_keys_state) in eager micro-batches of at least this many tokens whose
-# queries see the long-keys tile's share of keys: LI's batch (14.6k tokens, 1,024 kept keys). H100,
-# benchmarks/ws_probe.py: cuDNN 0.203 ms a layer over the kept keys (606 TFLOP/s) and our kernel 0.107 ms over the
-# rest in its short-span tile, against 0.370 ms for the kernel over both.
-KEPT_STATE_MIN_TOKENS = 8192
-_kept_state_failed = False  # set when cuDNN's attention refused once: the kernel's own tiles from then on
 
 
 def available_backends(device: torch.device | str) -> list[str]:
@@ -78,13 +67,8 @@ def packed_attention(
     if cached is not None and backend not in ("triton", "sdpa"):
         raise ValueError(f"the {backend} backend cannot attend to cached prefix keys; use 'triton' or 'sdpa'")
     if backend == "triton":
-        meta = (q, k, v, batch.cu_seqlens, batch.max_seqlen, batch.prefix_lens, batch.span_starts, batch.causal, scale)
-        if cached is not None and _takes_kept_state(q, batch):
-            state = _cudnn_kept_state(q, *(x[:batch.cached_len] for x in cached), scale)
-            if state is not None:  # the rest of the keys see fewer of them: the tile for short spans
-                rest = batch.keys_per_query - batch.cached_len
-                return prefix_attention(*meta, keys_per_query=rest, kept_state=(batch.cached_lens, *state))
-        return prefix_attention(*meta, keys_per_query=batch.keys_per_query,
+        return prefix_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, batch.prefix_lens,
+                                batch.span_starts, batch.causal, scale, keys_per_query=batch.keys_per_query,
                                 cached=None if cached is None else (batch.cached_lens, *cached))
     if backend == "sdpa":
         if cached is not None:  # the cached rows first: the span groups index keys from there on
@@ -95,56 +79,6 @@ def packed_attention(
     if backend == "varlen":
         return _varlen(q, k, v, batch, scale)
     raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
-
-
-def kept_keys_state(q: torch.Tensor, k_kept: torch.Tensor, v_kept: torch.Tensor,
-                    scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every query of q [T, Hq, D] over all of the kept keys k/v [C, Hkv, D], unmasked: the normalized output
-    [T, Hq, D] and the natural log-sum-exp of the scaled scores [T, Hq] (float32), the state that
-    ``prefix_attention(..., kept_state=...)`` starts from. cuDNN's fused attention where it runs (CUDA, 16-bit),
-    else plain torch in float32 (the reference)."""
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        state = _cudnn_kept_state(q, k_kept, v_kept, scale)
-        if state is not None:
-            return state
-    return kept_keys_state_reference(q, k_kept, v_kept, scale)
-
-
-def kept_keys_state_reference(q: torch.Tensor, k_kept: torch.Tensor, v_kept: torch.Tensor,
-                              scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`kept_keys_state` in float32 torch: (out in q's dtype, lse in float32)."""
-    group = q.shape[1] // k_kept.shape[1]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    keys, values = (x.float().repeat_interleave(group, dim=1).transpose(0, 1) for x in (k_kept, v_kept))
-    scores = torch.matmul(q.float().transpose(0, 1), keys.transpose(1, 2)) * scale  # [Hq, T, C]
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse[..., None]), values)
-    return out.transpose(0, 1).to(q.dtype), lse.t()
-
-
-def _takes_kept_state(q: torch.Tensor, batch: PackedBatch) -> bool:
-    """Whether the kept head goes through cuDNN first: a large eager micro-batch on CUDA (never inside a graph
-    capture) whose queries see the long-keys tile's share of keys, in 16-bit, while cuDNN's attention has not failed."""
-    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not _kept_state_failed
-            and batch.num_tokens >= KEPT_STATE_MIN_TOKENS and takes_long_keys_tile(batch.causal, batch.keys_per_query)
-            and not torch.cuda.is_current_stream_capturing())
-
-
-def _cudnn_kept_state(q, k_kept, v_kept, scale) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """:func:`kept_keys_state` through cuDNN, or None (once warned, and never tried again) where it refuses."""
-    global _kept_state_failed
-    group = q.shape[1] // k_kept.shape[1]
-    keys, values = (x.transpose(0, 1).repeat_interleave(group, dim=0)[None] for x in (k_kept, v_kept))
-    try:
-        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q.transpose(0, 1)[None], keys, values, None, True, 0.0, False, False, scale=scale)[:2]
-    except RuntimeError as error:
-        _kept_state_failed = True
-        warnings.warn(f"cuDNN attention refused the kept head's keys ({error}); the attention kernel's own tiles "
-                      "attend to them from now on", RuntimeWarning, stacklevel=3)
-        return None
-    out = out[0].transpose(0, 1)
-    return (out if out.stride(-1) == 1 else out.contiguous()), lse.reshape(q.shape[1], q.shape[0]).t()
 
 
 @dataclass

@@ -218,13 +218,11 @@ def _attend_tiles(
 def _attend_block(
     q, offs_m, token_valid, k_head_ptr, v_head_ptr, stride_kt, stride_vt, k_desc, v_desc, kv_col, offs_d,
     prefix_lens, span_starts, seq, seq_start, seq_end, q_first, q_last, qk_scale, cached_lens, cached_kv,
-    acc, m_i, l_i,
     CAUSAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr,
     HAS_CACHED: tl.constexpr,
 ):
     """Attention of one block of query rows (tokens ``offs_m``, queries ``q`` [ROWS, D]) over the key ranges its
-    tokens can see, from the online softmax's state (acc, m_i, l_i) (see :func:`_initial_state`); (acc, l) at the end.
-    Both kernels call it, with their own row layouts. HAS_CACHED:
+    tokens can see; (acc, l) of the online softmax. Both kernels call it, with their own row layouts. HAS_CACHED:
     the sequence's first ``cached_lens[seq]`` prefix keys are rows of other tensors (``cached_kv``, laid out as
     ``kv``), seen by every query before the batch's own keys."""
     if CAUSAL:
@@ -247,6 +245,9 @@ def _attend_block(
         kv_end = seq_end
     shared_full_end = seq_start + (shared_end - seq_start) // BLOCK_N * BLOCK_N
 
+    m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile gives alpha=1, not NaN
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
     qk_scale = qk_scale * 1.4426950408889634  # exp2 instead of exp
     kv = (k_head_ptr, v_head_ptr, stride_kt, stride_vt, k_desc, v_desc, kv_col)
     queries = (offs_m, offs_d, span_q, prefix_end)
@@ -272,26 +273,6 @@ def _attend_block(
 
 
 @triton.jit
-def _initial_state(offs_m, heads, row_valid, seq, cached_lens, state_out, state_lse, stride_st, stride_sh,
-                   stride_lt, stride_lh, offs_d, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_STATE: tl.constexpr):
-    """The online softmax's (acc, m, l) before any key: empty, or with HAS_STATE the rows' attention over the kept
-    head's keys computed elsewhere: normalized output ``state_out`` [T, Hq, D] and natural log-sum-exp of the scaled
-    scores ``state_lse`` [T, Hq] of sequences with ``cached_lens[seq] > 0``. That output with m = lse (in the
-    exponent's base-2 units) and l = 1 is exactly the state the kept keys' tiles would have left."""
-    m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile gives alpha=1, not NaN
-    l_i = tl.zeros([ROWS], dtype=tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
-    if HAS_STATE:
-        kept = row_valid & (tl.zeros_like(offs_m) + tl.load(cached_lens + seq).to(tl.int32) > 0)
-        lse = tl.load(state_lse + offs_m * stride_lt + heads * stride_lh, mask=kept, other=0.0)
-        m_i = tl.where(kept, lse * 1.4426950408889634, m_i)
-        l_i = tl.where(kept, 1.0, l_i)
-        acc = tl.load(state_out + offs_m[:, None] * stride_st + heads[:, None] * stride_sh + offs_d[None, :],
-                      mask=kept[:, None], other=0.0).to(tl.float32)
-    return acc, m_i, l_i
-
-
-@triton.jit
 def _query_block(cu_seqlens, BLOCK_M: tl.constexpr):
     """This program's sequence and query block: (seq, seq_start, seq_end, q_first, q_last). The last query blocks
     see the most keys, so they are launched first and the tail of the grid is short; q_first >= seq_end means the
@@ -310,10 +291,9 @@ def _prefix_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, k_desc, v_desc, cu_seqlens, prefix_lens, span_starts,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     qk_scale, cached_lens, ck_ptr, cv_ptr, ck_desc, cv_desc, stride_ckt, stride_ckh, stride_cvt, stride_cvh,
-    state_out, state_lse, stride_st, stride_sh, stride_lt, stride_lh,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr,
-    HAS_CACHED: tl.constexpr, HAS_STATE: tl.constexpr,
+    HAS_CACHED: tl.constexpr,
 ):
     head = tl.program_id(1)
     seq, seq_start, seq_end, q_first, q_last = _query_block(cu_seqlens, BLOCK_M)
@@ -330,12 +310,10 @@ def _prefix_attention_kernel(
 
     cached_kv = (ck_ptr + (head // GROUP) * stride_ckh, cv_ptr + (head // GROUP) * stride_cvh, stride_ckt, stride_cvt,
                  ck_desc, cv_desc, (head // GROUP) * HEAD_DIM)
-    acc, m_i, l_i = _initial_state(offs_m, head + tl.zeros_like(offs_m), row_valid, seq, cached_lens, state_out, state_lse, stride_st,
-                                   stride_sh, stride_lt, stride_lh, offs_d, BLOCK_M, HEAD_DIM, HAS_STATE)
     acc, l_i = _attend_block(q, offs_m, row_valid, k_head_ptr, v_head_ptr, stride_kt, stride_vt, k_desc, v_desc,
                              (head // GROUP) * HEAD_DIM, offs_d, prefix_lens, span_starts, seq, seq_start, seq_end,
-                             q_first, q_last, qk_scale, cached_lens, cached_kv, acc, m_i, l_i, CAUSAL, BLOCK_M,
-                             BLOCK_N, HEAD_DIM, TMA, HAS_CACHED)
+                             q_first, q_last, qk_scale, cached_lens, cached_kv, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM,
+                             TMA, HAS_CACHED)
 
     out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
     tl.store(out_ptr + offs_m[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -347,10 +325,9 @@ def _prefix_attention_packed_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, k_desc, v_desc, cu_seqlens, prefix_lens, span_starts,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     qk_scale, cached_lens, ck_ptr, cv_ptr, ck_desc, cv_desc, stride_ckt, stride_ckh, stride_cvt, stride_cvh,
-    state_out, state_lse, stride_st, stride_sh, stride_lt, stride_lh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr,
-    HAS_CACHED: tl.constexpr, HAS_STATE: tl.constexpr,
+    HAS_CACHED: tl.constexpr,
 ):
     """_prefix_attention_kernel with the GROUP query heads of one kv head in one program (pack_gqa=True).
 
@@ -380,12 +357,10 @@ def _prefix_attention_packed_kernel(
 
     cached_kv = (ck_ptr + kv_head * stride_ckh, cv_ptr + kv_head * stride_cvh, stride_ckt, stride_cvt, ck_desc, cv_desc,
                  kv_head * HEAD_DIM)
-    acc, m_i, l_i = _initial_state(offs_m, heads, row_valid, seq, cached_lens, state_out, state_lse, stride_st,
-                                   stride_sh, stride_lt, stride_lh, offs_d, ROWS, HEAD_DIM, HAS_STATE)
     acc, l_i = _attend_block(q, offs_m, token_valid, k_head_ptr, v_head_ptr, stride_kt, stride_vt, k_desc, v_desc,
                              kv_head * HEAD_DIM, offs_d, prefix_lens, span_starts, seq, seq_start, seq_end, q_first,
-                             q_last, qk_scale, cached_lens, cached_kv, acc, m_i, l_i, CAUSAL, ROWS, BLOCK_N,
-                             HEAD_DIM, TMA, HAS_CACHED)
+                             q_last, qk_scale, cached_lens, cached_kv, CAUSAL, ROWS, BLOCK_N, HEAD_DIM, TMA,
+                             HAS_CACHED)
 
     out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
     tl.store(out_ptr + offs_m[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -406,7 +381,6 @@ def prefix_attention(
     config: AttentionConfig | None = None,
     keys_per_query: float = 0.0,
     cached: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    kept_state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Packed attention under the shared-prefix mask: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
 
@@ -415,25 +389,14 @@ def prefix_attention(
     ``cached`` = (cached_lens [B], k_cached [C, Hkv, D], v_cached): sequence b's prefix begins with the first
     ``cached_lens[b]`` rows of k_cached/v_cached (keys kept from an earlier forward), which every token of the
     sequence sees before its own keys; its ``prefix_lens`` count the prefix tokens in the batch only.
-    ``kept_state`` = (cached_lens [B], out [T, Hq, D], lse [T, Hq]) instead: the same kept keys, already attended
-    elsewhere (every token over all of them, e.g. ``engine.attention.kept_keys_state``): the normalized output and the
-    natural log-sum-exp of the scaled scores. The kernel starts the rows of sequences with ``cached_lens[b] > 0`` from
-    it, and the result is that of ``cached``.
     """
     total, q_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     if q_heads % kv_heads:
         raise ValueError(f"query heads ({q_heads}) must be a multiple of key/value heads ({kv_heads})")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    if (cached is not None or kept_state is not None) and not causal:
+    if cached is not None and not causal:
         raise ValueError("cached prefix keys need causal attention")
-    if cached is not None and kept_state is not None:
-        raise ValueError("pass the kept keys either as cached keys or as their attended state, not both")
-    if kept_state is not None:
-        state_out, state_lse = kept_state[1], kept_state[2]
-        if state_out.shape != q.shape or state_lse.shape != q.shape[:2] or state_out.stride(-1) != 1:
-            raise ValueError(f"kept_state must be out {tuple(q.shape)} (last dim contiguous) and lse "
-                             f"{tuple(q.shape[:2])}, got {tuple(state_out.shape)} and {tuple(state_lse.shape)}")
     out = torch.empty_like(q)
     if total == 0:
         return out
@@ -448,7 +411,7 @@ def prefix_attention(
     else:
         kernel, heads, packing = _prefix_attention_kernel, q_heads, {}
     if cached is None:  # the kernel never reads these without HAS_CACHED
-        cached_lens, ck, cv = prefix_lens if kept_state is None else kept_state[0], k, v
+        cached_lens, ck, cv = prefix_lens, k, v
     else:
         cached_lens, ck, cv = cached[0], *(x if x.stride(-1) == 1 else x.contiguous() for x in cached[1:])
     tma = config.tma and takes_tma(k, v) and (cached is None or takes_tma(ck, cv))
@@ -456,14 +419,12 @@ def prefix_attention(
     k_desc, v_desc = (_kv_descriptor(x, config.block_n) for x in (k, v)) if tma else (k, v)
     ck_desc, cv_desc = (k_desc, v_desc) if cached is None else \
         (_kv_descriptor(x, config.block_n) for x in (ck, cv)) if tma else (ck, cv)
-    state_out, state_lse = (out, q) if kept_state is None else kept_state[1:]  # read only with HAS_STATE
     kernel[(triton.cdiv(max_seqlen, config.block_m), heads, cu_seqlens.numel() - 1)](
         q, k, v, out, k_desc, v_desc, cu_seqlens, prefix_lens, span_starts,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         scale, cached_lens, ck, cv, ck_desc, cv_desc, ck.stride(0), ck.stride(1), cv.stride(0), cv.stride(1),
-        state_out, state_lse, state_out.stride(0), state_out.stride(1), state_lse.stride(0), state_lse.stride(1),
         GROUP=group, CAUSAL=causal, BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim, TMA=tma,
-        HAS_CACHED=cached is not None, HAS_STATE=kept_state is not None, num_warps=config.num_warps, num_stages=config.num_stages, **packing,
+        HAS_CACHED=cached is not None, num_warps=config.num_warps, num_stages=config.num_stages, **packing,
         **limits,
     )
     return out
