@@ -13,9 +13,9 @@ The profiler slows the host and so overstates the GPU's idle time; these numbers
 
 ``--ab`` instead times wall_ms and gpu_bound_ms of each workload under each engine setting of ``AB_SETTINGS`` (model
 switches, attention kernel configs, the largest graphed micro-batch, the ramp-up's chunk sizes, the template head's
-ids kept or not, its keys and values kept or not, cut to whole key tiles or not), the settings interleaved over ``--rounds`` rounds so that a
-drifting clock or host falls on all of them alike; each setting gets CUDA graphs of its own (a graph keeps the
-kernels it was captured with).
+ids kept or not, its keys and values kept or not, cut to whole key tiles or not), the settings interleaved over
+``--rounds`` rounds so that a drifting clock or host falls on all of them alike; each setting gets CUDA graphs of its
+own (a graph keeps the kernels it was captured with).
 
     PYTHONPATH=src python benchmarks/timeline.py [--out timeline.json] [--ab [--rounds 3] [--settings ramp,norms]]
 """

@@ -237,31 +237,42 @@ def guarded(sink, part: str, index: int, config: tuple, timeout: float) -> None:
         emit({"part": part, "config": config, "error": done.stderr[-300:]}, sink)
 
 
+def tokenizer_ms() -> dict:
+    """The tokenizer's time on LI's 100 items (median of 40 batched calls), as the engine calls it."""
+    import random
+    import statistics
+    import tempfile
+    import time
+
+    from pairs import make_docs, single_token_words
+    from tiny_models import build_decoder_tokenizer
+    from transformers import AutoTokenizer
+
+    folder = Path(tempfile.mkdtemp(prefix="rerankit-tokenizer-"))
+    build_decoder_tokenizer(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    docs = make_docs(single_token_words(tokenizer), ITEMS, 128, 129, random.Random(0))
+    times = []
+    for _ in range(40):
+        start = time.perf_counter()
+        ids = [e.ids for e in tokenizer.backend_tokenizer.encode_batch_fast(docs, add_special_tokens=False)]
+        times.append(time.perf_counter() - start)
+    return {"tokens": sum(map(len, ids)), "ms": statistics.median(times) * 1e3}
+
+
 def host_rows(sink) -> None:
-    """The host's CPUs, and the tokenizer on LI's items with all threads and with one."""
+    """The host's CPUs, and the tokenizer on LI's items with all threads, one and four (a process each: the
+    tokenizer's thread pool is sized once per process)."""
     quota = Path("/sys/fs/cgroup/cpu.max")
     emit({"part": "host", "nproc": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
           "cpu.max": quota.read_text().strip() if quota.exists() else None}, sink)
-    code = (
-        "import sys, time, random, tempfile, statistics, json; from pathlib import Path\n"
-        "sys.path[:0] = ['benchmarks', 'tests']\n"
-        "from pairs import single_token_words, make_docs\n"
-        "from tiny_models import build_decoder_tokenizer\n"
-        "from transformers import AutoTokenizer\n"
-        "folder = Path(tempfile.mkdtemp()); build_decoder_tokenizer(folder)\n"
-        "tok = AutoTokenizer.from_pretrained(folder); backend = tok.backend_tokenizer\n"
-        "docs = make_docs(single_token_words(tok), 100, 128, 129, random.Random(0))\n"
-        "times = []\n"
-        "for _ in range(40):\n"
-        "    t = time.perf_counter(); ids = [e.ids for e in backend.encode_batch_fast(docs, add_special_tokens=False)]\n"
-        "    times.append(time.perf_counter() - t)\n"
-        "print(json.dumps({'tokens': sum(map(len, ids)), 'ms': statistics.median(times) * 1e3}))\n")
     for threads in (None, "1", "4"):
         env = dict(os.environ)
         if threads:
             env["RAYON_NUM_THREADS"] = threads
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-        row = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {"error": done.stderr[-300:]}
+        done = subprocess.run([sys.executable, __file__, "--tokenizer-only"], capture_output=True, text=True,
+                              env=env)
+        row = json.loads(done.stdout.splitlines()[-1]) if done.returncode == 0 else {"error": done.stderr[-300:]}
         emit({"part": "host", "what": f"tokenizer, LI items, RAYON_NUM_THREADS={threads}", **row}, sink)
 
 
@@ -272,7 +283,11 @@ def main() -> None:
                         default=["host", "attention", "swiglu"])
     parser.add_argument("--variant-timeout", type=float, default=120.0)
     parser.add_argument("--variant", type=int, default=None, help=argparse.SUPPRESS)  # a guarded subprocess
+    parser.add_argument("--tokenizer-only", action="store_true", help=argparse.SUPPRESS)  # host_rows' subprocess
     args = parser.parse_args()
+    if args.tokenizer_only:
+        print(json.dumps(tokenizer_ms()))
+        return
     sink = None
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
