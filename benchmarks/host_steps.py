@@ -26,6 +26,7 @@ from pairs import build_decoder_dir, decoder_workloads, requests_of, single_toke
 
 import rerankit.engine.attention as attention_module  # noqa: E402
 import rerankit.kernels.qk_norm_rope as qk_module  # noqa: E402
+import rerankit.kernels.qkv_rope_matmul as qkv_module  # noqa: E402
 import rerankit.kernels.rms_norm as norm_module  # noqa: E402
 import rerankit.kernels.swiglu_matmul as swiglu_module  # noqa: E402
 from rerankit.engine import EmbeddedBackend  # noqa: E402
@@ -76,6 +77,7 @@ def main() -> None:
                               "launch_and_gpu_ms": round(statistics.median(totals), 2)}), flush=True)
         attention_module.prefix_attention = timed("prefix_attention", attention_module.prefix_attention)
         qk_module.qk_norm_rope = timed("qk_norm_rope", qk_module.qk_norm_rope)
+        qkv_module.qkv_rope_matmul = timed("qkv_rope_matmul", qkv_module.qkv_rope_matmul)
         norm_module.rms_norm = timed("rms_norm (Triton)", norm_module.rms_norm)
         swiglu_module.swiglu_matmul = timed("swiglu_matmul", swiglu_module.swiglu_matmul)
         decoder_module._add_projection = timed("addmm_ projection", decoder_module._add_projection)

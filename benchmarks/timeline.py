@@ -70,6 +70,7 @@ AB_SETTINGS = {
     "head tokenized each request": Setting(head_cache=False),
     "head's keys computed each call": Setting(prefix_cache=False),
     "compiled norms (no Triton RMSNorm)": Setting(model={"triton_norms": False}),
+    "cuBLAS qkv + q/k kernel (no fused_qkv_rope)": Setting(model={"fused_qkv_rope": False}),
     "no ramp-up": Setting(ramp=False),
     "graphs up to 16,384 tokens": Setting(graph_tokens=16384),
     "kept heads uncut (no whole key tiles)": Setting(kept_multiple=1),

@@ -170,6 +170,33 @@ def test_decoder_fused_qk_kernel_equals_torch_path(tmp_path, monkeypatch, name):
     torch.testing.assert_close(plain(batch), fused(batch), atol=TOLERANCE, rtol=TOLERANCE)
 
 
+@pytest.mark.parametrize("name", ["qwen3", "llama3", "qwen2"])
+def test_decoder_fused_qkv_rope_equals_torch_path(tmp_path, monkeypatch, name):
+    """``fused_qkv_rope`` (the q/k/v GEMM with the q/k norm and rotary in its epilogue, in Triton's interpreter on
+    the CPU; q, k and v are then strided views of its output) against the pure-torch path, plain and MIS packs."""
+    from rerankit.kernels import qkv_rope_matmul as kernels
+
+    forbid_reference(monkeypatch, kernels, "qkv_rope_matmul_reference")
+    model_class, make_config = DECODERS[name]
+    hf = load_tiny(tmp_path, model_class, make_config())
+    fused = PackedDecoder(hf, attention_fn=dense_attention, fused_qk=True)
+    plain = PackedDecoder(hf, attention_fn=dense_attention, fused_qk=False)
+    assert not fused.fused_qkv_rope  # on GPUs with the copy engine only by default
+    fused.fused_qkv_rope, fused.fused_qkv_rope_min_tokens = True, 0
+    calls = []
+    original = kernels.qkv_rope_matmul
+    monkeypatch.setattr(kernels, "qkv_rope_matmul", lambda *args: calls.append(1) or original(*args))
+    prefix, *items = random_sequences([10, 5, 8, 3], seed=8)
+    for batch in (pack(random_sequences([7, 19, 1, 12])), pack_multi_item(prefix, items)):
+        torch.testing.assert_close(fused(batch), plain(batch), atol=TOLERANCE, rtol=TOLERANCE)
+        torch.testing.assert_close(fused.forward_read(batch), plain.forward_read(batch), atol=TOLERANCE,
+                                   rtol=TOLERANCE)
+    assert len(calls) == 4 * len(fused.layers)
+    fused.fused_qkv_rope_min_tokens = batch.num_tokens + 1  # smaller batches keep cuBLAS and the q/k kernel
+    torch.testing.assert_close(fused(batch), plain(batch), atol=TOLERANCE, rtol=TOLERANCE)
+    assert len(calls) == 4 * len(fused.layers)
+
+
 def test_decoder_fused_qk_choice(tmp_path, monkeypatch):
     hf = load_tiny(tmp_path, transformers.Qwen3ForCausalLM, DECODERS["qwen3"][1]())
     monkeypatch.delenv("RERANKIT_FUSED_QK", raising=False)

@@ -48,6 +48,12 @@ FUSED_QK_MIN_TOKENS = 12288
 # cuBLAS's faster GEMM.
 FUSED_SWIGLU_MAX_HIDDEN = 4096
 FUSED_SWIGLU_MAX_HIDDEN_POINTERS = 2048
+# The q/k/v GEMM with the q/k norm and rotary in its epilogue (``fused_qkv_rope``), by default up to this hidden size
+# and from this many tokens. H100, benchmarks/qkv_rope.py, against cuBLAS's projection + qk_norm_rope: 1.10x at LI's
+# 14.6k tokens and 1.07x at 26.6k on Qwen3-0.6B's d=1,024, 0.94x at 5k; 1.00-1.02x at d=2,560, 0.88-1.00x at d=4,096
+# (cuBLAS's GEMM runs at 650-740 TFLOP/s there, ours at 540-630: the q/k pass it saves is a smaller share).
+FUSED_QKV_ROPE_MAX_HIDDEN = 2048
+FUSED_QKV_ROPE_MIN_TOKENS = 8192
 
 AttentionFn = Callable[..., torch.Tensor]
 
@@ -170,6 +176,12 @@ class PackedDecoder(PackedBody):
     ``triton_norms`` (the attribute; True by default): where the fused q/k kernel and the SwiGLU GEMM run, the two
     RMSNorms of a layer are one Triton launch each (``rerankit.kernels.rms_norm``) instead of compiled steps, whose
     guards and wrapper cost several times a launch's host time in an eager micro-batch.
+
+    ``fused_qkv_rope`` (the attribute; True on GPUs with the copy engine, Hopper on, for hidden sizes up to
+    ``FUSED_QKV_ROPE_MAX_HIDDEN``): in micro-batches of ``FUSED_QKV_ROPE_MIN_TOKENS`` or more that run the fused
+    q/k kernel with the Triton norms, the q/k/v projection and the q/k norm and rotary are one Triton GEMM
+    (``rerankit.kernels.qkv_rope_matmul``) instead of cuBLAS's projection and ``qk_norm_rope``, which reads the q
+    and k heads back. The angles' cos/sin table is built once a forward.
     """
 
     def __init__(self, hf_model: nn.Module, compile: bool | None = None,
@@ -209,6 +221,10 @@ class PackedDecoder(PackedBody):
             fused_swiglu = _fused_swiglu_pays(device, config.hidden_size)
         self.fused_swiglu = fused_swiglu  # same batch rule as unfused_residual
         self.triton_norms = True
+        from rerankit.kernels.swiglu_matmul import has_copy_engine
+
+        self.fused_qkv_rope = has_copy_engine(device) and config.hidden_size <= FUSED_QKV_ROPE_MAX_HIDDEN
+        self.fused_qkv_rope_min_tokens = FUSED_QKV_ROPE_MIN_TOKENS
 
     @torch.no_grad()
     def keep_prefix(self, batch: PackedBatch) -> CachedKV:
@@ -232,10 +248,17 @@ class PackedDecoder(PackedBody):
             finish = self._attention_output_and_fused_mlp
         if not fused_qk:
             cos, sin = rotary_cos_sin(batch.position_ids, self.inv_freq, hidden.dtype)
+        rope = None
+        qkv_rope = self.fused_qkv_rope and self.triton_norms and batch.num_tokens >= self.fused_qkv_rope_min_tokens
+        if fused_qk and qkv_rope:
+            from rerankit.kernels.qkv_rope_matmul import rope_table, takes_tma
+
+            if takes_tma(hidden, self.layers[0].qkv_weight, self.head_dim):
+                rope = rope_table(batch.position_ids, self.inv_freq)
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
             if fused_qk:
-                q, k, v = self._fused_attention_inputs(hidden, layer, batch.position_ids)
+                q, k, v = self._fused_attention_inputs(hidden, layer, batch.position_ids, rope)
             else:
                 q, k, v = self._attention_inputs(hidden, layer.input_norm, layer.qkv_weight, layer.qkv_bias,
                                                  layer.q_norm, layer.k_norm, cos, sin, self.eps, self.num_heads,
@@ -270,11 +293,22 @@ class PackedDecoder(PackedBody):
         activated = swiglu_matmul(self._norm(hidden, post_norm, eps), gate_up_weight, gate_up_bias)
         return _add_projection(hidden, activated, down_weight, down_bias)
 
-    def _fused_attention_inputs(self, hidden: torch.Tensor, layer: PackedDecoderLayer,
-                                position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``attention_inputs`` with the per-head norm and rotary in ``qk_norm_rope``; v a view of the projection."""
+    def _fused_attention_inputs(self, hidden: torch.Tensor, layer: PackedDecoderLayer, position_ids: torch.Tensor,
+                                rope: tuple[torch.Tensor, torch.Tensor] | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``attention_inputs`` with the per-head norm and rotary in ``qk_norm_rope``; v a view of the projection.
+        With ``rope`` (the forward's cos/sin table) they are the q/k/v GEMM's epilogue, and q and k are views too."""
         from rerankit.kernels.qk_norm_rope import qk_norm_rope  # imported at first use, like the attention kernel
 
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        if rope is not None:
+            from rerankit.kernels.qkv_rope_matmul import qkv_rope_matmul
+
+            qkv = qkv_rope_matmul(self._norm(hidden, layer.input_norm, self.eps), layer.qkv_weight, layer.qkv_bias,
+                                  heads, kv_heads, head_dim, *rope, layer.q_norm, layer.k_norm, self.eps)
+            q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+            return q.unflatten(-1, (heads, head_dim)), k.unflatten(-1, (kv_heads, head_dim)), \
+                v.unflatten(-1, (kv_heads, head_dim))
         if self.triton_norms:
             qkv = F.linear(self._norm(hidden, layer.input_norm, self.eps), layer.qkv_weight, layer.qkv_bias)
         else:
