@@ -71,6 +71,7 @@ AB_SETTINGS = {
     "head's keys computed each call": Setting(prefix_cache=False),
     "compiled norms (no Triton RMSNorm)": Setting(model={"triton_norms": False}),
     "cuBLAS qkv + q/k kernel (no fused_qkv_rope)": Setting(model={"fused_qkv_rope": False}),
+    "last layer attends every row (no last_layer_reads)": Setting(model={"last_layer_reads": False}),
     "no ramp-up": Setting(ramp=False),
     "graphs up to 16,384 tokens": Setting(graph_tokens=16384),
     "kept heads uncut (no whole key tiles)": Setting(kept_multiple=1),

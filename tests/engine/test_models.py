@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+import triton
 
+from rerankit.engine import attention as attention_module
 from rerankit.engine.attention import packed_attention
 from rerankit.engine.batch import PackedBatch, attention_allowed
 from rerankit.engine.models import PackedDecoder, PackedEncoder, build_packed_model, supports
@@ -195,6 +197,34 @@ def test_decoder_fused_qkv_rope_equals_torch_path(tmp_path, monkeypatch, name):
     fused.fused_qkv_rope_min_tokens = batch.num_tokens + 1  # smaller batches keep cuBLAS and the q/k kernel
     torch.testing.assert_close(fused(batch), plain(batch), atol=TOLERANCE, rtol=TOLERANCE)
     assert len(calls) == 4 * len(fused.layers)
+
+
+def test_decoder_last_layer_attends_from_the_read_rows_only(tmp_path, monkeypatch):
+    """In the last layer of ``forward_read`` the Triton attention computes only the read rows (``reads=``, in
+    Triton's interpreter on the CPU); the read states equal those of the whole pack's attention, MIS and plain."""
+    import functools
+
+    from rerankit.kernels import prefix_attention as kernels
+
+    if not torch.cuda.is_available() and not triton.knobs.runtime.interpret:
+        pytest.skip("triton was imported without its interpreter")
+    hf = load_tiny(tmp_path, transformers.Qwen3ForCausalLM, DECODERS["qwen3"][1]())
+    model = PackedDecoder(hf, attention_fn=functools.partial(packed_attention, backend="triton"))
+    reference = PackedDecoder(hf, attention_fn=dense_attention)
+    seen = []
+    original = kernels.prefix_attention
+    monkeypatch.setattr(kernels, "prefix_attention",
+                        lambda *args, **kwargs: seen.append(kwargs.get("reads") is not None) or original(*args, **kwargs))
+    monkeypatch.setattr(attention_module, "prefix_attention", kernels.prefix_attention)
+    prefix, *items = random_sequences([10, 5, 8, 3], seed=9)
+    for batch in (pack_multi_item(prefix, items), pack(random_sequences([7, 19, 1, 12]))):
+        seen.clear()
+        torch.testing.assert_close(model.forward_read(batch), reference.forward_read(batch), atol=TOLERANCE,
+                                   rtol=TOLERANCE)
+        assert seen == [False] * (len(model.layers) - 1) + [True]
+        seen.clear()
+        torch.testing.assert_close(model(batch), reference(batch), atol=TOLERANCE, rtol=TOLERANCE)
+        assert not any(seen)  # every row wanted: no reads
 
 
 def test_decoder_fused_qk_choice(tmp_path, monkeypatch):

@@ -134,6 +134,38 @@ def test_cached_prefix_keys_equal_the_whole_sequence(layout, cached_len, cached_
     torch.testing.assert_close(got, whole, atol=1e-4, rtol=1e-4)
 
 
+READ_CASES = [(PLAIN, True, 4, 2, 16), (MIS_RAGGED, True, 6, 2, 16), (LONG_PREFIX, True, 4, 4, 32),
+              (MIS_RAGGED, False, 4, 1, 16)]
+
+
+@pytest.mark.parametrize("config", [None, CONFIGS[3]], ids=["cpu-default", "packed-tma"])
+@pytest.mark.parametrize("layout, causal, q_heads, kv_heads, head_dim", READ_CASES,
+                         ids=["plain", "mis-group3", "long-prefix-mha-d32", "bidirectional-group4"])
+def test_read_rows_equal_the_full_kernels_rows(layout, causal, q_heads, kv_heads, head_dim, config):
+    """``reads=``: each read token's rows alone (one program each, its sequence found by binary search) equal the
+    whole pack's rows there: every token once in a shuffled order, then a repeated few, as graphs pad reads."""
+    (q, k, v), meta = make_pack(layout, q_heads, kv_heads, head_dim, seed=4)
+    whole = prefix_attention(q, k, v, **meta, causal=causal, config=config)
+    for reads in (torch.randperm(q.shape[0], generator=torch.Generator().manual_seed(0)), torch.tensor([0, 0, 5])):
+        got = prefix_attention(q, k, v, **meta, causal=causal, config=config, reads=reads)
+        assert got.shape == (len(reads), q_heads, head_dim)
+        torch.testing.assert_close(got, whole[reads], atol=1e-5, rtol=1e-5)
+
+
+def test_read_rows_with_cached_keys_and_empty_sequences():
+    """Reads of sequences that begin with kept keys, and a pack with empty sequences (a graph's padding)."""
+    layout, cached_len, cached_seqs = CACHED_LAYOUTS[0]
+    (q, k, v), meta, kept, reduced_qkv, reduced_meta, cached = cached_pack(layout, cached_len, cached_seqs, 4, 2, 16)
+    whole = prefix_attention(*reduced_qkv, **reduced_meta, cached=cached)
+    reads = torch.tensor([3, 0, len(kept) - 1, 20])
+    got = prefix_attention(*reduced_qkv, **reduced_meta, cached=cached, reads=reads)
+    torch.testing.assert_close(got, whole[reads], atol=1e-5, rtol=1e-5)
+    (q, k, v), meta = make_pack([(0, [0]), (4, [3, 2]), (0, [0]), (0, [0]), (0, [6])], 4, 2, 16, seed=5)
+    reads = torch.arange(q.shape[0])
+    torch.testing.assert_close(prefix_attention(q, k, v, **meta, reads=reads), prefix_attention(q, k, v, **meta),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_packed_and_unpacked_agree_on_every_head():
     # Group 3 pads the packed tile to 4 heads per kv head: the padding rows must never be stored.
     (q, k, v), meta = make_pack(MIS_RAGGED, 6, 2, 16, seed=3)
@@ -233,3 +265,19 @@ def test_cached_prefix_keys_on_gpu_bf16(config):
     whole = prefix_attention_reference(q.float(), k.float(), v.float(), **meta)[kept]
     got = prefix_attention(*reduced_qkv, **reduced_meta, config=config, cached=cached)
     torch.testing.assert_close(got.float(), whole, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_read_rows_on_gpu_bf16():
+    """LI's layout with its head kept: each item's last token alone equals the whole pack's rows there."""
+    layout = [(1076, [146] * 30), (0, [300]), (1076, [1, 200])]
+    (q, k, v), meta, kept, reduced_qkv, reduced_meta, cached = cached_pack(
+        layout, 1060, [0, 2], 16, 8, 128, dtype=torch.bfloat16, device="cuda")
+    whole = prefix_attention(*reduced_qkv, **reduced_meta, cached=cached, keys_per_query=LONG_KEYS_PER_QUERY)
+    reads = torch.tensor([16 + 146 * (i + 1) - 1 for i in range(30)] + [len(kept) - 202, len(kept) - 1],
+                         device="cuda")
+    got = prefix_attention(*reduced_qkv, **reduced_meta, cached=cached, keys_per_query=LONG_KEYS_PER_QUERY,
+                           reads=reads)
+    torch.testing.assert_close(got.float(), whole[reads].float(), atol=1e-2, rtol=1e-2)
+

@@ -57,11 +57,14 @@ def packed_attention(
     scale: float | None = None,
     backend: str | None = None,
     cached: tuple[torch.Tensor, torch.Tensor] | None = None,
+    reads: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [T, Hq, D] over k/v [T, Hkv, D] under the batch's packed (and MIS) mask -> [T, Hq, D].
 
     ``cached`` = (k, v) [C, Hkv, D]: keys and values of a prefix head kept from an earlier forward; sequence b sees
     their first ``batch.cached_lens[b]`` rows before its own keys (triton and sdpa backends only).
+    ``reads`` [R]: only those tokens' rows, [R, Hq, D]; the triton backend computes only them, the others compute
+    every row and keep those.
     """
     backend = backend or default_backend(q.device)
     if cached is not None and backend not in ("triton", "sdpa"):
@@ -69,7 +72,9 @@ def packed_attention(
     if backend == "triton":
         return prefix_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, batch.prefix_lens,
                                 batch.span_starts, batch.causal, scale, keys_per_query=batch.keys_per_query,
-                                cached=None if cached is None else (batch.cached_lens, *cached))
+                                cached=None if cached is None else (batch.cached_lens, *cached), reads=reads)
+    if reads is not None:
+        return packed_attention(q, k, v, batch, scale, backend, cached)[reads]
     if backend == "sdpa":
         if cached is not None:  # the cached rows first: the span groups index keys from there on
             k, v = (torch.cat([kept[:batch.cached_len], own]) for kept, own in zip(cached, (k, v)))

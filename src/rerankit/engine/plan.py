@@ -73,13 +73,14 @@ class RequestParts:
         ``cached_head``, where that leaves a head long enough to keep."""
         lengths = [len(item) for item in encoded.item_ids]
         flat = np.fromiter(itertools.chain.from_iterable(encoded.item_ids), dtype=np.int64, count=sum(lengths))
+        ends = itertools.accumulate(lengths)  # slices of the flat array (np.split costs ~4x as much host time)
         typed = encoded.prefix_types is not None and encoded.suffix_types is not None
         prefix = np.asarray(encoded.prefix_ids, dtype=np.int64)
         cut = kept_length(encoded.head_len) if cache_head else 0
         return cls(
             prefix=prefix[cut:],
             cached_head=prefix[:cut] if cut else None,
-            items=np.split(flat, np.cumsum(lengths)[:-1]),
+            items=[flat[end - length:end] for end, length in zip(ends, lengths)],
             suffix=np.asarray(encoded.suffix_ids, dtype=np.int64),
             read_first=encoded.read_first,
             prefix_types=np.asarray(encoded.prefix_types, dtype=np.int64) if typed else None,

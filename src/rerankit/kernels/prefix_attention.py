@@ -102,6 +102,9 @@ CUDA_BIDIRECTIONAL_CONFIG = AttentionConfig(block_m=64, block_n=32, num_warps=4,
 # The interpreter runs numpy per program; small tiles keep test packs multi-tile.
 CPU_DEFAULT_CONFIG = AttentionConfig(block_m=32, block_n=16, num_warps=1, num_stages=1)
 CONFIG_ENV = "RERANKIT_ATTENTION_CONFIG"
+# The read-token kernel (``reads=``): a Q tile of one token's heads, repeated to a tensor-core dot's least height.
+READ_ROWS = 16
+READ_WARPS = 4
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -367,6 +370,50 @@ def _prefix_attention_packed_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
 
+@triton.jit
+def _prefix_attention_reads_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, k_desc, v_desc, cu_seqlens, prefix_lens, span_starts, reads_ptr, n_seqs,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    qk_scale, cached_lens, ck_ptr, cv_ptr, ck_desc, cv_desc, stride_ckt, stride_ckh, stride_cvt, stride_cvh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, TMA: tl.constexpr, HAS_CACHED: tl.constexpr,
+):
+    """The attention of one read token (``reads[program_id(0)]``) for the GROUP query heads of one kv head: the
+    rows of the full kernel's output at that token. The Q tile repeats the token's GROUP_PAD head rows to ROWS
+    (a tensor-core dot's least height); rows past GROUP_PAD, and padding heads, are never stored."""
+    read = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    token = tl.load(reads_ptr + read).to(tl.int32)
+    # The token's sequence: the last s with cu_seqlens[s] <= token (empty sequences before it share its start)
+    lo = token * 0
+    hi = lo + n_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        right = tl.load(cu_seqlens + mid) <= token
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
+    seq = lo
+    seq_start = tl.load(cu_seqlens + seq).to(tl.int32)
+    seq_end = tl.load(cu_seqlens + seq + 1).to(tl.int32)
+
+    rows = tl.arange(0, ROWS)
+    offs_m = token + rows * 0
+    heads = kv_head * GROUP + rows % GROUP_PAD
+    offs_d = tl.arange(0, HEAD_DIM)
+    stored = (rows < GROUP_PAD) & (rows % GROUP_PAD < GROUP)
+    q = tl.load(q_ptr + token.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=(rows % GROUP_PAD < GROUP)[:, None], other=0.0)
+    cached_kv = (ck_ptr + kv_head * stride_ckh, cv_ptr + kv_head * stride_cvh, stride_ckt, stride_cvt, ck_desc, cv_desc,
+                 kv_head * HEAD_DIM)
+    acc, l_i = _attend_block(q, offs_m, rows < ROWS, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh,
+                             stride_kt, stride_vt, k_desc, v_desc, kv_head * HEAD_DIM, offs_d, prefix_lens,
+                             span_starts, seq, seq_start, seq_end, token, token, qk_scale, cached_lens, cached_kv,
+                             CAUSAL, ROWS, BLOCK_N, HEAD_DIM, TMA, HAS_CACHED)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + read * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=stored[:, None])
+
+
 def prefix_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -381,6 +428,7 @@ def prefix_attention(
     config: AttentionConfig | None = None,
     keys_per_query: float = 0.0,
     cached: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    reads: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Packed attention under the shared-prefix mask: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
 
@@ -389,6 +437,8 @@ def prefix_attention(
     ``cached`` = (cached_lens [B], k_cached [C, Hkv, D], v_cached): sequence b's prefix begins with the first
     ``cached_lens[b]`` rows of k_cached/v_cached (keys kept from an earlier forward), which every token of the
     sequence sees before its own keys; its ``prefix_lens`` count the prefix tokens in the batch only.
+    ``reads`` [R] (token indices): only those tokens' rows, [R, Hq, D], each computed by a program of its own (the
+    last layer of a forward whose heads read one token an item needs no other row).
     """
     total, q_heads, head_dim = q.shape
     kv_heads = k.shape[1]
@@ -397,35 +447,44 @@ def prefix_attention(
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     if cached is not None and not causal:
         raise ValueError("cached prefix keys need causal attention")
-    out = torch.empty_like(q)
-    if total == 0:
+    out = torch.empty_like(q) if reads is None else q.new_empty(reads.numel(), q_heads, head_dim)
+    if out.shape[0] == 0:
         return out
     config = config or default_config(q.device, causal, keys_per_query)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if not scale > 0:
         raise ValueError(f"the attention scale must be positive, not {scale}")  # the running maximum is scaled
     group = q_heads // kv_heads
-    if config.pack_gqa:  # one program per kv head and its GROUP query heads
-        kernel, heads = _prefix_attention_packed_kernel, kv_heads
-        packing = {"GROUP_PAD": triton.next_power_of_2(group)}
+    group_pad = triton.next_power_of_2(group)
+    if reads is not None:  # one program per read token and kv head
+        kernel, grid = _prefix_attention_reads_kernel, (reads.numel(), kv_heads)
+        packing = {"GROUP_PAD": group_pad, "ROWS": max(group_pad, READ_ROWS)}
+        extra = (reads, cu_seqlens.numel() - 1)
+    elif config.pack_gqa:  # one program per kv head and its GROUP query heads
+        kernel, grid = _prefix_attention_packed_kernel, (triton.cdiv(max_seqlen, config.block_m), kv_heads)
+        packing = {"GROUP_PAD": group_pad, "BLOCK_M": config.block_m}
+        extra = ()
     else:
-        kernel, heads, packing = _prefix_attention_kernel, q_heads, {}
+        kernel, grid = _prefix_attention_kernel, (triton.cdiv(max_seqlen, config.block_m), q_heads)
+        packing, extra = {"BLOCK_M": config.block_m}, ()
+    if reads is None:
+        grid = (*grid, cu_seqlens.numel() - 1)
     if cached is None:  # the kernel never reads these without HAS_CACHED
         cached_lens, ck, cv = prefix_lens, k, v
     else:
         cached_lens, ck, cv = cached[0], *(x if x.stride(-1) == 1 else x.contiguous() for x in cached[1:])
     tma = config.tma and takes_tma(k, v) and (cached is None or takes_tma(ck, cv))
-    limits = {"maxnreg": config.maxnreg} if config.maxnreg is not None and q.is_cuda else {}
+    limits = {"maxnreg": config.maxnreg} if config.maxnreg is not None and q.is_cuda and reads is None else {}
+    warps = {"num_warps": config.num_warps if reads is None else READ_WARPS, "num_stages": config.num_stages}
     k_desc, v_desc = (_kv_descriptor(x, config.block_n) for x in (k, v)) if tma else (k, v)
     ck_desc, cv_desc = (k_desc, v_desc) if cached is None else \
         (_kv_descriptor(x, config.block_n) for x in (ck, cv)) if tma else (ck, cv)
-    kernel[(triton.cdiv(max_seqlen, config.block_m), heads, cu_seqlens.numel() - 1)](
-        q, k, v, out, k_desc, v_desc, cu_seqlens, prefix_lens, span_starts,
+    kernel[grid](
+        q, k, v, out, k_desc, v_desc, cu_seqlens, prefix_lens, span_starts, *extra,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         scale, cached_lens, ck, cv, ck_desc, cv_desc, ck.stride(0), ck.stride(1), cv.stride(0), cv.stride(1),
-        GROUP=group, CAUSAL=causal, BLOCK_M=config.block_m, BLOCK_N=config.block_n, HEAD_DIM=head_dim, TMA=tma,
-        HAS_CACHED=cached is not None, num_warps=config.num_warps, num_stages=config.num_stages, **packing,
-        **limits,
+        GROUP=group, CAUSAL=causal, BLOCK_N=config.block_n, HEAD_DIM=head_dim, TMA=tma,
+        HAS_CACHED=cached is not None, **warps, **packing, **limits,
     )
     return out
 

@@ -28,6 +28,7 @@ from rerankit.engine.models.layers import (
     rope_unsupported_reason,
     rotary_cos_sin,
     swiglu,
+    takes_reads,
 )
 from rerankit.engine.prefix_cache import CachedKV
 from rerankit.errors import ModelLoadError
@@ -182,6 +183,10 @@ class PackedDecoder(PackedBody):
     q/k kernel with the Triton norms, the q/k/v projection and the q/k norm and rotary are one Triton GEMM
     (``rerankit.kernels.qkv_rope_matmul``) instead of cuBLAS's projection and ``qk_norm_rope``, which reads the q
     and k heads back. The angles' cos/sin table is built once a forward.
+
+    ``last_layer_reads`` (the attribute; True by default): in ``forward_read`` the last layer's attention computes
+    only the read rows (``packed_attention(..., reads=)``; the Triton kernel then runs one program per read token),
+    since no other row goes on past it. Custom ``attention_fn``s compute every row, and the read ones are kept.
     """
 
     def __init__(self, hf_model: nn.Module, compile: bool | None = None,
@@ -225,6 +230,7 @@ class PackedDecoder(PackedBody):
 
         self.fused_qkv_rope = has_copy_engine(device) and config.hidden_size <= FUSED_QKV_ROPE_MAX_HIDDEN
         self.fused_qkv_rope_min_tokens = FUSED_QKV_ROPE_MIN_TOKENS
+        self.last_layer_reads = True
 
     @torch.no_grad()
     def keep_prefix(self, batch: PackedBatch) -> CachedKV:
@@ -265,15 +271,19 @@ class PackedDecoder(PackedBody):
                                                  self.num_kv_heads, self.head_dim)
             if kv_sink is not None:
                 kv_sink.append((k.contiguous(), v.contiguous()))
+            # In the last layer only the read rows go on past attention (1.5% of the W1 forward on an H100,
+            # benchmarks/forward.py); the default attention then computes only their rows.
+            reads = {"reads": read_positions} if index == last and read_positions is not None and \
+                self.last_layer_reads and takes_reads(attention) else {}
             if cached_kv is None:
-                attended = attention(q, k, v, batch, scale=self.scale)
+                attended = attention(q, k, v, batch, scale=self.scale, **reads)
             else:
                 attended = attention(q, k, v, batch, scale=self.scale,
-                                     cached=(cached_kv.keys[index], cached_kv.values[index]))
+                                     cached=(cached_kv.keys[index], cached_kv.values[index]), **reads)
             if index == last and read_positions is not None:
-                # Past the last attention no token needs another, so only the read rows go on
-                # (1.5% of the W1 forward on an H100, benchmarks/forward.py).
-                attended, hidden = attended[read_positions], hidden[read_positions]
+                hidden = hidden[read_positions]
+                if not reads:
+                    attended = attended[read_positions]
             hidden = finish(attended, hidden, layer.o_weight, layer.o_bias, layer.post_norm, layer.gate_up_weight,
                             layer.gate_up_bias, layer.down_weight, layer.down_bias, self.eps)
         return rms_norm(hidden, self.norm_weight, self.eps)

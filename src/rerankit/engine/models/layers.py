@@ -6,6 +6,8 @@ per-layer step functions that call it can be handed to ``torch.compile`` unchang
 
 from __future__ import annotations
 
+import functools
+
 import math
 from collections.abc import Callable, Sequence
 
@@ -140,6 +142,14 @@ def default_attention():
     from rerankit.engine.attention import packed_attention
 
     return packed_attention
+
+
+def takes_reads(attention: Callable) -> bool:
+    """Whether ``attention`` is ``packed_attention`` (perhaps with its backend bound), which takes ``reads=``."""
+    from rerankit.engine.attention import packed_attention
+
+    return attention is packed_attention or (isinstance(attention, functools.partial)
+                                             and attention.func is packed_attention)
 
 
 def layer_steps(*steps: Callable, compile: bool | None, device: torch.device) -> tuple[Callable, ...]:
