@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from rerankit.kernels.qk_norm_rope import qk_norm_rope
+from rerankit.kernels import qkv_rope_matmul as kernels
 from rerankit.kernels.qkv_rope_matmul import qkv_rope_matmul, rope_table
 
 SHAPES = {"0.6b": (1024, 16, 8), "4b": (2560, 32, 8), "8b": (4096, 32, 8)}  # hidden d, q heads, kv heads
@@ -60,7 +61,8 @@ def main() -> None:
             gemm_ms = do_bench(lambda: F.linear(x, weight), return_mode="median")
             row = {"shape": shape, "tokens": tokens, "ours_ms": ours_ms, "cublas_qk_kernel_ms": torch_ms,
                    "cublas_gemm_ms": gemm_ms, "speedup": torch_ms / ours_ms, "ours_tflops": flop / ours_ms / 1e9,
-                   "cublas_gemm_tflops": flop / gemm_ms / 1e9, "max_abs_diff": difference}
+                   "cublas_gemm_tflops": flop / gemm_ms / 1e9, "max_abs_diff": difference,
+                   "tile": str(kernels._qkv_rope_kernel.best_config)}
             rows.append(row)
             print(json.dumps(row), flush=True)
     print(f"\n{'shape':<6}{'tokens':>8}{'ours ms':>9}{'torch ms':>10}{'gemm ms':>9}{'speed-up':>10}{'ours TF/s':>10}"
