@@ -12,7 +12,31 @@ def takes_head_dim(head_dim: int) -> bool:
 
 
 @functools.cache
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """The compute capability of CUDA ``device``, asked once (torch asks the driver on every call)."""
+    return torch.cuda.get_device_capability(device)
+
+
+@functools.cache
 def sm_count(device: torch.device, interpreted: int) -> int:
     """Streaming multiprocessors of a CUDA ``device`` (how many programs fill it); ``interpreted`` stands in for
     them on the CPU (Triton's interpreter)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else interpreted
+
+
+_TUNED: dict = {}  # (autotuner, key) -> the config its tuning chose
+
+
+def launch_tuned(kernel, key: tuple, grid, args: tuple, kwargs: dict, set_block_shapes) -> None:
+    """Launch ``triton.autotune``'d ``kernel`` on ``args``/``kwargs``: through its tuner the first time for ``key``
+    (which must determine the tuner's own key), then straight through the compiled function with the config the
+    tuner chose. The tuner rebuilds dicts of every argument and runs the config's pre-hook on each call, ~35-70 us
+    of host time a launch on the lent H100 hosts, where an eager LI forward's launches can take longer than the
+    GPU. ``set_block_shapes(config)`` does the pre-hook's work (the descriptors' block shapes) for a direct launch."""
+    config = _TUNED.get((id(kernel), key))
+    if config is None:
+        kernel[grid](*args, **kwargs)
+        _TUNED[(id(kernel), key)] = kernel.best_config
+        return
+    set_block_shapes(config)
+    kernel.fn[grid](*args, **kwargs, **config.all_kwargs())

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rerankit.kernels import sm_count, takes_head_dim
+from rerankit.kernels import cuda_capability, launch_tuned, sm_count, takes_head_dim
 
 try:
     import triton
@@ -120,7 +120,10 @@ def qkv_rope_matmul(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads: i
         out_desc.block_shape = [16, tile["HEADS"] * head_dim]
         _qkv_rope_kernel_interpreted[grid](*args, **meta, **tile)
     else:  # descriptors' block shapes are set per tuning config by _set_block_shapes
-        _qkv_rope_kernel[grid](*args, **meta)
+        descriptors = {"x_desc": x_desc, "w_desc": w_desc, "out_desc": out_desc, "HEAD_DIM": head_dim}
+        key = (width, x.shape[1], head_dim, num_heads, num_kv_heads, x.dtype, bias is not None, has_norm, programs)
+        launch_tuned(_qkv_rope_kernel, key, grid, args, meta,
+                     lambda config: _set_block_shapes({**descriptors, **config.kwargs}))
     return out
 
 
@@ -134,7 +137,7 @@ def takes_tma(x: Tensor, weight: Tensor, head_dim: int) -> bool:
     if _INTERPRET and not x.is_cuda:
         return aligned
     return (aligned and x.element_size() == 2 and x.is_cuda and TensorDescriptor is not None
-            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+            and cuda_capability(x.device)[0] >= 9)
 
 
 if triton is not None:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rerankit.kernels import sm_count
+from rerankit.kernels import cuda_capability, launch_tuned, sm_count
 
 try:
     import triton
@@ -91,13 +91,22 @@ def swiglu_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tma:
         programs = sm_count(x.device, interpreted=4)  # the persistent kernel: one program per SM
         grid = lambda meta: (min(programs, triton.cdiv(tokens, meta["BLOCK_M"])  # noqa: E731
                                  * triton.cdiv(width, meta["BLOCK_N"])),)
-        kernel = _swiglu_tma_kernel_interpreted if _INTERPRET else _swiglu_tma_kernel
-        kernel[grid](x_desc, w_desc, bias_arg, out_desc, tokens, width, x.shape[1], HAS_BIAS=bias is not None,
-                     NUM_SMS=programs)
+        args = (x_desc, w_desc, bias_arg, out_desc, tokens, width, x.shape[1])
+        meta = dict(HAS_BIAS=bias is not None, NUM_SMS=programs)
+        if _INTERPRET:
+            _swiglu_tma_kernel_interpreted[grid](*args, **meta)
+        else:
+            descriptors = {"x_desc": x_desc, "w_desc": w_desc, "out_desc": out_desc}
+            launch_tuned(_swiglu_tma_kernel, (width, x.shape[1], x.dtype, bias is not None, programs), grid, args,
+                         meta, lambda config: _set_block_shapes({**descriptors, **config.kwargs}))
         return out
     grid = lambda meta: (triton.cdiv(tokens, meta["BLOCK_M"]) * triton.cdiv(width, meta["BLOCK_N"]),)  # noqa: E731
-    kernel = _swiglu_matmul_kernel_interpreted if _INTERPRET else _swiglu_matmul_kernel
-    kernel[grid](x, weight, bias_arg, out, tokens, width, x.shape[1], HAS_BIAS=bias is not None)
+    args = (x, weight, bias_arg, out, tokens, width, x.shape[1])
+    if _INTERPRET:
+        _swiglu_matmul_kernel_interpreted[grid](*args, HAS_BIAS=bias is not None)
+    else:
+        launch_tuned(_swiglu_matmul_kernel, (width, x.shape[1], x.dtype, bias is not None), grid, args,
+                     dict(HAS_BIAS=bias is not None), lambda config: None)
     return out
 
 
@@ -119,7 +128,7 @@ def takes_tma(x: Tensor, weight: Tensor, any_device: bool = False) -> bool:
 def has_copy_engine(device: torch.device) -> bool:
     """Whether ``device`` is a GPU that loads tiles through tensor descriptors (Hopper on) with this triton."""
     return (triton is not None and TensorDescriptor is not None and device.type == "cuda"
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+            and cuda_capability(device)[0] >= 9)
 
 
 if triton is not None:
