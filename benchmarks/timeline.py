@@ -61,6 +61,7 @@ class Setting:
     prefix_cache: bool = True
     ramp: bool | None = None  # EmbeddedBackend's ramp-up: None where it pays, False never
     kept_multiple: int = prefix_cache_module.KEPT_HEAD_MULTIPLE  # a kept head is cut to a multiple of these tokens
+    ramp_long_prefixes: bool = False  # ramp up requests whose instruction is long too (LI, its head kept)
 
 
 AB_SETTINGS = {
@@ -74,6 +75,7 @@ AB_SETTINGS = {
     "last layer attends every row (no last_layer_reads)": Setting(model={"last_layer_reads": False}),
     "no ramp-up": Setting(ramp=False),
     "graphs up to 16,384 tokens": Setting(graph_tokens=16384),
+    "ramp-up for long instructions too": Setting(ramp_long_prefixes=True),
     "kept heads uncut (no whole key tiles)": Setting(kept_multiple=1),
 }
 
@@ -86,7 +88,10 @@ def applied(setting: Setting, backend: EmbeddedBackend):
     saved = {name: getattr(model, name) for name in setting.model}
     ramp_chunks, head_ids = backend_module.RAMP_CHUNKS, encode._head_ids
     kept_multiple = prefix_cache_module.KEPT_HEAD_MULTIPLE
+    ramp_pays = backend_module.EmbeddedBackend.__dict__["_ramp_pays"]  # the staticmethod itself
     try:
+        if setting.ramp_long_prefixes:
+            backend_module.EmbeddedBackend._ramp_pays = staticmethod(lambda request: True)
         for name, value in setting.model.items():
             setattr(model, name, value)
         os.environ[CONFIG_ENV] = setting.attention
@@ -107,6 +112,7 @@ def applied(setting: Setting, backend: EmbeddedBackend):
         runner.graphs, runner.prefix_cache = graphs, prefix_cache
         backend._ramp = None
         prefix_cache_module.KEPT_HEAD_MULTIPLE = kept_multiple
+        backend_module.EmbeddedBackend._ramp_pays = ramp_pays
 
 
 def median_ms(fn, repeats: int) -> float:
