@@ -1,6 +1,7 @@
 """Triton kernels, one per module, each beside its plain-torch reference."""
 
 import functools
+import threading
 
 import torch
 
@@ -25,6 +26,7 @@ def sm_count(device: torch.device, interpreted: int) -> int:
 
 
 _TUNED: dict = {}  # (autotuner, key) -> the config its tuning chose
+_TUNING = threading.Lock()  # a tuner's best_config is the last launch's: read it before another thread launches
 
 
 def launch_tuned(kernel, key: tuple, grid, args: tuple, kwargs: dict, set_block_shapes) -> None:
@@ -35,8 +37,9 @@ def launch_tuned(kernel, key: tuple, grid, args: tuple, kwargs: dict, set_block_
     GPU. ``set_block_shapes(config)`` does the pre-hook's work (the descriptors' block shapes) for a direct launch."""
     config = _TUNED.get((id(kernel), key))
     if config is None:
-        kernel[grid](*args, **kwargs)
-        _TUNED[(id(kernel), key)] = kernel.best_config
+        with _TUNING:
+            kernel[grid](*args, **kwargs)
+            _TUNED[(id(kernel), key)] = kernel.best_config
         return
     set_block_shapes(config)
     kernel.fn[grid](*args, **kwargs, **config.all_kwargs())

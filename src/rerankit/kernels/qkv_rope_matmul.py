@@ -141,16 +141,7 @@ def takes_tma(x: Tensor, weight: Tensor, head_dim: int) -> bool:
 
 
 if triton is not None:
-
-    @triton.jit
-    def _tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-        """Output tile ``pid`` as (pid_m, pid_n), in groups of GROUP_M row blocks (weight tiles shared in L2)."""
-        blocks_m = tl.cdiv(M, BLOCK_M)
-        blocks_n = tl.cdiv(N, BLOCK_N)
-        per_group = GROUP_M * blocks_n
-        first_m = (pid // per_group) * GROUP_M
-        group_m = tl.minimum(blocks_m - first_m, GROUP_M)
-        return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+    from rerankit.kernels.swiglu_matmul import grouped_tile
 
     @triton.jit
     def _norm_rotate(acc, b_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, pid_m, pid_n, M, N, eps,
@@ -202,13 +193,13 @@ if triton is not None:
         steps = tl.cdiv(K, BLOCK_K)
         stored = tl.program_id(0) - NUM_SMS  # the epilogue's tile, counted apart from the loads'
         for tile in tl.range(tl.program_id(0), tiles, NUM_SMS, flatten=True):
-            pid_m, pid_n = _tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for step in range(steps):
                 acc = tl.dot(x_desc.load([pid_m * BLOCK_M, step * BLOCK_K]),
                              w_desc.load([pid_n * BLOCK_N, step * BLOCK_K]).T, acc)
             stored += NUM_SMS
-            pid_m, pid_n = _tile(stored, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            pid_m, pid_n = grouped_tile(stored, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             out = _norm_rotate(acc, b_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, pid_m, pid_n, M, N, eps,
                                out_desc.dtype, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, HAS_BIAS, HAS_NORM, BLOCK_M,
                                BLOCK_N)

@@ -134,9 +134,9 @@ def has_copy_engine(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
         """Output tile number ``pid`` as (pid_m, pid_n); tiles are numbered in groups of GROUP_M row blocks, so
-        neighbouring programs share weight tiles in the L2 cache."""
+        neighbouring programs share weight tiles in the L2 cache (the q/k/v GEMM's tiles too)."""
         blocks_m = tl.cdiv(M, BLOCK_M)
         blocks_n = tl.cdiv(N, BLOCK_N)
         per_group = GROUP_M * blocks_n
@@ -157,7 +157,7 @@ if triton is not None:
     def _swiglu_matmul_body(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         """One [BLOCK_M, BLOCK_N] tile of the output, tiles loaded through pointers (any shape)."""
-        pid_m, pid_n = _tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
@@ -193,13 +193,13 @@ if triton is not None:
         steps = tl.cdiv(K, BLOCK_K)
         stored = tl.program_id(0) - NUM_SMS  # the epilogue's tile, counted apart from the loads' (as Triton's
         for tile in tl.range(tl.program_id(0), tiles, NUM_SMS, flatten=True):  # persistent matmul tutorial does)
-            pid_m, pid_n = _tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             both = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
             for step in range(steps):
                 w = w_desc.load([0, pid_n * BLOCK_N, step * BLOCK_K]).reshape(2 * BLOCK_N, BLOCK_K)
                 both = tl.dot(x_desc.load([pid_m * BLOCK_M, step * BLOCK_K]), w.T, both)
             stored += NUM_SMS
-            pid_m, pid_n = _tile(stored, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            pid_m, pid_n = grouped_tile(stored, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             gate, up = tl.split(tl.permute(tl.reshape(both, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             activated = _activate(gate, up, b_ptr, cols, cols < N, out_desc.dtype, HAS_BIAS, N)

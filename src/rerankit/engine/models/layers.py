@@ -7,7 +7,6 @@ per-layer step functions that call it can be handed to ``torch.compile`` unchang
 from __future__ import annotations
 
 import functools
-
 import math
 from collections.abc import Callable, Sequence
 
