@@ -37,6 +37,8 @@ has kernels && python3 benchmarks/label_logprobs.py --out "$out/label_logprobs.j
 has kernels && python3 benchmarks/attention.py --out "$out/attention.json" > "$out/attention.txt" 2>&1
 has kernels && python3 benchmarks/swiglu_matmul.py --out "$out/swiglu_matmul.jsonl" > "$out/swiglu_matmul.txt" 2>&1
 has kernels && tail -12 "$out/swiglu_matmul.txt"
+has kernels && python3 benchmarks/qkv_rope.py --out "$out/qkv_rope.jsonl" > "$out/qkv_rope.txt" 2>&1
+has kernels && tail -11 "$out/qkv_rope.txt"
 
 # rerankit serve on a Qwen3-Reranker-0.6B-shaped model: 16 clients x 20 docs, batching on vs off. Short docs (30
 # words, ~75 tokens each with the small tokenizer: ~1.6k tokens a request), where one request alone is bound by
