@@ -255,13 +255,17 @@ class PackedDecoder(PackedBody):
         if not fused_qk:
             cos, sin = rotary_cos_sin(batch.position_ids, self.inv_freq, hidden.dtype)
         rope = None
-        qkv_rope = self.fused_qkv_rope and self.triton_norms and batch.num_tokens >= self.fused_qkv_rope_min_tokens
-        if fused_qk and qkv_rope:
+        if fused_qk and self.fused_qkv_rope and self.triton_norms and \
+                batch.num_tokens >= self.fused_qkv_rope_min_tokens:
             from rerankit.kernels.qkv_rope_matmul import rope_table, takes_tma
 
-            if takes_tma(hidden, self.layers[0].qkv_weight, self.head_dim):
+            if takes_tma(hidden, self.layers[0].qkv_weight, self.head_dim):  # else the kernel's torch reference
                 rope = rope_table(batch.position_ids, self.inv_freq)
         last = len(self.layers) - 1
+        # In the last layer only the read rows go on past attention (1.5% of the W1 forward on an H100,
+        # benchmarks/forward.py); the default attention then computes only their rows.
+        last_reads = {"reads": read_positions} if read_positions is not None and self.last_layer_reads and \
+            takes_reads(attention) else {}
         for index, layer in enumerate(self.layers):
             if fused_qk:
                 q, k, v = self._fused_attention_inputs(hidden, layer, batch.position_ids, rope)
@@ -271,10 +275,7 @@ class PackedDecoder(PackedBody):
                                                  self.num_kv_heads, self.head_dim)
             if kv_sink is not None:
                 kv_sink.append((k.contiguous(), v.contiguous()))
-            # In the last layer only the read rows go on past attention (1.5% of the W1 forward on an H100,
-            # benchmarks/forward.py); the default attention then computes only their rows.
-            reads = {"reads": read_positions} if index == last and read_positions is not None and \
-                self.last_layer_reads and takes_reads(attention) else {}
+            reads = last_reads if index == last else {}
             if cached_kv is None:
                 attended = attention(q, k, v, batch, scale=self.scale, **reads)
             else:
