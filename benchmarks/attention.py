@@ -118,7 +118,9 @@ WIDE_SWEEP = [AttentionConfig(block_m, block_n, warps, stages, pack_gqa=True, tm
                   (64, 128, 8, 2, 128), (64, 32, 4, 2, None)]]
 SWEEP += [config for config in WIDE_SWEEP if config not in SWEEP]
 # The two causal defaults alone: ``--sweep-only --sweep-set defaults`` times a kernel change on every pack.
-DEFAULTS_SWEEP = [CUDA_DEFAULT_CONFIG, CUDA_LONG_KEYS_CONFIG]
+# The long-keys default is the warp-specialized Gluon kernel on Hopper; its Triton tile is the reference next to it.
+DEFAULTS_SWEEP = [CUDA_DEFAULT_CONFIG, CUDA_LONG_KEYS_CONFIG,
+                  dataclasses.replace(CUDA_LONG_KEYS_CONFIG, warp_specialized=False)]
 SWEEP_SETS = {"all": SWEEP, "tma": TMA_SWEEP, "tiles": TILES_SWEEP, "wide": WIDE_SWEEP, "defaults": DEFAULTS_SWEEP}
 
 
@@ -131,7 +133,8 @@ def bench_backend(q, k, v, batch, backend) -> float:
 
 
 def config_label(config: AttentionConfig) -> str:
-    flags = (" tma" if config.tma else "") + (f" r{config.maxnreg}" if config.maxnreg else "")
+    flags = (" tma" if config.tma else "") + (f" r{config.maxnreg}" if config.maxnreg else "") + \
+        (" ws" if config.warp_specialized else "")
     return (f"{'gqa' if config.pack_gqa else 'head'} m{config.block_m:<3d} n{config.block_n:<3d} "
             f"w{config.num_warps} s{config.num_stages}{flags}")
 

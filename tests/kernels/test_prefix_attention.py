@@ -1,3 +1,4 @@
+import dataclasses
 import os
 
 import pytest
@@ -18,7 +19,10 @@ from rerankit.kernels.prefix_attention import (  # noqa: E402
     prefix_attention,
     prefix_attention_reference,
 )
+from rerankit.kernels.prefix_attention_ws import takes_ws  # noqa: E402
 from packs import pack_meta  # noqa: E402
+
+TRITON_LONG_KEYS_CONFIG = dataclasses.replace(CUDA_LONG_KEYS_CONFIG, warp_specialized=False)
 
 
 def random_qkv(total, q_heads, kv_heads, head_dim, dtype=torch.float32, device="cpu", seed=0):
@@ -196,6 +200,8 @@ def test_parse_config():
     assert parse_config("tma=yes", CPU_DEFAULT_CONFIG) == AttentionConfig(32, 16, 1, 1, tma=True)
     assert parse_config("maxnreg=168", CPU_DEFAULT_CONFIG) == AttentionConfig(32, 16, 1, 1, maxnreg=168)
     assert parse_config("maxnreg=0", CUDA_LONG_KEYS_CONFIG).maxnreg is None
+    assert parse_config("warp_specialized=0", CUDA_LONG_KEYS_CONFIG) == dataclasses.replace(
+        CUDA_LONG_KEYS_CONFIG, warp_specialized=False)
     for bad in ("block_m", "blockm=64", "block_m=sixty", "pack_gqa=maybe", "tma=2", "block_m=48", "num_stages=0",
                 "maxnreg=300", "maxnreg=many"):
         with pytest.raises(ValueError):
@@ -210,16 +216,18 @@ def test_default_config_reads_the_environment(monkeypatch):
     # Queries that see many keys (long prefixes, long documents) get the larger tile.
     assert default_config(cuda, keys_per_query=LONG_KEYS_PER_QUERY - 1) == CUDA_DEFAULT_CONFIG
     assert default_config(cuda, keys_per_query=LONG_KEYS_PER_QUERY) == CUDA_LONG_KEYS_CONFIG == AttentionConfig(
-        64, 64, 8, 2, pack_gqa=True, tma=True, maxnreg=128)
+        64, 64, 8, 2, pack_gqa=True, tma=True, maxnreg=128, warp_specialized=True)
     assert default_config(cuda, causal=False) == default_config(cuda, False, 5000) == AttentionConfig(
         64, 32, 4, 3, pack_gqa=True)
     monkeypatch.setenv(CONFIG_ENV, "pack_gqa=0,block_m=128,num_warps=4,num_stages=3,tma=0")
     assert default_config(cuda) == AttentionConfig(block_m=128, block_n=32)
-    assert default_config(cuda, keys_per_query=5000) == AttentionConfig(128, 64, 4, 3, maxnreg=128)
+    assert default_config(cuda, keys_per_query=5000) == AttentionConfig(128, 64, 4, 3, maxnreg=128,
+                                                                        warp_specialized=True)
     monkeypatch.setenv(CONFIG_ENV, "pack_gqa=1,block_m=64,block_n=64,maxnreg=none")
     assert default_config(cuda) == AttentionConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, pack_gqa=True,
                                                    tma=True)
-    assert default_config(cuda, keys_per_query=5000) == AttentionConfig(64, 64, 8, 2, pack_gqa=True, tma=True)
+    assert default_config(cuda, keys_per_query=5000) == AttentionConfig(64, 64, 8, 2, pack_gqa=True, tma=True,
+                                                                        warp_specialized=True)
     assert default_config(cpu) == AttentionConfig(64, 64, 1, 1, pack_gqa=True)
     monkeypatch.setenv(CONFIG_ENV, "pack_gqa=1,block_m=16,block_n=16")
     (q, k, v), meta = make_pack(LONG_PREFIX, 4, 2, 16, seed=4)
@@ -234,9 +242,9 @@ def test_default_config_reads_the_environment(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
     "config",
-    [None, CUDA_LONG_KEYS_CONFIG, AttentionConfig(64, 64, 4, 3, pack_gqa=True),
+    [None, CUDA_LONG_KEYS_CONFIG, TRITON_LONG_KEYS_CONFIG, AttentionConfig(64, 64, 4, 3, pack_gqa=True),
      AttentionConfig(64, 32, 8, 3, pack_gqa=True, tma=True)],
-    ids=["default", "long-keys", "packed-m64-n64", "packed-m64-n32-w8-tma"],
+    ids=["default", "long-keys", "long-keys-triton", "packed-m64-n64", "packed-m64-n32-w8-tma"],
 )
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize(
@@ -257,7 +265,8 @@ def test_kernel_matches_reference_on_gpu_bf16(layout, head_dim, config):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("config", [None, CUDA_LONG_KEYS_CONFIG], ids=["default", "long-keys"])
+@pytest.mark.parametrize("config", [None, CUDA_LONG_KEYS_CONFIG, TRITON_LONG_KEYS_CONFIG],
+                         ids=["default", "long-keys", "long-keys-triton"])
 def test_cached_prefix_keys_on_gpu_bf16(config):
     layout = [(1076, [146] * 30), (0, [300]), (1076, [1, 200])]
     (q, k, v), meta, kept, reduced_qkv, reduced_meta, cached = cached_pack(
@@ -281,3 +290,64 @@ def test_read_rows_on_gpu_bf16():
                            reads=reads)
     torch.testing.assert_close(got.float(), whole[reads].float(), atol=1e-2, rtol=1e-2)
 
+
+
+def test_warp_specialized_config_falls_back_off_hopper():
+    """Off sm_90 (here the CPU interpreter) a warp_specialized config runs the Triton kernel with its own tiles."""
+    (q, k, v), meta = make_pack(LONG_PREFIX, 4, 2, 16, seed=5)
+    assert not takes_ws(q, k, v, True, None, None)
+    config = dataclasses.replace(CPU_DEFAULT_CONFIG, warp_specialized=True)
+    torch.testing.assert_close(prefix_attention(q, k, v, **meta, config=config),
+                               prefix_attention_reference(q, k, v, **meta), atol=1e-4, rtol=1e-4)
+
+
+def qkv_views(total, q_heads, kv_heads, head_dim, dtype, seed=0):
+    """q, k and v as views of one [T, (Hq + 2 Hkv) D] projection, as the decoder's fused q/k/v GEMM leaves them."""
+    gen = torch.Generator().manual_seed(seed)
+    fused = torch.randn(total, (q_heads + 2 * kv_heads) * head_dim, generator=gen).to("cuda", dtype)
+    q, k, v = fused.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    return q.view(total, q_heads, head_dim), k.view(total, kv_heads, head_dim), v.view(total, kv_heads, head_dim)
+
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("q_heads, kv_heads, head_dim", [(16, 8, 128), (32, 8, 128), (16, 8, 64)],
+                         ids=["0.6b", "gqa4", "d64"])
+@pytest.mark.parametrize(
+    "layout",
+    [[(40, [5, 1, 70, 130])], [(76, [130, 3, 64]), (10, [200, 1]), (0, [1])], [(0, [1500]), (0, [1700])],
+     [(1076, [146] * 12), (0, [500])]],
+    ids=["mis", "mis-ragged", "causal-long", "li"],
+)
+def test_warp_specialized_kernel_matches_reference(layout, q_heads, kv_heads, head_dim, dtype):
+    """The Gluon kernel on the projection's views: every mask range, GQA groups of 2 and 4, both head sizes."""
+    meta = pack_meta(layout, "cuda")
+    q, k, v = qkv_views(int(meta["cu_seqlens"][-1]), q_heads, kv_heads, head_dim, dtype)
+    assert takes_ws(q, k, v, True, None, None)
+    expected = prefix_attention_reference(q.float(), k.float(), v.float(), **meta)
+    got = prefix_attention(q, k, v, **meta, config=CUDA_LONG_KEYS_CONFIG)
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+    triton_tiles = prefix_attention(q, k, v, **meta, config=TRITON_LONG_KEYS_CONFIG)
+    torch.testing.assert_close(got.float(), triton_tiles.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+def test_warp_specialized_kernel_with_kept_keys_and_a_batch_prefix():
+    """Kept prefix keys (a partial last tile) before a batch prefix and spans, on two sequences."""
+    layout = [(20, [146] * 5), (0, [33, 90])]
+    meta = pack_meta(layout, "cuda")
+    total = int(meta["cu_seqlens"][-1])
+    q, k, v = qkv_views(total, 16, 8, 128, torch.bfloat16, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    kept_k, kept_v = (torch.randn(1113, 8, 128, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    cached = (torch.tensor([1076, 1076], dtype=torch.int32, device="cuda"), kept_k, kept_v)
+    assert takes_ws(q, k, v, True, None, cached)
+    expected = prefix_attention_reference(q.float(), k.float(), v.float(), **meta,
+                                          cached=(cached[0], kept_k.float(), kept_v.float()))
+    got = prefix_attention(q, k, v, **meta, config=CUDA_LONG_KEYS_CONFIG, cached=cached)
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)

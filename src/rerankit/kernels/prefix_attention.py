@@ -52,6 +52,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from rerankit.kernels import prefix_attention_ws
+
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # an older triton: K/V through pointers only
@@ -73,6 +75,9 @@ class AttentionConfig:
     pack_gqa: bool = False
     tma: bool = False  # K/V tiles through tensor descriptors (Hopper's copy engine), where the layout allows
     maxnreg: int | None = None  # a cap on registers per thread (CUDA only), so that more programs share an SM
+    # Causal calls that every row of (no ``reads``) through the warp-specialized Hopper kernel
+    # (:mod:`rerankit.kernels.prefix_attention_ws`) where it runs (``takes_ws``); the other fields then do not apply.
+    warp_specialized: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "num_warps"):
@@ -96,7 +101,7 @@ class AttentionConfig:
 # at 0.394 ms against 0.200).
 CUDA_DEFAULT_CONFIG = AttentionConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, pack_gqa=True, tma=True)
 CUDA_LONG_KEYS_CONFIG = AttentionConfig(block_m=64, block_n=64, num_warps=8, num_stages=2, pack_gqa=True, tma=True,
-                                        maxnreg=128)
+                                        maxnreg=128, warp_specialized=True)
 LONG_KEYS_PER_QUERY = 512
 CUDA_BIDIRECTIONAL_CONFIG = AttentionConfig(block_m=64, block_n=32, num_warps=4, num_stages=3, pack_gqa=True)
 # The interpreter runs numpy per program; small tiles keep test packs multi-tile.
@@ -454,6 +459,9 @@ def prefix_attention(
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if not scale > 0:
         raise ValueError(f"the attention scale must be positive, not {scale}")  # the running maximum is scaled
+    if config.warp_specialized and prefix_attention_ws.takes_ws(q, k, v, causal, reads, cached):
+        return prefix_attention_ws.prefix_attention_ws(q, k, v, cu_seqlens, max_seqlen, prefix_lens, span_starts, scale,
+                                                       cached=cached)
     group = q_heads // kv_heads
     group_pad = triton.next_power_of_2(group)
     if reads is not None:  # one program per read token and kv head
