@@ -73,6 +73,7 @@ AB_SETTINGS = {
     "compiled norms (no Triton RMSNorm)": Setting(model={"triton_norms": False}),
     "cuBLAS qkv + q/k kernel (no fused_qkv_rope)": Setting(model={"fused_qkv_rope": False}),
     "last layer attends every row (no last_layer_reads)": Setting(model={"last_layer_reads": False}),
+    "Triton tile for long keys (no warp-specialized attention)": Setting(attention="warp_specialized=0"),
     "no ramp-up": Setting(ramp=False),
     "graphs up to 16,384 tokens": Setting(graph_tokens=16384),
     "ramp-up for long instructions too": Setting(ramp_long_prefixes=True),

@@ -17,6 +17,8 @@ range's end or lie in the spans are masked elementwise.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -263,8 +265,13 @@ if gluon is not None:
 
 def _descriptor(x: torch.Tensor, columns: int, block: list[int]):
     """``x`` [T, H, D] as the 2-D [T, columns] it is in memory (each token's heads side by side)."""
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16)
-    return GluonDescriptor(x, [x.shape[0], columns], [x.stride(0), 1], block, layout)
+    return GluonDescriptor(x, [x.shape[0], columns], [x.stride(0), 1], block, _smem_layout(tuple(block), x.dtype))
+
+
+@functools.lru_cache(maxsize=32)
+def _smem_layout(block: tuple[int, int], dtype: torch.dtype):
+    """The swizzled shared-memory layout of a ``block`` tile, computed once (~5 us of host time a descriptor)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
 def prefix_attention_ws(q, k, v, cu_seqlens, max_seqlen, prefix_lens, span_starts, scale, *, cached=None,
