@@ -95,6 +95,25 @@ if gluon is not None:
                 n_tiles)
 
     @gluon.jit
+    def _tile(j, n_cached, n_shared, seq_start, lo_span, cached, shared_end, BLOCK_N: gl.constexpr):
+        """Key tile j of a work item: (first key, kept, limit). Kept prefix keys (rows of the kept tensors) come
+        first, every query seeing those before ``limit`` = cached; then the batch's shared prefix keys, seen before
+        ``limit`` = shared_end; then the block's own spans (limit -1: the full mask)."""
+        if j < n_cached:
+            start = j * BLOCK_N
+            kept = True
+            limit = cached
+        elif j < n_cached + n_shared:
+            start = seq_start + (j - n_cached) * BLOCK_N
+            kept = False
+            limit = shared_end
+        else:
+            start = lo_span + (j - n_cached - n_shared) * BLOCK_N
+            kept = False
+            limit = seq_start * 0 - 1
+        return start, kept, limit
+
+    @gluon.jit
     def _loader(q_desc, k_desc, v_desc, ck_desc, cv_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                 kv_empty, cu_seqlens, prefix_lens, cached_lens, span_starts, n_mblocks, n_pairs, n_seqs, n_work,
                 GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -126,16 +145,13 @@ if gluon is not None:
                     mbarrier.wait(kv_empty.index(stage), ((c // STAGES) & 1) ^ 1)
                     mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
                     mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-                    if j < n_cached:
-                        tma.async_copy_global_to_shared(ck_desc, [j * BLOCK_N, kv_col], k_ready.index(stage),
+                    start, kept, limit = _tile(j, n_cached, n_shared, seq_start, lo_span, cached, shared_end, BLOCK_N)
+                    if kept:
+                        tma.async_copy_global_to_shared(ck_desc, [start, kv_col], k_ready.index(stage),
                                                         k_smem.index(stage))
-                        tma.async_copy_global_to_shared(cv_desc, [j * BLOCK_N, kv_col], v_ready.index(stage),
+                        tma.async_copy_global_to_shared(cv_desc, [start, kv_col], v_ready.index(stage),
                                                         v_smem.index(stage))
                     else:
-                        if j < n_cached + n_shared:
-                            start = seq_start + (j - n_cached) * BLOCK_N
-                        else:
-                            start = lo_span + (j - n_cached - n_shared) * BLOCK_N
                         tma.async_copy_global_to_shared(k_desc, [start, kv_col], k_ready.index(stage),
                                                         k_smem.index(stage))
                         tma.async_copy_global_to_shared(v_desc, [start, kv_col], v_ready.index(stage),
@@ -188,15 +204,7 @@ if gluon is not None:
                     mbarrier.wait(k_ready.index(stage), phase)
                     qk = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)),
                                        gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout), use_acc=False)
-                    if j < n_cached:  # kept prefix keys: every query sees those before ``cached``
-                        start = j * BLOCK_N
-                        limit = cached
-                    elif j < n_cached + n_shared:  # the batch's shared prefix keys before ``shared_end``
-                        start = seq_start + (j - n_cached) * BLOCK_N
-                        limit = shared_end
-                    else:  # own spans: the full mask
-                        start = lo_span + (j - n_cached - n_shared) * BLOCK_N
-                        limit = -1
+                    start, kept, limit = _tile(j, n_cached, n_shared, seq_start, lo_span, cached, shared_end, BLOCK_N)
                     if limit < 0 and (start < full_lo or start + BLOCK_N > full_hi):
                         keys = start + gl.arange(0, BLOCK_N, layout=col_s)
                         visible = (keys[None, :] < prefix_end) | (keys[None, :] >= span_q[:, None])
