@@ -12,6 +12,14 @@ def takes_head_dim(head_dim: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
+def rows_take_tma(*tensors: torch.Tensor) -> bool:
+    """Whether each [T, H, D] tensor is the 2-D [T, H * D] rows a tensor descriptor (Hopper's copy engine) reads:
+    each token's heads side by side, as the q/k/v projection lays them out, with 16-byte row strides and a 16-byte
+    aligned start."""
+    return all(x.stride(2) == 1 and x.stride(1) == x.shape[2] and (x.stride(0) * x.element_size()) % 16 == 0
+               and x.data_ptr() % 16 == 0 for x in tensors)
+
+
 @functools.cache
 def cuda_capability(device: torch.device) -> tuple[int, int]:
     """The compute capability of CUDA ``device``, asked once (torch asks the driver on every call)."""

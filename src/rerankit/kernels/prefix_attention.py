@@ -55,7 +55,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rerankit.kernels import prefix_attention_ws
+from rerankit.kernels import prefix_attention_ws, rows_take_tma
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -506,10 +506,7 @@ def prefix_attention(
 def takes_tma(k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether K and V can be read through tensor descriptors: a triton that has them, each token's heads side by
     side ([T, H * D] rows, as the q/k/v projection lays them out), 16-byte row strides and a 16-byte aligned start."""
-    if TensorDescriptor is None:
-        return False
-    return all(x.stride(2) == 1 and x.stride(1) == x.shape[2] and (x.stride(0) * x.element_size()) % 16 == 0
-               and x.data_ptr() % 16 == 0 for x in (k, v))
+    return TensorDescriptor is not None and rows_take_tma(k, v)
 
 
 def _kv_descriptor(x: torch.Tensor, block_n: int):

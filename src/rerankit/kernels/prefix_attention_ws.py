@@ -22,7 +22,7 @@ import functools
 import torch
 import triton
 
-from rerankit.kernels import cuda_capability, sm_count
+from rerankit.kernels import cuda_capability, rows_take_tma, sm_count
 
 try:
     from triton.experimental import gluon
@@ -53,9 +53,7 @@ def takes_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, re
     head_dim, group = q.shape[2], q.shape[1] // max(k.shape[1], 1)
     if head_dim not in (64, 128) or group % 2 or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
-    tensors = (q, k, v) if cached is None else (q, k, v, cached[1], cached[2])
-    return all(x.stride(2) == 1 and x.stride(1) == x.shape[2] and (x.stride(0) * x.element_size()) % 16 == 0
-               and x.data_ptr() % 16 == 0 for x in tensors)
+    return rows_take_tma(q, k, v) and (cached is None or rows_take_tma(cached[1], cached[2]))
 
 
 if gluon is not None:
