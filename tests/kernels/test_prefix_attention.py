@@ -31,6 +31,13 @@ def random_qkv(total, q_heads, kv_heads, head_dim, dtype=torch.float32, device="
     return [torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for shape in shapes]
 
 
+def projection_views(q, k, v):
+    """q, k and v as views of one [T, (Hq + 2 Hkv) D] projection, the way the decoder's q/k/v GEMM leaves them."""
+    fused = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    parts = fused.split([q[0].numel(), k[0].numel(), v[0].numel()], dim=1)
+    return [part.unflatten(1, x.shape[1:]) for part, x in zip(parts, (q, k, v))]
+
+
 def make_pack(layout, q_heads, kv_heads, head_dim, dtype=torch.float32, device="cpu", seed=0):
     meta = pack_meta(layout, device)
     total = int(meta["cu_seqlens"][-1])
@@ -80,9 +87,7 @@ def test_kernel_matches_reference(layout, causal, q_heads, kv_heads, head_dim, c
 @with_configs
 def test_kernel_honours_scale_and_strided_inputs(config):
     (q, k, v), meta = make_pack(MIS_RAGGED, 4, 2, 16, seed=1)
-    # q/k/v as views of one fused projection, the way a model produces them.
-    fused = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
-    q_view, k_view, v_view = (part.unflatten(1, (-1, 16)) for part in fused.split([64, 32, 32], dim=1))
+    q_view, k_view, v_view = projection_views(q, k, v)
     expected = prefix_attention_reference(q, k, v, **meta, scale=0.3)
     got = prefix_attention(q_view, k_view, v_view, **meta, scale=0.3, config=config)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
@@ -301,14 +306,6 @@ def test_warp_specialized_config_falls_back_off_hopper():
                                prefix_attention_reference(q, k, v, **meta), atol=1e-4, rtol=1e-4)
 
 
-def qkv_views(total, q_heads, kv_heads, head_dim, dtype, seed=0):
-    """q, k and v as views of one [T, (Hq + 2 Hkv) D] projection, as the decoder's fused q/k/v GEMM leaves them."""
-    gen = torch.Generator().manual_seed(seed)
-    fused = torch.randn(total, (q_heads + 2 * kv_heads) * head_dim, generator=gen).to("cuda", dtype)
-    q, k, v = fused.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
-    return q.view(total, q_heads, head_dim), k.view(total, kv_heads, head_dim), v.view(total, kv_heads, head_dim)
-
-
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
@@ -325,8 +322,8 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 
 )
 def test_warp_specialized_kernel_matches_reference(layout, q_heads, kv_heads, head_dim, dtype):
     """The Gluon kernel on the projection's views: every mask range, GQA groups of 2 and 4, both head sizes."""
-    meta = pack_meta(layout, "cuda")
-    q, k, v = qkv_views(int(meta["cu_seqlens"][-1]), q_heads, kv_heads, head_dim, dtype)
+    qkv, meta = make_pack(layout, q_heads, kv_heads, head_dim, dtype=dtype, device="cuda")
+    q, k, v = projection_views(*qkv)
     assert takes_ws(q, k, v, True, None, None)
     expected = prefix_attention_reference(q.float(), k.float(), v.float(), **meta)
     got = prefix_attention(q, k, v, **meta, config=CUDA_LONG_KEYS_CONFIG)
@@ -340,9 +337,8 @@ def test_warp_specialized_kernel_matches_reference(layout, q_heads, kv_heads, he
 def test_warp_specialized_kernel_with_kept_keys_and_a_batch_prefix():
     """Kept prefix keys (a partial last tile) before a batch prefix and spans, on two sequences."""
     layout = [(20, [146] * 5), (0, [33, 90])]
-    meta = pack_meta(layout, "cuda")
-    total = int(meta["cu_seqlens"][-1])
-    q, k, v = qkv_views(total, 16, 8, 128, torch.bfloat16, seed=3)
+    qkv, meta = make_pack(layout, 16, 8, 128, dtype=torch.bfloat16, device="cuda", seed=3)
+    q, k, v = projection_views(*qkv)
     gen = torch.Generator().manual_seed(4)
     kept_k, kept_v = (torch.randn(1113, 8, 128, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
     cached = (torch.tensor([1076, 1076], dtype=torch.int32, device="cuda"), kept_k, kept_v)

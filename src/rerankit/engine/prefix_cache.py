@@ -21,8 +21,9 @@ import torch
 # Heads shorter than this are computed with each request: keeping them saves little and costs a separate forward and
 # an eager micro-batch. A 1,024-token instruction (benchmarks/pairs.py LI) is ~1,060 head tokens.
 PREFIX_CACHE_MIN_TOKENS = 256
-# A kept head is cut to a multiple of this many tokens (the attention kernel's widest key tile): its keys are then read
-# in whole tiles, and its last few tokens join the batch's own prefix, computed each call with the query's line.
+# A kept head is cut to a multiple of this many tokens (the Triton attention kernel's widest key tile): its keys are
+# then read in whole tiles, and its last few tokens join the batch's own prefix, computed each call with the query's
+# line. The Gluon kernel's 128-key tiles mask a partial last tile of kept keys (LI's 1,024 kept keys are 8 whole ones).
 KEPT_HEAD_MULTIPLE = 64
 # Keys and values of all layers: 112 KiB a token for the Qwen3-0.6B shape (28 layers x 8 heads x 128 x 2 x bf16),
 # 144 KiB for the 4B and 8B shapes; 1 GiB holds ~9,000 and ~7,000 tokens.

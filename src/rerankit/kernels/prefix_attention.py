@@ -55,7 +55,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rerankit.kernels import prefix_attention_ws, rows_take_tma
+from rerankit.kernels import rows_take_tma
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -78,7 +78,7 @@ class AttentionConfig:
     pack_gqa: bool = False
     tma: bool = False  # K/V tiles through tensor descriptors (Hopper's copy engine), where the layout allows
     maxnreg: int | None = None  # a cap on registers per thread (CUDA only), so that more programs share an SM
-    # Causal calls that every row of (no ``reads``) through the warp-specialized Hopper kernel
+    # Causal calls that compute every row (no ``reads``) go to the warp-specialized Hopper kernel
     # (:mod:`rerankit.kernels.prefix_attention_ws`) where it runs (``takes_ws``); the other fields then do not apply.
     warp_specialized: bool = False
 
@@ -465,9 +465,12 @@ def prefix_attention(
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if not scale > 0:
         raise ValueError(f"the attention scale must be positive, not {scale}")  # the running maximum is scaled
-    if config.warp_specialized and prefix_attention_ws.takes_ws(q, k, v, causal, reads, cached):
-        return prefix_attention_ws.prefix_attention_ws(q, k, v, cu_seqlens, max_seqlen, prefix_lens, span_starts, scale,
-                                                       cached=cached)
+    if config.warp_specialized and q.is_cuda:
+        from rerankit.kernels import prefix_attention_ws  # Gluon, imported at first use (~30 ms of import time)
+
+        if prefix_attention_ws.takes_ws(q, k, v, causal, reads, cached):
+            return prefix_attention_ws.prefix_attention_ws(q, k, v, cu_seqlens, max_seqlen, prefix_lens, span_starts,
+                                                           scale, cached=cached, out=out)
     group = q_heads // kv_heads
     group_pad = triton.next_power_of_2(group)
     if reads is not None:  # one program per read token and kv head

@@ -281,13 +281,15 @@ def _smem_layout(block: tuple[int, int], dtype: torch.dtype):
 
 
 def prefix_attention_ws(q, k, v, cu_seqlens, max_seqlen, prefix_lens, span_starts, scale, *, cached=None,
-                        block_m: int = 64, block_n: int = WS_BLOCK_N, stages: int = WS_STAGES) -> torch.Tensor:
+                        block_m: int = 64, block_n: int = WS_BLOCK_N, stages: int = WS_STAGES,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`rerankit.kernels.prefix_attention.prefix_attention` (causal, every row) through the warp-specialized
     kernel; the caller checks :func:`takes_ws` first. ``block_m`` query tokens of two heads a work item, K/V tiles of
-    ``block_n`` keys in ``stages`` slots."""
+    ``block_n`` keys in ``stages`` slots. ``out`` (an empty [T, Hq, D] with unit stride over D) takes the result in
+    place of a new tensor."""
     total, q_heads, head_dim = q.shape
     kv_heads = k.shape[1]
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     if total == 0:
         return out
     q_desc = _descriptor(q, q_heads * head_dim, [block_m, head_dim])
