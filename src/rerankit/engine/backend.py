@@ -28,7 +28,8 @@ from rerankit.engine.load import LoadedModel, load_model
 from rerankit.engine.plan import DEFAULT_MAX_BATCH_TOKENS, MicroBatch, Planner, RequestParts, pack
 from rerankit.engine.prefetch import prefetch
 from rerankit.engine.prefix_cache import PREFIX_CACHE_MAX_BYTES
-from rerankit.engine.runner import Runner, make_runner
+from rerankit.engine.runner import PackedRunner, Runner, make_runner
+from rerankit.engine.warm_up import warm_up_runner
 from rerankit.errors import InvalidRequest, ModelLoadError, RerankitError
 from rerankit.schema import ScoreRequest, ScoreResponse, ScoreResult, Usage
 from rerankit.templates import get_template
@@ -182,10 +183,10 @@ class EmbeddedBackend:
             return self._responses(call, outputs, computed, loaded)
 
     def warm_up(self) -> float:
-        """Score two small synthetic requests (1 and 20 items) so that real calls do not pay for what a first call
-        costs: compiling the per-layer steps on a GPU (about 10 s for the Qwen3-0.6B shape) and capturing the CUDA
-        graphs of those sizes. Returns the seconds it took. A generative model with no known template is warmed
-        up with raw label ids; ``rerankit serve`` calls this before it answers."""
+        """Score two small synthetic requests (1 and 20 items), then, on a GPU, run every batch shape that traffic
+        commonly forms (``engine.warm_up``: compiling, tuning, capturing the CUDA graphs, which are then frozen), so
+        that no request pays for them. Returns the seconds it took. A generative model with no known template is
+        warmed up with raw label ids; ``rerankit serve`` calls this before it answers."""
         begun = time.perf_counter()
         text = " ".join(["warm up"] * 40)
         for count in (1, 20):
@@ -196,6 +197,12 @@ class EmbeddedBackend:
                 if error.field != "template":
                     raise
                 self.score(request.model_copy(update={"label_token_ids": [0, 1]}))  # raw scoring
+        if isinstance(self._runner, PackedRunner) and self._runner.device.type == "cuda":
+            loaded = self._model()
+            with self._lock, torch.inference_mode():
+                warm_up_runner(self._runner, loaded.max_length, causal=loaded.is_decoder,
+                               typed="token_type_ids" in loaded.tokenizer.model_input_names,
+                               every_token=not heads.reads_only(loaded.default_mode, loaded.pooling))
         return time.perf_counter() - begun
 
     def close(self) -> None:

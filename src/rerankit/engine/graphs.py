@@ -40,11 +40,17 @@ from rerankit.kernels.prefix_attention import LONG_KEYS_PER_QUERY, takes_long_ke
 TOKEN_BUCKETS = (*range(256, 2048, 256), *range(2048, 8192, 512), *range(8192, 32768 + 1, 1024))
 # Batches above this run eagerly by default: larger ones keep the GPU busy on their own (``max_tokens`` moves it).
 MAX_GRAPH_TOKENS = 8192
-MAX_GRAPHS = 32  # captured shapes kept; the least recently used goes first
+# Captured shapes kept; the least recently used goes first. Graphs share one memory pool, so a graph of its own
+# costs little more than its input buffers and output: a server's warm-up (``engine.warm_up``) captures up to ~130.
+MAX_GRAPHS = 160
 # Reads are padded to a power of two of at least this many: a request's item count then moves a call to another
 # graph only past 64 items, so a server's mix of request sizes keeps few shapes (a padded read costs one row of the
 # last layer's MLP).
 MIN_READS = 64
+# ... and to at least one read per this many tokens of the bucket: a read costs a row of the last layer's MLP, so
+# padding them is cheap, while a server's request mix (more items, more reads) then keeps to one graph per bucket
+# and sequence count, the shapes that warm-up captures.
+TOKENS_PER_READ = 32
 WARMUP_RUNS = 2  # eager runs on a side stream before a capture: compiles and autotunes outside the graph
 MIN_KEPT_ROWS = 256  # a kept head's slot rows: a power of two of at least this many (heads of 257-512 share one)
 
@@ -69,7 +75,8 @@ def graph_key(batch: PackedBatch, read: bool, max_tokens: int = MAX_GRAPH_TOKENS
     if tokens is None:
         return None
     sequences = batch.cu_seqlens.numel() - 1 + (tokens > batch.num_tokens)  # + the padding's own sequence
-    reads = max(_power_of_two(batch.read_positions.numel()), MIN_READS) if read else 0
+    reads = max(_power_of_two(batch.read_positions.numel()), MIN_READS, _power_of_two(tokens // TOKENS_PER_READ)) \
+        if read else 0
     kept = 0 if batch.cached_head is None else max(_power_of_two(batch.cached_len), MIN_KEPT_ROWS)
     return GraphKey(tokens, _power_of_two(sequences), reads, batch.causal, batch.token_type_ids is not None, read,
                     takes_long_keys_tile(batch.causal, batch.keys_per_query), kept)
@@ -133,8 +140,8 @@ class _Graph:
 class GraphedForward:
     """Runs ``forward`` / ``forward_read`` of a packed model through CUDA graphs, one per padded shape.
 
-    ``run`` returns None for a batch of more than ``max_tokens`` tokens (the caller runs it eagerly) and raises
-    ``GraphCaptureError`` when a capture fails. Graphs capture the model as it is at capture time: switching its
+    ``run`` returns None for a batch of more than ``max_tokens`` tokens, or of a shape with no graph once ``frozen``
+    (the caller runs it eagerly), and raises ``GraphCaptureError`` when a capture fails. Graphs capture the model as it is at capture time: switching its
     options afterwards (``fused_qk``...) does not reach them.
     """
 
@@ -152,6 +159,8 @@ class GraphedForward:
         self._pool = torch.cuda.graph_pool_handle()
         self._slots: dict[int, tuple[CachedKV, CachedKV | None]] = {}  # rows -> (slot, the head it holds)
         self.captures = 0
+        self.frozen = False  # set once warm-up is done: a shape without a graph then runs eagerly, never captured
+        self.misses = 0  # batches that found no graph while frozen
 
     def run(self, batch: PackedBatch, read: bool, cached_kv: CachedKV | None = None) -> torch.Tensor | None:
         """The forward's rows for ``batch`` (read rows, or every token), or None when no graph applies. ``batch``
@@ -164,6 +173,9 @@ class GraphedForward:
             raise ValueError("a batch with a cached head needs its cached_kv")
         slot = self._load_slot(key.kept, cached_kv) if key.kept else None
         graph = self._graphs.get(key)
+        if graph is None and self.frozen:
+            self.misses += 1
+            return None
         if graph is None:
             graph = self._capture(key, batch, slot)
         else:
