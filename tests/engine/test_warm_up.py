@@ -70,3 +70,4 @@ def test_warm_up_runs_every_shape_then_freezes_the_graphs() -> None:
     report = warm_up_runner(runner, 512, causal=False, typed=True, every_token=True)
     assert runner.graphs.frozen and runner.read == runner.full and report["batches"] == len(runner.read)
     assert min(runner.read) < 1024 < max(runner.read)  # graph sizes and eager ones
+    assert runner.graphs is not None  # put back after the eager sizes ran without it

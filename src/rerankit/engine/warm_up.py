@@ -33,8 +33,10 @@ log = logging.getLogger("rerankit.engine")
 SEQUENCE_COUNTS = {True: (1, 3, 7, 15), False: (1, 3, 7, 15, 31, 63)}
 MIN_SEQUENCE_TOKENS = 64  # shorter sequences are not worth a graph key of their own
 LONG_SEQUENCE_TOKENS = 2 * LONG_KEYS_PER_QUERY  # a causal sequence this long can see long keys per query on average
-# Eager sizes above the graphs: (tokens, sequences); odd and aligned counts (Triton specialises on divisibility by 16).
-EAGER_SHAPES = ((12289, 1), (16384, 8), (24575, 3), (32768, 16))
+# Eager sizes: (tokens, sequences); odd and aligned counts (Triton specialises on divisibility by 16), on both sides
+# of the decoder's large-batch paths (``FUSED_QK_MIN_TOKENS`` 12,288; ``FUSED_QKV_ROPE_MIN_TOKENS`` 8,192), and
+# below the graphs' sizes too: a shape that warm-up did not capture runs eagerly, through steps compiled for it.
+EAGER_SHAPES = ((1000, 3), (4095, 7), (9216, 2), (10001, 5), (12289, 1), (16384, 8), (24575, 3), (32768, 16))
 
 
 def synthetic_batch(tokens: int, sequences: int, max_length: int, *, causal: bool, typed: bool,
@@ -88,17 +90,27 @@ def warm_up_runner(runner, max_length: int, *, causal: bool, typed: bool, every_
     begun = time.perf_counter()
     graphs = runner.graphs
     captured_before = graphs.captures if graphs is not None else 0
-    batches = list(eager_batches(max_length, causal=causal, typed=typed))
-    if graphs is not None:
-        batches = list(graph_batches(graphs.max_tokens, max_length, causal=causal, typed=typed)) + batches
-    for batch in batches:
-        runner.forward_read(batch)
-        if every_token:
-            runner.forward(batch)
+    eager = list(eager_batches(max_length, causal=causal, typed=typed))
+    runner.graphs = None  # sizes below the graphs' run eagerly here, as a shape without a graph will later
+    try:
+        for batch in eager:
+            _run(runner, batch, every_token)
+    finally:
+        runner.graphs = graphs
+    captured = list(graph_batches(graphs.max_tokens, max_length, causal=causal, typed=typed)) if graphs else []
+    for batch in captured:
+        _run(runner, batch, every_token)
     graphs = runner.graphs  # None if a capture failed (the runner then runs without graphs)
     captures = graphs.captures - captured_before if graphs is not None else 0
     if graphs is not None:
         graphs.frozen = True
     seconds = time.perf_counter() - begun
-    log.info("warmed up %d batch shapes (%d CUDA graphs captured) in %.1f s", len(batches), captures, seconds)
-    return {"batches": len(batches), "captures": captures, "seconds": seconds}
+    shapes = len(eager) + len(captured)
+    log.info("warmed up %d batch shapes (%d CUDA graphs captured) in %.1f s", shapes, captures, seconds)
+    return {"batches": shapes, "captures": captures, "seconds": seconds}
+
+
+def _run(runner, batch: PackedBatch, every_token: bool) -> None:
+    runner.forward_read(batch)
+    if every_token:
+        runner.forward(batch)
