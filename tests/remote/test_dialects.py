@@ -221,13 +221,17 @@ BAD_BODIES = [
     ("vllm-score", {"data_1": "q", "data_2": []}, "data_2"),
     ("vllm-score", {"text_1": "q", "text_2": ["a"], "use_activation": False}, "use_activation"),
     ("vllm-rerank", {"query": "q", "documents": ["a"], "truncate_prompt_tokens": 128}, "truncate_prompt_tokens"),
-    ("vllm-rerank", {"query": "q", "documents": ["a"], "frobnicate": 1}, "frobnicate"),
+    ("vllm-rerank", {"query": "q", "documents": ["a"], "padding": "max_length"}, "padding"),
     ("vllm-rerank", {"query": "q", "documents": ["a"], "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
     ("sglang-score", {"query": "q", "items": ["a"], "label_token_ids": [1], "temperature": 0.5}, "temperature"),
     ("sglang-score", {"query": "q", "items": ["a"], "label_token_ids": [[1], [2]]}, "label_token_ids"),
     ("sglang-score", {"query": "q", "items": ["a"], "embed_override_token_id": 0}, "embed_override_token_id"),
     ("sglang-rerank", {"query": "q", "documents": [""], "top_n": 0}, "top_n"),
-    ("cohere", {"query": "q", "documents": ["a"], "rank_fields": ["title"]}, "rank_fields"),
+    ("cohere", {"query": "q", "documents": [{"body": "a"}], "rank_fields": ["title"]}, "documents"),
+    ("cohere", {"query": "q", "documents": [{"title": "a"}]}, "documents"),
+    ("cohere", {"query": "q", "documents": ["a", 3]}, "documents"),
+    ("cohere", {"query": "q", "documents": ["a"], "max_chunks_per_doc": 0}, "max_chunks_per_doc"),
+    ("infinity", {"query": "q", "documents": ["a"], "raw_scores": True}, "raw_scores"),
     ("cohere", {"query": "  ", "documents": ["a"]}, "query"),
     ("tei", {"query": "q", "texts": ["a"], "raw_scores": True}, "raw_scores"),
     ("tei", {"query": "q", "texts": []}, "texts"),
@@ -271,7 +275,8 @@ def test_sglang_score_answers_every_label_probability():
 def test_documents_come_back_only_when_asked(name):
     dialect = get_dialect(name)
     request = request_for(name)
-    flag = {"sglang-rerank": "return_documents", "cohere": "return_documents", "tei": "return_text"}[name]
+    flag = {"sglang-rerank": "return_documents", "cohere": "return_documents", "tei": "return_text",
+            "infinity": "return_documents"}[name]
     scored = response_for(request, [0.1, 0.2, 0.3, 0.4])
     asked = dialect.encode_response(scored, request, "m", return_documents=dialect.documents_requested({flag: True}))
     not_asked = dialect.encode_response(scored, request, "m",

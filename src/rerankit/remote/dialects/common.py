@@ -6,18 +6,29 @@ and the server routes all run the same code.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import uuid
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any, Callable, Iterable
+from typing import Annotated, Any, Callable, Iterable
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, WithJsonSchema
 
 from rerankit.errors import InvalidRequest, RemoteError
 from rerankit.schema import ErrorDetail, ScoreRequest, ScoreResponse, ScoreResult, Usage
 from rerankit.templates import RAW, get_template
+
+log = logging.getLogger("rerankit.server")
+
+# Wire fields read by ``single_text``/``text_list`` (whose errors name the field), typed for the OpenAPI schema.
+_TEXT_SCHEMA = {"type": "string", "pattern": r"\S"}
+Text = Annotated[Any, WithJsonSchema(_TEXT_SCHEMA)]
+Texts = Annotated[Any, WithJsonSchema(
+    {"anyOf": [_TEXT_SCHEMA, {"type": "array", "items": {"type": "string"}, "minItems": 1}]})]
+OptionalTexts = Annotated[Any, WithJsonSchema(
+    {"anyOf": [_TEXT_SCHEMA, {"type": "array", "items": {"type": "string"}, "minItems": 1}, {"type": "null"}]})]
 
 # Why a field cannot travel to a server, when the bare "cannot honour" says too little.
 _REASONS = {
@@ -39,9 +50,10 @@ _OWN_HEAD: dict[str, tuple[Any, ...]] = {
 
 
 class WireBody(BaseModel):
-    """Base of the server-side request models: unknown fields are refused, not dropped."""
+    """Base of the server-side request models: unknown fields are ignored (logged at debug), as vLLM and SGLang
+    do; a field the model names but rerankit cannot honour is refused by the dialect's parser."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
 
 
 @dataclass(frozen=True)
@@ -50,7 +62,8 @@ class Dialect:
 
     ``paths`` are the routes that speak it, the first being where the client posts; ``max_items`` is the
     most items the client puts in one request unless told otherwise; ``request_body`` is the server's model of
-    a request body.
+    a request body; ``markers`` are the sets of fields that, all present and not null, show a body is in this
+    dialect (a server path shared by several dialects weighs them, see ``rerankit.server.routes``).
     """
 
     name: str
@@ -63,11 +76,15 @@ class Dialect:
     error_body: Callable[..., dict[str, Any]]
     request_body: type[WireBody]
     documents_requested: Callable[[Any], bool] = lambda body: False
+    markers: tuple[frozenset[str], ...] = ()
 
-    @property
-    def wire_fields(self) -> frozenset[str]:
-        """The fields a request body in this dialect may hold (the server routes tell dialects apart by them)."""
-        return frozenset(self.request_body.model_fields)
+    def evidence(self, present: set[str]) -> int:
+        """How many of the ``present`` fields this dialect's markers claim (0: the body says nothing of it)."""
+        claimed: set[str] = set()
+        for marker in self.markers:
+            if marker <= present:
+                claimed |= marker
+        return len(claimed)
 
     def decode(self, body: Any, request: ScoreRequest, model: str | None = None) -> ScoreResponse:
         """``decode_response`` with a malformed body turned into a ``RemoteError``."""
@@ -197,6 +214,9 @@ def parse_wire(model: type[WireBody], body: Any) -> Any:
     """Validate a JSON body against a wire model, raising ``InvalidRequest`` naming the wire field."""
     if not isinstance(body, dict):
         raise InvalidRequest("body", f"must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - set(model.model_fields))
+    if unknown:
+        log.debug("%s: ignoring unknown fields %s", model.__name__, ", ".join(unknown))
     try:
         return model.model_validate(body)
     except ValidationError as exc:

@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from rerankit.remote.dialects.common import (
     Dialect,
+    Text,
+    Texts,
     WireBody,
     build_request,
     in_input_order,
@@ -34,8 +36,8 @@ _ERROR_TYPES = {400: "Validation", 413: "Validation", 422: "Validation", 424: "B
 class RerankBody(WireBody):
     """``POST /rerank``."""
 
-    query: Any
-    texts: Any
+    query: Text
+    texts: Texts
     raw_scores: bool = False
     return_text: bool = False
     truncate: bool | None = None
@@ -87,4 +89,6 @@ TEI = Dialect(
     name="tei", paths=("/rerank",), max_items=32,
     encode_request=encode_request, decode_response=decode_response, parse_request=parse_request,
     encode_response=encode_response, error_body=error_body, request_body=RerankBody,
-    documents_requested=documents_requested)
+    documents_requested=documents_requested,
+    markers=(frozenset({"texts"}), frozenset({"return_text"}), frozenset({"truncate"}),
+             frozenset({"truncation_direction"})))

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from rerankit.errors import InvalidRequest
 from rerankit.remote.dialects.common import (
     Dialect,
+    OptionalTexts,
+    Text,
+    Texts,
     WireBody,
     build_request,
     in_input_order,
@@ -40,6 +43,10 @@ GENERATIVE = "vLLM /generative_scoring"
 POOLING_MODES = (None, "cross-encoder", "bi-encoder", "late-interaction")
 # The (query, documents) field pairs /score accepts, in vLLM's order of preference.
 SCORE_PAIRS = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
+# Fields of /score and /rerank that no other dialect has (priority and max_tokens_per_doc are Cohere's too).
+_POOLING_ONLY = ("user", "truncate_prompt_tokens", "truncation_side", "max_tokens_per_query", "instruction",
+                 "chat_template_kwargs", "use_activation", "request_id", "mm_processor_kwargs", "cache_salt",
+                 "padding")
 
 
 class GenerativeScoringBody(WireBody):
@@ -73,25 +80,29 @@ class PoolingFields(WireBody):
     request_id: str | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
     cache_salt: str | None = None
+    padding: Any = None
 
 
 class ScoreBody(PoolingFields):
     """``POST /score``: one of four (query, documents) field pairs."""
 
-    queries: Any = None
-    documents: Any = None
-    items: Any = None
-    data_1: Any = None
-    data_2: Any = None
-    text_1: Any = None
-    text_2: Any = None
+    # Any pair makes a body: the schema says so, for clients generating bodies from /openapi.json.
+    model_config = ConfigDict(json_schema_extra={"anyOf": [{"required": list(pair)} for pair in SCORE_PAIRS]})
+
+    queries: OptionalTexts = None
+    documents: OptionalTexts = None
+    items: OptionalTexts = None
+    data_1: OptionalTexts = None
+    data_2: OptionalTexts = None
+    text_1: OptionalTexts = None
+    text_2: OptionalTexts = None
 
 
 class RerankBody(PoolingFields):
     """``POST /rerank``, ``/v1/rerank``, ``/v2/rerank``."""
 
-    query: Any
-    documents: Any
+    query: Text
+    documents: Texts
     top_n: int = Field(default=0, ge=0)
 
 
@@ -172,7 +183,7 @@ def _pooling_request(wire: PoolingFields, query: str, documents: list[str], name
     wire_refuse("truncation_side", wire.truncation_side, (None, "right"), "the query is never cut")
     wire_refuse("truncate_prompt_tokens", wire.truncate_prompt_tokens, (None, -1),
                 "a whole-prompt cap is not offered; use max_tokens_per_doc, or -1 for the model's limit")
-    wire_refuse_set(wire, ("chat_template_kwargs", "mm_processor_kwargs"), "not offered")
+    wire_refuse_set(wire, ("chat_template_kwargs", "mm_processor_kwargs", "padding"), "not offered")
     cuts = wire.truncate_prompt_tokens == -1 or wire.max_tokens_per_doc > 0
     return build_request(names, query=query, items=documents, instruction=wire.instruction, top_n=top_n,
                          max_tokens_per_item=wire.max_tokens_per_doc or None,
@@ -230,9 +241,11 @@ VLLM_SCORE = Dialect(
     name="vllm-score", paths=("/score", "/v1/score"), max_items=256,
     encode_request=encode_score_request, decode_response=decode_data_response,
     parse_request=parse_score_request, encode_response=encode_data_response, error_body=error_body,
-    request_body=ScoreBody)
+    request_body=ScoreBody,
+    markers=tuple(frozenset({field}) for field in ("queries", "data_1", "text_1", "documents", *_POOLING_ONLY)))
 VLLM_RERANK = Dialect(
     name="vllm-rerank", paths=("/rerank", "/v1/rerank", "/v2/rerank"), max_items=256,
     encode_request=encode_rerank_request, decode_response=decode_rerank_response,
     parse_request=parse_rerank_request, encode_response=encode_rerank_response, error_body=error_body,
-    request_body=RerankBody, documents_requested=lambda body: True)
+    request_body=RerankBody, documents_requested=lambda body: True,
+    markers=tuple(frozenset({field}) for field in _POOLING_ONLY))
