@@ -142,6 +142,6 @@ COHERE = Dialect(
     name="cohere", paths=("/v2/rerank", "/v1/rerank"), max_items=1000,
     encode_request=encode_request, decode_response=decode_response, parse_request=parse_request,
     encode_response=encode_response, error_body=error_body, request_body=RerankBody,
-    documents_requested=documents_requested,
+    documents_requested=documents_requested, requires_model=True,
     # Fields only Cohere v1 has; a Jina client sends return_documents with model (SGLang's body has no model).
     markers=(frozenset({"rank_fields"}), frozenset({"max_chunks_per_doc"}), frozenset({"model", "return_documents"})))

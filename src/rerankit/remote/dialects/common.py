@@ -63,7 +63,8 @@ class Dialect:
     ``paths`` are the routes that speak it, the first being where the client posts; ``max_items`` is the
     most items the client puts in one request unless told otherwise; ``request_body`` is the server's model of
     a request body; ``markers`` are the sets of fields that, all present and not null, show a body is in this
-    dialect (a server path shared by several dialects weighs them, see ``rerankit.server.routes``).
+    dialect (a server path shared by several dialects weighs them, see ``rerankit.server.routes``);
+    ``requires_model``: the server refuses a body without ``model`` (Cohere), so the client finds one to send.
     """
 
     name: str
@@ -77,6 +78,7 @@ class Dialect:
     request_body: type[WireBody]
     documents_requested: Callable[[Any], bool] = lambda body: False
     markers: tuple[frozenset[str], ...] = ()
+    requires_model: bool = False
 
     def evidence(self, present: set[str]) -> int:
         """How many of the ``present`` fields this dialect's markers claim (0: the body says nothing of it)."""

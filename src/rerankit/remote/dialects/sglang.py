@@ -204,9 +204,11 @@ def encode_score_response(response_: ScoreResponse, request: ScoreRequest, model
     """``/v1/score`` body: every label's probability per item; for a classifier its activated score, or with
     ``apply_softmax: false`` (SGLang's logits) the logit whose sigmoid is that score."""
     def values(result: ScoreResult) -> list[float]:
+        if request.label_token_ids is None:
+            return [result.score if request.apply_softmax else logit(result.score)]
         if result.label_logprobs is not None:
             return [math.exp(logprob) for logprob in result.label_logprobs]
-        return [result.score if request.apply_softmax else logit(result.score)]
+        return [result.score]
 
     pooled = ([result.pooled_hidden_state for result in response_.results]
               if request.return_pooled_hidden_states else None)
