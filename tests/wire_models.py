@@ -51,6 +51,8 @@ class VllmPoolingCommon(Strict):
     instruction: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     use_activation: bool | None = None
+    softmax: bool | None = None
+    activation: bool | None = None
     priority: int = 0
     request_id: str | None = None
     mm_processor_kwargs: dict[str, Any] | None = None

@@ -108,6 +108,15 @@ def test_api_key_is_sent_as_bearer_token_and_model_on_the_wire():
     assert sent.url.path == "/v2/rerank" and json.loads(sent.content)["model"] == "rerank-v3.5"
 
 
+def test_cohere_without_served_model_sends_the_one_from_v1_models_once():
+    server = FakeServer(models=[{"id": "served-reranker", "owned_by": "rerankit"}])
+    with backend(server, "http://models-probe:8000", dialect="cohere") as remote:
+        remote.score(ScoreRequest(query="q", items=DOCS[:2]))
+        remote.score(ScoreRequest(query="q", items=DOCS[:2]))
+    assert [r.url.path for r in server.requests if r.method == "GET"] == ["/v1/models"]
+    assert [json.loads(sent.content)["model"] for sent in server.posts()] == ["served-reranker"] * 2
+
+
 def test_path_option_posts_to_another_route_of_the_dialect():
     server = FakeServer()
     with backend(server, dialect="cohere", path="/v1/rerank") as remote:

@@ -45,7 +45,7 @@ POOLING_MODES = (None, "cross-encoder", "bi-encoder", "late-interaction")
 SCORE_PAIRS = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
 # Fields of /score and /rerank that no other dialect has (priority and max_tokens_per_doc are Cohere's too).
 _POOLING_ONLY = ("user", "truncate_prompt_tokens", "truncation_side", "max_tokens_per_query", "instruction",
-                 "chat_template_kwargs", "use_activation", "request_id", "mm_processor_kwargs", "cache_salt",
+                 "chat_template_kwargs", "use_activation", "softmax", "activation", "request_id", "mm_processor_kwargs", "cache_salt",
                  "padding")
 
 
@@ -76,6 +76,8 @@ class PoolingFields(WireBody):
     instruction: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     use_activation: bool | None = None
+    softmax: bool | None = None  # softmax and activation: use_activation's deprecated names
+    activation: bool | None = None
     priority: int = 0
     request_id: str | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
@@ -178,7 +180,8 @@ def parse_generative_request(body: Any) -> ScoreRequest:
 def _pooling_request(wire: PoolingFields, query: str, documents: list[str], names: dict[str, str],
                      top_n: int | None = None) -> ScoreRequest:
     """The ``ScoreRequest`` of a ``/score`` or ``/rerank`` body, refusing what the engine does not offer."""
-    wire_refuse("use_activation", wire.use_activation, (None, True), "raw logits are not offered")
+    for field in ("use_activation", "softmax", "activation"):
+        wire_refuse(field, getattr(wire, field), (None, True), "raw logits are not offered")
     wire_refuse("max_tokens_per_query", wire.max_tokens_per_query, (0,), "the query is never cut")
     wire_refuse("truncation_side", wire.truncation_side, (None, "right"), "the query is never cut")
     wire_refuse("truncate_prompt_tokens", wire.truncate_prompt_tokens, (None, -1),
