@@ -499,3 +499,23 @@ def test_sglang_score_server_answers_classifier_logits_that_round_trip():
     body = dialect.encode_response(engine, parsed)
     assert all(abs(values[0]) <= 100 for values in body["scores"])
     assert dialect.decode(body, request).scores == pytest.approx([0.25, 0.0, 1.0, 0.999], abs=1e-12)
+
+
+# The OpenAPI request schemas -------------------------------------------------------------------------------
+
+def test_openapi_publishes_each_paths_request_models_and_client_bodies_fit_them():
+    jsonschema = pytest.importorskip("jsonschema")
+    from rerankit.server.app import create_app
+    from rerankit.server.routes import ROUTES
+
+    class NoBackend:
+        model_name = "m"
+
+    spec = create_app(NoBackend()).openapi()
+    for path, names in ROUTES.items():
+        schema = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        titles = [part["title"] for part in (schema["anyOf"] if len(names) > 1 else [schema])]
+        assert titles == [f"{name} request" for name in names]
+        for name in names:
+            _, body = get_dialect(name).encode_request(request_for(name), "m")
+            jsonschema.validate(body, schema)

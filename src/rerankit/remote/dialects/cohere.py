@@ -35,7 +35,7 @@ from rerankit.schema import ScoreRequest, ScoreResponse
 ENDPOINT = "Cohere-style /rerank"
 # Read by document_texts (whose errors name the document), typed for the OpenAPI schema.
 Documents = Annotated[Any, WithJsonSchema({"type": "array", "minItems": 1, "items": {
-    "anyOf": [{"type": "string"}, {"type": "object", "additionalProperties": {"type": "string"}}]}})]
+    "anyOf": [{"type": "string"}, {"type": "object", "required": ["text"], "additionalProperties": {"type": "string"}}]}})]
 
 
 class RerankBody(WireBody):

@@ -12,7 +12,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Annotated, Any, Callable, Iterable
+from typing import Annotated, Any, Callable, Iterable, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError, WithJsonSchema
 
@@ -29,6 +29,15 @@ Texts = Annotated[Any, WithJsonSchema(
     {"anyOf": [_TEXT_SCHEMA, {"type": "array", "items": {"type": "string"}, "minItems": 1}]})]
 OptionalTexts = Annotated[Any, WithJsonSchema(
     {"anyOf": [_TEXT_SCHEMA, {"type": "array", "items": {"type": "string"}, "minItems": 1}, {"type": "null"}]})]
+OptionalText = Annotated[Any, WithJsonSchema({"anyOf": [_TEXT_SCHEMA, {"type": "null"}]})]
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+TextOrTokens = Annotated[Union[str, list[int]], WithJsonSchema({"anyOf": [_TEXT_SCHEMA, _TOKEN_IDS]})]
+TextsOrTokens = Annotated[Union[list[str], list[list[int]]], WithJsonSchema({"anyOf": [
+    {"type": "array", "items": {"type": "string"}, "minItems": 1}, {"type": "array", "items": _TOKEN_IDS, "minItems": 1}]})]
+LabelIds = Annotated[list[int], WithJsonSchema(_TOKEN_IDS)]
+# Fields whose other values are refused with a clear error: the schema publishes only what is honoured.
+TRUE_OR_NULL = WithJsonSchema({"enum": [True, None]})
+NULL_ONLY = WithJsonSchema({"type": "null"})
 
 # Why a field cannot travel to a server, when the bare "cannot honour" says too little.
 _REASONS = {

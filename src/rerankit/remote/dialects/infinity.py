@@ -7,9 +7,9 @@ gives; raw logits are not offered.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import Field, WithJsonSchema
 
 from rerankit.remote.dialects.common import (
     Dialect,
@@ -44,7 +44,7 @@ class RerankBody(WireBody):
     documents: Texts
     top_n: int | None = Field(default=None, ge=1)
     return_documents: bool = False
-    raw_scores: bool = False
+    raw_scores: Annotated[bool, WithJsonSchema({"const": False})] = False
 
 
 def encode_request(request: ScoreRequest, model: str | None) -> tuple[str, dict[str, Any]]:

@@ -5,14 +5,18 @@ and ``/v1/rerank`` (a JSON list sorted by score).
 from __future__ import annotations
 
 import math
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
-from pydantic import Field
+from pydantic import Field, WithJsonSchema
 
 from rerankit.errors import InvalidRequest, RemoteError
 from rerankit.remote.dialects.common import (
+    NULL_ONLY,
     Dialect,
+    LabelIds,
     Text,
+    TextOrTokens,
+    TextsOrTokens,
     Texts,
     WireBody,
     build_request,
@@ -47,18 +51,20 @@ class ScoreBody(WireBody):
     """``POST /v1/score``."""
 
     model: str | None = None
-    query: Union[str, list[int]]
-    items: Union[str, list[str], list[list[int]]]
-    label_token_ids: Union[list[int], list[list[int]], None] = None
+    query: TextOrTokens
+    items: Annotated[Union[str, list[str], list[list[int]]], WithJsonSchema(
+        {"anyOf": [{"type": "string", "pattern": r"\S"}, TextsOrTokens.__metadata__[0].json_schema]})]
+    label_token_ids: Annotated[Union[list[int], list[list[int]], None], WithJsonSchema(
+        {"anyOf": [LabelIds.__metadata__[0].json_schema, {"type": "null"}]})] = None
     apply_softmax: bool = False
-    temperature: float = Field(default=1.0, gt=0)
-    return_token_logprobs: bool = False
+    temperature: Annotated[float, WithJsonSchema({"const": 1.0})] = Field(default=1.0, gt=0)
+    return_token_logprobs: Annotated[bool, WithJsonSchema({"const": False})] = False
     item_first: bool = False
     return_pooled_hidden_states: bool = False
-    score_extraction_token: str | None = None
-    embed_override_token_id: int | None = None
-    query_embed_overrides: Any = None
-    item_embed_overrides: Any = None
+    score_extraction_token: Annotated[str | None, NULL_ONLY] = None
+    embed_override_token_id: Annotated[int | None, NULL_ONLY] = None
+    query_embed_overrides: Annotated[Any, NULL_ONLY] = None
+    item_embed_overrides: Annotated[Any, NULL_ONLY] = None
 
 
 class RerankBody(WireBody):

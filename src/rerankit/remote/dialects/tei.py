@@ -6,7 +6,9 @@ rerankit's truncation maps one to one: ``end`` is ``truncate`` to the right, ``s
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+from pydantic import WithJsonSchema
 
 from rerankit.remote.dialects.common import (
     Dialect,
@@ -38,7 +40,7 @@ class RerankBody(WireBody):
 
     query: Text
     texts: Texts
-    raw_scores: bool = False
+    raw_scores: Annotated[bool, WithJsonSchema({"const": False})] = False
     return_text: bool = False
     truncate: bool | None = None
     truncation_direction: Literal["Right", "Left"] = "Right"

@@ -6,16 +6,22 @@ Client side, ``top_n`` is never sent: every item must come back, and ``ScoreResp
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, WithJsonSchema
 
 from rerankit.errors import InvalidRequest
 from rerankit.remote.dialects.common import (
+    NULL_ONLY,
+    TRUE_OR_NULL,
     Dialect,
+    LabelIds,
+    OptionalText,
     OptionalTexts,
     Text,
     Texts,
+    TextOrTokens,
+    TextsOrTokens,
     WireBody,
     build_request,
     in_input_order,
@@ -45,17 +51,17 @@ POOLING_MODES = (None, "cross-encoder", "bi-encoder", "late-interaction")
 SCORE_PAIRS = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
 # Fields of /score and /rerank that no other dialect has (priority and max_tokens_per_doc are Cohere's too).
 _POOLING_ONLY = ("user", "truncate_prompt_tokens", "truncation_side", "max_tokens_per_query", "instruction",
-                 "chat_template_kwargs", "use_activation", "softmax", "activation", "request_id", "mm_processor_kwargs", "cache_salt",
-                 "padding")
+                 "chat_template_kwargs", "use_activation", "softmax", "activation", "request_id",
+                 "mm_processor_kwargs", "cache_salt", "padding")
 
 
 class GenerativeScoringBody(WireBody):
     """``POST /generative_scoring``."""
 
     model: str | None = None
-    query: Union[str, list[int]]
-    items: Union[list[str], list[list[int]]]
-    label_token_ids: list[int]
+    query: TextOrTokens
+    items: TextsOrTokens
+    label_token_ids: LabelIds
     apply_softmax: bool = True
     item_first: bool = False
     add_special_tokens: bool = True
@@ -69,34 +75,37 @@ class PoolingFields(WireBody):
 
     model: str | None = None
     user: str | None = None
-    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
-    truncation_side: Literal["left", "right"] | None = None
-    max_tokens_per_query: int = Field(default=0, ge=0)
+    truncate_prompt_tokens: Annotated[int | None, WithJsonSchema({"enum": [-1, None]})] = Field(default=None, ge=-1)
+    truncation_side: Annotated[Literal["left", "right"] | None, WithJsonSchema({"enum": ["right", None]})] = None
+    max_tokens_per_query: Annotated[int, WithJsonSchema({"const": 0})] = Field(default=0, ge=0)
     max_tokens_per_doc: int = Field(default=0, ge=0)
     instruction: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    use_activation: bool | None = None
-    softmax: bool | None = None  # softmax and activation: use_activation's deprecated names
-    activation: bool | None = None
+    chat_template_kwargs: Annotated[dict[str, Any] | None, NULL_ONLY] = None
+    use_activation: Annotated[bool | None, TRUE_OR_NULL] = None
+    softmax: Annotated[bool | None, TRUE_OR_NULL] = None  # softmax and activation: use_activation's old names
+    activation: Annotated[bool | None, TRUE_OR_NULL] = None
     priority: int = 0
     request_id: str | None = None
-    mm_processor_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: Annotated[dict[str, Any] | None, NULL_ONLY] = None
     cache_salt: str | None = None
-    padding: Any = None
+    padding: Annotated[Any, NULL_ONLY] = None
 
 
 class ScoreBody(PoolingFields):
     """``POST /score``: one of four (query, documents) field pairs."""
 
     # Any pair makes a body: the schema says so, for clients generating bodies from /openapi.json.
-    model_config = ConfigDict(json_schema_extra={"anyOf": [{"required": list(pair)} for pair in SCORE_PAIRS]})
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"required": list(pair), "properties": {pair[0]: Text.__metadata__[0].json_schema,
+                                                pair[1]: Texts.__metadata__[0].json_schema}}
+        for pair in SCORE_PAIRS]})
 
-    queries: OptionalTexts = None
+    queries: OptionalText = None
     documents: OptionalTexts = None
     items: OptionalTexts = None
-    data_1: OptionalTexts = None
+    data_1: OptionalText = None
     data_2: OptionalTexts = None
-    text_1: OptionalTexts = None
+    text_1: OptionalText = None
     text_2: OptionalTexts = None
 
 
