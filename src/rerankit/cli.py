@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=_positive_int, help="answer 413 to larger request bodies")
     serve.add_argument("--rerank-dialect", choices=RERANK_DIALECTS,
                        help="the dialect answering a rerank body that shows none (bare query and documents) on the "
-                            "paths that speak it (default: vllm-rerank on /rerank and /v1/rerank, cohere on /v2/rerank)")
+                            "paths that speak it (default: vllm-rerank on /rerank and /v1/rerank, cohere on "
+                            "/v2/rerank)")
     serve.add_argument("--no-batching", dest="batching", action="store_false",
                        help="score one request per engine call (to measure what batching gains)")
     serve.add_argument("--no-warmup", dest="warm_up", action="store_false",

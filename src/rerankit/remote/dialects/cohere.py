@@ -34,8 +34,9 @@ from rerankit.schema import ScoreRequest, ScoreResponse
 
 ENDPOINT = "Cohere-style /rerank"
 # Read by document_texts (whose errors name the document), typed for the OpenAPI schema.
-Documents = Annotated[Any, WithJsonSchema({"type": "array", "minItems": 1, "items": {
-    "anyOf": [{"type": "string"}, {"type": "object", "required": ["text"], "additionalProperties": {"type": "string"}}]}})]
+_OBJECT_DOCUMENT = {"type": "object", "required": ["text"], "additionalProperties": {"type": "string"}}
+Documents = Annotated[Any, WithJsonSchema(
+    {"type": "array", "minItems": 1, "items": {"anyOf": [{"type": "string"}, _OBJECT_DOCUMENT]}})]
 
 
 class RerankBody(WireBody):

@@ -23,21 +23,22 @@ from rerankit.templates import RAW, get_template
 log = logging.getLogger("rerankit.server")
 
 # Wire fields read by ``single_text``/``text_list`` (whose errors name the field), typed for the OpenAPI schema.
-_TEXT_SCHEMA = {"type": "string", "pattern": r"\S"}
-Text = Annotated[Any, WithJsonSchema(_TEXT_SCHEMA)]
-Texts = Annotated[Any, WithJsonSchema(
-    {"anyOf": [_TEXT_SCHEMA, {"type": "array", "items": {"type": "string"}, "minItems": 1}]})]
-OptionalTexts = Annotated[Any, WithJsonSchema(
-    {"anyOf": [_TEXT_SCHEMA, {"type": "array", "items": {"type": "string"}, "minItems": 1}, {"type": "null"}]})]
-OptionalText = Annotated[Any, WithJsonSchema({"anyOf": [_TEXT_SCHEMA, {"type": "null"}]})]
-_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
-TextOrTokens = Annotated[Union[str, list[int]], WithJsonSchema({"anyOf": [_TEXT_SCHEMA, _TOKEN_IDS]})]
-TextsOrTokens = Annotated[Union[list[str], list[list[int]]], WithJsonSchema({"anyOf": [
-    {"type": "array", "items": {"type": "string"}, "minItems": 1}, {"type": "array", "items": _TOKEN_IDS, "minItems": 1}]})]
-LabelIds = Annotated[list[int], WithJsonSchema(_TOKEN_IDS)]
+TEXT_SCHEMA = {"type": "string", "pattern": r"\S"}
+TEXT_LIST_SCHEMA = {"type": "array", "items": {"type": "string"}, "minItems": 1}
+TEXTS_SCHEMA = {"anyOf": [TEXT_SCHEMA, TEXT_LIST_SCHEMA]}
+TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+ITEMS_SCHEMA = {"anyOf": [TEXT_LIST_SCHEMA, {"type": "array", "items": TOKEN_IDS_SCHEMA, "minItems": 1}]}
+NULL_SCHEMA = {"type": "null"}
+Text = Annotated[Any, WithJsonSchema(TEXT_SCHEMA)]
+Texts = Annotated[Any, WithJsonSchema(TEXTS_SCHEMA)]
+OptionalText = Annotated[Any, WithJsonSchema({"anyOf": [TEXT_SCHEMA, NULL_SCHEMA]})]
+OptionalTexts = Annotated[Any, WithJsonSchema({"anyOf": [TEXT_SCHEMA, TEXT_LIST_SCHEMA, NULL_SCHEMA]})]
+TextOrTokens = Annotated[Union[str, list[int]], WithJsonSchema({"anyOf": [TEXT_SCHEMA, TOKEN_IDS_SCHEMA]})]
+TextsOrTokens = Annotated[Union[list[str], list[list[int]]], WithJsonSchema(ITEMS_SCHEMA)]
+LabelIds = Annotated[list[int], WithJsonSchema(TOKEN_IDS_SCHEMA)]
 # Fields whose other values are refused with a clear error: the schema publishes only what is honoured.
 TRUE_OR_NULL = WithJsonSchema({"enum": [True, None]})
-NULL_ONLY = WithJsonSchema({"type": "null"})
+NULL_ONLY = WithJsonSchema(NULL_SCHEMA)
 
 # Why a field cannot travel to a server, when the bare "cannot honour" says too little.
 _REASONS = {

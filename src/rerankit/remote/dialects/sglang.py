@@ -11,12 +11,14 @@ from pydantic import Field, WithJsonSchema
 
 from rerankit.errors import InvalidRequest, RemoteError
 from rerankit.remote.dialects.common import (
+    ITEMS_SCHEMA,
     NULL_ONLY,
+    NULL_SCHEMA,
+    TEXT_SCHEMA,
+    TOKEN_IDS_SCHEMA,
     Dialect,
-    LabelIds,
     Text,
     TextOrTokens,
-    TextsOrTokens,
     Texts,
     WireBody,
     build_request,
@@ -52,10 +54,9 @@ class ScoreBody(WireBody):
 
     model: str | None = None
     query: TextOrTokens
-    items: Annotated[Union[str, list[str], list[list[int]]], WithJsonSchema(
-        {"anyOf": [{"type": "string", "pattern": r"\S"}, TextsOrTokens.__metadata__[0].json_schema]})]
+    items: Annotated[Union[str, list[str], list[list[int]]], WithJsonSchema({"anyOf": [TEXT_SCHEMA, ITEMS_SCHEMA]})]
     label_token_ids: Annotated[Union[list[int], list[list[int]], None], WithJsonSchema(
-        {"anyOf": [LabelIds.__metadata__[0].json_schema, {"type": "null"}]})] = None
+        {"anyOf": [TOKEN_IDS_SCHEMA, NULL_SCHEMA]})] = None
     apply_softmax: bool = False
     temperature: Annotated[float, WithJsonSchema({"const": 1.0})] = Field(default=1.0, gt=0)
     return_token_logprobs: Annotated[bool, WithJsonSchema({"const": False})] = False

@@ -13,6 +13,8 @@ from pydantic import ConfigDict, Field, WithJsonSchema
 from rerankit.errors import InvalidRequest
 from rerankit.remote.dialects.common import (
     NULL_ONLY,
+    TEXT_SCHEMA,
+    TEXTS_SCHEMA,
     TRUE_OR_NULL,
     Dialect,
     LabelIds,
@@ -96,8 +98,7 @@ class ScoreBody(PoolingFields):
 
     # Any pair makes a body: the schema says so, for clients generating bodies from /openapi.json.
     model_config = ConfigDict(json_schema_extra={"anyOf": [
-        {"required": list(pair), "properties": {pair[0]: Text.__metadata__[0].json_schema,
-                                                pair[1]: Texts.__metadata__[0].json_schema}}
+        {"required": list(pair), "properties": {pair[0]: TEXT_SCHEMA, pair[1]: TEXTS_SCHEMA}}
         for pair in SCORE_PAIRS]})
 
     queries: OptionalText = None
