@@ -63,7 +63,8 @@ def test_cohere_v1_client_with_object_documents_and_rank_fields(url, local):
     scored = [f"title: Doc {i}\ntext: {text}" for i, text in enumerate(DOCS)]
     assert_ranked([(r.index, r.relevance_score) for r in reply.results], true_scores(local, scored))
     assert reply.meta is not None
-    assert {r.document.text for r in reply.results} == set(scored)
+    assert [r.document.text for r in reply.results] == [DOCS[r.index] for r in reply.results]
+    assert [r.document.title for r in reply.results] == [f"Doc {r.index}" for r in reply.results]
     plain = client.rerank(model=MODEL, query=QUERY, documents=DOCS)
     assert_ranked([(r.index, r.relevance_score) for r in plain.results], true_scores(local))
     assert plain.meta is not None and all(r.document is None for r in plain.results)

@@ -138,8 +138,7 @@ def test_server_answer_decodes_to_input_order(name):
     dialect = get_dialect(name)
     request = request_for(name)
     scores = [0.2, 0.9, 0.05, 0.6]
-    body = dialect.encode_response(response_for(request, scores), request, "served-model",
-                                   return_documents=True)
+    body = dialect.encode_response(response_for(request, scores), request, "served-model", list(request.items))
     RESPONSE_MODELS[name].model_validate(body)
     decoded = dialect.decode(body, request)
     assert decoded.scores == pytest.approx(scores)
@@ -278,13 +277,23 @@ def test_documents_come_back_only_when_asked(name):
     request = request_for(name)
     flag = {"sglang-rerank": "return_documents", "cohere": "return_documents", "tei": "return_text",
             "infinity": "return_documents"}[name]
+    field = "texts" if name == "tei" else "documents"
     scored = response_for(request, [0.1, 0.2, 0.3, 0.4])
-    asked = dialect.encode_response(scored, request, "m", return_documents=dialect.documents_requested({flag: True}))
-    not_asked = dialect.encode_response(scored, request, "m",
-                                        return_documents=dialect.documents_requested({flag: False}))
+    asked = dialect.encode_response(scored, request, "m", dialect.echoed_documents({field: DOCS, flag: True}))
+    not_asked = dialect.encode_response(scored, request, "m", dialect.echoed_documents({field: DOCS, flag: False}))
     first_asked = (asked if isinstance(asked, list) else asked["results"])[0]
     first_not = (not_asked if isinstance(not_asked, list) else not_asked["results"])[0]
     assert set(first_asked) - set(first_not) in ({"document"}, {"text"})
+
+
+def test_cohere_echoes_object_documents_whole():
+    cohere = get_dialect("cohere")
+    body = {"query": "q", "documents": [{"title": "A", "text": "a", "id": "7"}, "b"], "rank_fields": ["title"],
+            "return_documents": True}
+    request = cohere.parse_request(body)
+    reply = cohere.encode_response(response_for(request, [0.9, 0.1]), request, "m", cohere.echoed_documents(body))
+    assert [result["document"] for result in reply["results"]] == [{"title": "A", "text": "a", "id": "7"},
+                                                                   {"text": "b"}]
 
 
 @pytest.mark.parametrize("name", sorted(DIALECTS))

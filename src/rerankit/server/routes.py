@@ -65,7 +65,7 @@ def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
             score_request = dialect.parse_request(body)
             score_request = bound_request(config, score_request)
             response = await batcher.submit(score_request)
-            payload = dialect.encode_response(response, score_request, model_name, dialect.documents_requested(body))
+            payload = dialect.encode_response(response, score_request, model_name, dialect.echoed_documents(body))
             status, items, tokens = 200, len(response.results), response.usage.prompt_tokens
             return JSONResponse(payload)
         except RerankitError as exc:

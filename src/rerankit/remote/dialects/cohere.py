@@ -18,6 +18,7 @@ from rerankit.remote.dialects.common import (
     Text,
     WireBody,
     build_request,
+    echoed,
     in_input_order,
     new_id,
     param_first,
@@ -121,17 +122,17 @@ def _field_text(value: Any) -> str:
 
 
 def encode_response(response_: ScoreResponse, request: ScoreRequest, model: str | None = None,
-                    return_documents: bool = False) -> dict[str, Any]:
-    """Cohere v2 body: results best first, cut to ``top_n``; input tokens in ``meta.tokens``."""
-    results = ranked_results(response_, request, "relevance_score", "document.text", return_documents)
+                    documents: list[Any] | None = None) -> dict[str, Any]:
+    """Cohere body: results best first, cut to ``top_n``; input tokens in ``meta.tokens``."""
+    results = ranked_results(response_, request, "relevance_score", "document.text", documents)
     meta = {"api_version": {"version": "2"},
             "tokens": {"input_tokens": response_.usage.prompt_tokens, "output_tokens": 0}}
     return {"id": new_id("rerank"), "results": results, "meta": meta}
 
 
-def documents_requested(body: Any) -> bool:
-    """``return_documents`` (Cohere v1, Jina), false unless asked; Cohere v2 does not echo documents."""
-    return isinstance(body, dict) and body.get("return_documents") is True
+def echoed_documents(body: Any) -> list[Any] | None:
+    """With ``return_documents`` (Cohere v1, Jina; false unless asked) the documents as sent, objects whole."""
+    return echoed(body, "documents", isinstance(body, dict) and body.get("return_documents") is True)
 
 
 def error_body(status: int, message: str, param: str | None = None, kind: str | None = None) -> dict[str, Any]:
@@ -143,6 +144,6 @@ COHERE = Dialect(
     name="cohere", paths=("/v2/rerank", "/v1/rerank"), max_items=1000,
     encode_request=encode_request, decode_response=decode_response, parse_request=parse_request,
     encode_response=encode_response, error_body=error_body, request_body=RerankBody,
-    documents_requested=documents_requested, requires_model=True,
+    echoed_documents=echoed_documents, requires_model=True,
     # Fields only Cohere v1 has; a Jina client sends return_documents with model (SGLang's body has no model).
     markers=(frozenset({"rank_fields"}), frozenset({"max_chunks_per_doc"}), frozenset({"model", "return_documents"})))

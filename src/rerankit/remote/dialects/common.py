@@ -86,7 +86,7 @@ class Dialect:
     encode_response: Callable[..., Any]
     error_body: Callable[..., dict[str, Any]]
     request_body: type[WireBody]
-    documents_requested: Callable[[Any], bool] = lambda body: False
+    echoed_documents: Callable[[Any], list[Any] | None] = lambda body: None
     markers: tuple[frozenset[str], ...] = ()
     requires_model: bool = False
 
@@ -278,27 +278,29 @@ def text_list(value: Any, field: str) -> list[str]:
 
 
 def ranked_results(response_: ScoreResponse, request: ScoreRequest, score_field: str, document_field: str,
-                   return_documents: bool) -> list[dict[str, Any]]:
+                   documents: list[Any] | None) -> list[dict[str, Any]]:
     """Rerank-style wire results: best first, cut to ``top_n``, each ``{"index", score_field}``.
 
-    With ``return_documents`` each also holds its item's text under ``document_field``; a dotted field nests it
-    (``"document.text"``: ``{"document": {"text": ...}}``).
+    With ``documents`` (the body's, see ``echoed``) each also holds its document under ``document_field``; a dotted
+    field nests a text (``"document.text"``: ``{"document": {"text": ...}}``), an object document is echoed whole.
     """
     results = []
     for result in response_.ranked(request.top_n):
         entry: dict[str, Any] = {"index": result.index, score_field: result.score}
-        if return_documents:
+        if documents is not None:
             outer, _, inner = document_field.partition(".")
-            text = _document_text(request, result.index)
-            entry[outer] = {inner: text} if inner else text
+            document = documents[result.index]
+            entry[outer] = {inner: document} if inner and isinstance(document, str) else document
         results.append(entry)
     return results
 
 
-def _document_text(request: ScoreRequest, index: int) -> str:
-    """The text of item ``index`` (token-id items are written out as ids)."""
-    item = request.items[index]
-    return item if isinstance(item, str) else " ".join(str(token) for token in item)
+def echoed(body: Any, field: str, asked: bool) -> list[Any] | None:
+    """The documents of a (parsed, so valid) body's ``field`` to echo in the reply when ``asked``, else None."""
+    if not asked or not isinstance(body, dict):
+        return None
+    documents = body.get(field)
+    return [documents] if isinstance(documents, str) else documents
 
 
 def error_type(status: int) -> str:

@@ -17,6 +17,7 @@ from rerankit.remote.dialects.common import (
     Texts,
     WireBody,
     build_request,
+    echoed,
     in_input_order,
     new_id,
     now,
@@ -71,18 +72,18 @@ def parse_request(body: Any) -> ScoreRequest:
 
 
 def encode_response(response_: ScoreResponse, request: ScoreRequest, model: str | None = None,
-                    return_documents: bool = False) -> dict[str, Any]:
+                    documents: list[Any] | None = None) -> dict[str, Any]:
     """Infinity's ``ReRankResult``: results best first, cut to ``top_n``, documents as strings when asked."""
-    results = ranked_results(response_, request, "relevance_score", "document", return_documents)
+    results = ranked_results(response_, request, "relevance_score", "document", documents)
     tokens = response_.usage.prompt_tokens
     return {"object": "rerank", "results": results, "model": model or response_.model,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, "id": new_id("infinity"),
             "created": now()}
 
 
-def documents_requested(body: Any) -> bool:
-    """``return_documents``, false unless asked."""
-    return isinstance(body, dict) and body.get("return_documents") is True
+def echoed_documents(body: Any) -> list[Any] | None:
+    """The documents when ``return_documents`` (false unless asked)."""
+    return echoed(body, "documents", isinstance(body, dict) and body.get("return_documents") is True)
 
 
 def error_body(status: int, message: str, param: str | None = None, kind: str | None = None) -> dict[str, Any]:
@@ -94,6 +95,6 @@ INFINITY = Dialect(
     name="infinity", paths=("/rerank", "/v1/rerank"), max_items=256,
     encode_request=encode_request, decode_response=decode_response, parse_request=parse_request,
     encode_response=encode_response, error_body=error_body, request_body=RerankBody,
-    documents_requested=documents_requested,
+    echoed_documents=echoed_documents,
     # infinity_client sends raw_scores, return_documents and model in every body: all three are its claim.
     markers=(frozenset({"raw_scores"}), frozenset({"raw_scores", "return_documents", "model"})))

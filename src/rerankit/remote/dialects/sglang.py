@@ -22,6 +22,7 @@ from rerankit.remote.dialects.common import (
     Texts,
     WireBody,
     build_request,
+    echoed,
     in_input_order,
     openai_error,
     openai_usage,
@@ -207,7 +208,7 @@ def parse_rerank_request(body: Any) -> ScoreRequest:
 
 
 def encode_score_response(response_: ScoreResponse, request: ScoreRequest, model: str | None = None,
-                          return_documents: bool = False) -> dict[str, Any]:
+                          documents: list[Any] | None = None) -> dict[str, Any]:
     """``/v1/score`` body: every label's probability per item; for a classifier its activated score, or with
     ``apply_softmax: false`` (SGLang's logits) the logit whose sigmoid is that score."""
     def values(result: ScoreResult) -> list[float]:
@@ -225,14 +226,14 @@ def encode_score_response(response_: ScoreResponse, request: ScoreRequest, model
 
 
 def encode_rerank_response(response_: ScoreResponse, request: ScoreRequest, model: str | None = None,
-                           return_documents: bool = True) -> list[dict[str, Any]]:
+                           documents: list[Any] | None = None) -> list[dict[str, Any]]:
     """``/v1/rerank`` body: a list best first, cut to ``top_n``."""
-    return ranked_results(response_, request, "score", "document", return_documents)
+    return ranked_results(response_, request, "score", "document", documents)
 
 
-def documents_requested(body: Any) -> bool:
-    """``return_documents``, true unless the body says otherwise."""
-    return not isinstance(body, dict) or body.get("return_documents", True) is not False
+def echoed_documents(body: Any) -> list[Any] | None:
+    """The documents unless ``return_documents`` is false (true by default)."""
+    return echoed(body, "documents", isinstance(body, dict) and body.get("return_documents", True) is not False)
 
 
 def error_body(status: int, message: str, param: str | None = None, kind: str | None = None) -> dict[str, Any]:
@@ -252,5 +253,5 @@ SGLANG_RERANK = Dialect(
     name="sglang-rerank", paths=("/v1/rerank",), max_items=256,
     encode_request=encode_rerank_request, decode_response=decode_rerank_response,
     parse_request=parse_rerank_request, encode_response=encode_rerank_response, error_body=error_body,
-    request_body=RerankBody, documents_requested=documents_requested,
+    request_body=RerankBody, echoed_documents=echoed_documents,
     markers=(frozenset({"instruct"}), frozenset({"return_documents"})))

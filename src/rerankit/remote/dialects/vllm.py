@@ -26,6 +26,7 @@ from rerankit.remote.dialects.common import (
     TextsOrTokens,
     WireBody,
     build_request,
+    echoed,
     in_input_order,
     new_id,
     now,
@@ -224,7 +225,7 @@ def parse_rerank_request(body: Any) -> ScoreRequest:
 
 
 def encode_data_response(response_: ScoreResponse, request: ScoreRequest, model: str | None = None,
-                         return_documents: bool = False) -> dict[str, Any]:
+                         documents: list[Any] | None = None) -> dict[str, Any]:
     """``/generative_scoring`` and ``/score`` body: scores in input order."""
     data = [{"index": result.index, "object": "score", "score": result.score} for result in response_.results]
     return {"id": new_id("score"), "object": "list", "created": now(), "model": model or response_.model,
@@ -232,9 +233,9 @@ def encode_data_response(response_: ScoreResponse, request: ScoreRequest, model:
 
 
 def encode_rerank_response(response_: ScoreResponse, request: ScoreRequest, model: str | None = None,
-                           return_documents: bool = True) -> dict[str, Any]:
-    """``/rerank`` body: best first, cut to ``top_n``, each with its document (vLLM always echoes it)."""
-    results = ranked_results(response_, request, "relevance_score", "document.text", return_documents)
+                           documents: list[Any] | None = None) -> dict[str, Any]:
+    """``/rerank`` body: best first, cut to ``top_n``, each with its document (vLLM always echoes them)."""
+    results = ranked_results(response_, request, "relevance_score", "document.text", documents)
     tokens = response_.usage.prompt_tokens
     return {"id": new_id("rerank"), "model": model or response_.model, "results": results,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
@@ -260,5 +261,5 @@ VLLM_RERANK = Dialect(
     name="vllm-rerank", paths=("/rerank", "/v1/rerank", "/v2/rerank"), max_items=256,
     encode_request=encode_rerank_request, decode_response=decode_rerank_response,
     parse_request=parse_rerank_request, encode_response=encode_rerank_response, error_body=error_body,
-    request_body=RerankBody, documents_requested=lambda body: True,
+    request_body=RerankBody, echoed_documents=lambda body: echoed(body, "documents", True),
     markers=tuple(frozenset({field}) for field in _POOLING_ONLY))
