@@ -51,10 +51,13 @@ class VllmPoolingCommon(Strict):
     instruction: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     use_activation: bool | None = None
+    softmax: bool | None = None
+    activation: bool | None = None
     priority: int = 0
     request_id: str | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
     cache_salt: str | None = None
+    padding: Any = None
 
 
 ScoreSide = Union[str, list[str], VllmMultiModal, None]
@@ -201,12 +204,17 @@ class SglangError(Strict):
 # Cohere-style /v2/rerank (and Jina/Infinity /v1/rerank) -------------------------------------------------
 
 class CohereRerankRequest(Strict):
+    """Cohere v2, plus what the v1 API and Jina add (object documents, rank_fields, chunks, return_documents)."""
+
     model: str | None = None
     query: str
-    documents: list[str]
+    documents: list[Union[str, dict[str, Any]]]
     top_n: int | None = None
     max_tokens_per_doc: int | None = None
     return_documents: bool | None = None
+    rank_fields: list[str] | None = None
+    max_chunks_per_doc: int | None = None
+    priority: int | None = None
 
 
 class CohereDocument(Strict):
@@ -255,21 +263,47 @@ class TeiError(Strict):
     error_type: str
 
 
+# Infinity /rerank (infinity_client 0.0.78 RerankInput / ReRankResult) --------------------------------------
+
+class InfinityRerankRequest(Strict):
+    query: str
+    documents: list[str]
+    return_documents: bool = False
+    raw_scores: bool = False
+    model: str = "default/not-specified"
+    top_n: int | None = None
+
+
+class InfinityRerankResult(Strict):
+    relevance_score: float
+    index: int
+    document: str | None = None
+
+
+class InfinityRerankResponse(Strict):
+    object: Literal["rerank"] = "rerank"
+    results: list[InfinityRerankResult]
+    model: str
+    usage: VllmUsage
+    id: str | None = None
+    created: int | None = None
+
+
 # By rerankit dialect name ------------------------------------------------------------------------------
 
 REQUEST_MODELS: dict[str, type[BaseModel]] = {
     "vllm-generative": VllmGenerativeScoringRequest, "vllm-score": VllmScoreRequest,
     "vllm-rerank": VllmRerankRequest, "sglang-score": SglangScoreRequest, "sglang-rerank": SglangRerankRequest,
-    "cohere": CohereRerankRequest, "tei": TeiRerankRequest,
+    "cohere": CohereRerankRequest, "tei": TeiRerankRequest, "infinity": InfinityRerankRequest,
 }
 RESPONSE_MODELS: dict[str, type[BaseModel]] = {
     "vllm-generative": VllmScoreResponse, "vllm-score": VllmScoreResponse, "vllm-rerank": VllmRerankResponse,
     "sglang-score": SglangScoreResponse, "sglang-rerank": SglangRerankResponse, "cohere": CohereRerankResponse,
-    "tei": TeiRerankResponse,
+    "tei": TeiRerankResponse, "infinity": InfinityRerankResponse,
 }
 ERROR_MODELS: dict[str, type[BaseModel]] = {
     "vllm-generative": VllmError, "vllm-score": VllmError, "vllm-rerank": VllmError, "sglang-score": SglangError,
-    "sglang-rerank": SglangError, "cohere": CohereError, "tei": TeiError,
+    "sglang-rerank": SglangError, "cohere": CohereError, "tei": TeiError, "infinity": VllmError,
 }
 # Wire responses whose results come sorted by score, best first.
-SORTED_RESPONSES = frozenset({"vllm-rerank", "sglang-rerank", "cohere", "tei"})
+SORTED_RESPONSES = frozenset({"vllm-rerank", "sglang-rerank", "cohere", "tei", "infinity"})

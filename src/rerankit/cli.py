@@ -13,6 +13,7 @@ from typing import Any, Sequence, TextIO
 from rerankit.errors import InvalidRequest, RerankitError
 from rerankit.reranker import is_url, make_backend
 from rerankit.schema import ScoreRequest, ScoreResponse
+from rerankit.server.limits import RERANK_DIALECTS
 from rerankit.server.main import API_KEY_ENV, serve  # fastapi and uvicorn load only when serve() runs
 
 USAGE_ERROR = 2
@@ -72,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-tokens-per-item", type=_positive_int, help="refuse items with more tokens")
     serve.add_argument("--max-queue-requests", type=_positive_int, help="answer 429 when this many requests wait")
     serve.add_argument("--max-body-bytes", type=_positive_int, help="answer 413 to larger request bodies")
+    serve.add_argument("--rerank-dialect", choices=RERANK_DIALECTS,
+                       help="the dialect answering a rerank body that shows none (bare query and documents) on the "
+                            "paths that speak it (default: vllm-rerank on /rerank and /v1/rerank, cohere on "
+                            "/v2/rerank)")
     serve.add_argument("--no-batching", dest="batching", action="store_false",
                        help="score one request per engine call (to measure what batching gains)")
     serve.add_argument("--no-warmup", dest="warm_up", action="store_false",
@@ -127,7 +132,7 @@ def run_serve(args: argparse.Namespace) -> int:
           batch_window_ms=args.batch_window_ms, max_items_per_request=args.max_items_per_request,
           max_batch_tokens=args.max_batch_tokens, max_tokens_per_item=args.max_tokens_per_item,
           max_queue_requests=args.max_queue_requests, max_body_bytes=args.max_body_bytes, batching=args.batching,
-          warm_up=args.warm_up)
+          warm_up=args.warm_up, rerank_dialect=args.rerank_dialect)
     return 0
 
 

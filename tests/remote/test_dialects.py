@@ -138,8 +138,7 @@ def test_server_answer_decodes_to_input_order(name):
     dialect = get_dialect(name)
     request = request_for(name)
     scores = [0.2, 0.9, 0.05, 0.6]
-    body = dialect.encode_response(response_for(request, scores), request, "served-model",
-                                   return_documents=True)
+    body = dialect.encode_response(response_for(request, scores), request, "served-model", list(request.items))
     RESPONSE_MODELS[name].model_validate(body)
     decoded = dialect.decode(body, request)
     assert decoded.scores == pytest.approx(scores)
@@ -221,13 +220,18 @@ BAD_BODIES = [
     ("vllm-score", {"data_1": "q", "data_2": []}, "data_2"),
     ("vllm-score", {"text_1": "q", "text_2": ["a"], "use_activation": False}, "use_activation"),
     ("vllm-rerank", {"query": "q", "documents": ["a"], "truncate_prompt_tokens": 128}, "truncate_prompt_tokens"),
-    ("vllm-rerank", {"query": "q", "documents": ["a"], "frobnicate": 1}, "frobnicate"),
+    ("vllm-rerank", {"query": "q", "documents": ["a"], "padding": "max_length"}, "padding"),
+    ("vllm-rerank", {"query": "q", "documents": ["a"], "activation": False}, "activation"),
     ("vllm-rerank", {"query": "q", "documents": ["a"], "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
     ("sglang-score", {"query": "q", "items": ["a"], "label_token_ids": [1], "temperature": 0.5}, "temperature"),
     ("sglang-score", {"query": "q", "items": ["a"], "label_token_ids": [[1], [2]]}, "label_token_ids"),
     ("sglang-score", {"query": "q", "items": ["a"], "embed_override_token_id": 0}, "embed_override_token_id"),
     ("sglang-rerank", {"query": "q", "documents": [""], "top_n": 0}, "top_n"),
-    ("cohere", {"query": "q", "documents": ["a"], "rank_fields": ["title"]}, "rank_fields"),
+    ("cohere", {"query": "q", "documents": [{"body": "a"}], "rank_fields": ["title"]}, "documents"),
+    ("cohere", {"query": "q", "documents": [{"title": "a"}]}, "documents"),
+    ("cohere", {"query": "q", "documents": ["a", 3]}, "documents"),
+    ("cohere", {"query": "q", "documents": ["a"], "max_chunks_per_doc": 0}, "max_chunks_per_doc"),
+    ("infinity", {"query": "q", "documents": ["a"], "raw_scores": True}, "raw_scores"),
     ("cohere", {"query": "  ", "documents": ["a"]}, "query"),
     ("tei", {"query": "q", "texts": ["a"], "raw_scores": True}, "raw_scores"),
     ("tei", {"query": "q", "texts": []}, "texts"),
@@ -271,14 +275,25 @@ def test_sglang_score_answers_every_label_probability():
 def test_documents_come_back_only_when_asked(name):
     dialect = get_dialect(name)
     request = request_for(name)
-    flag = {"sglang-rerank": "return_documents", "cohere": "return_documents", "tei": "return_text"}[name]
+    flag = {"sglang-rerank": "return_documents", "cohere": "return_documents", "tei": "return_text",
+            "infinity": "return_documents"}[name]
+    field = "texts" if name == "tei" else "documents"
     scored = response_for(request, [0.1, 0.2, 0.3, 0.4])
-    asked = dialect.encode_response(scored, request, "m", return_documents=dialect.documents_requested({flag: True}))
-    not_asked = dialect.encode_response(scored, request, "m",
-                                        return_documents=dialect.documents_requested({flag: False}))
+    asked = dialect.encode_response(scored, request, "m", dialect.echoed_documents({field: DOCS, flag: True}))
+    not_asked = dialect.encode_response(scored, request, "m", dialect.echoed_documents({field: DOCS, flag: False}))
     first_asked = (asked if isinstance(asked, list) else asked["results"])[0]
     first_not = (not_asked if isinstance(not_asked, list) else not_asked["results"])[0]
     assert set(first_asked) - set(first_not) in ({"document"}, {"text"})
+
+
+def test_cohere_echoes_object_documents_whole():
+    cohere = get_dialect("cohere")
+    body = {"query": "q", "documents": [{"title": "A", "text": "a", "id": "7"}, "b"], "rank_fields": ["title"],
+            "return_documents": True}
+    request = cohere.parse_request(body)
+    reply = cohere.encode_response(response_for(request, [0.9, 0.1]), request, "m", cohere.echoed_documents(body))
+    assert [result["document"] for result in reply["results"]] == [{"title": "A", "text": "a", "id": "7"},
+                                                                   {"text": "b"}]
 
 
 @pytest.mark.parametrize("name", sorted(DIALECTS))
@@ -311,3 +326,205 @@ def test_round_trip_keeps_scores_for_random_orders():
         scores = [rng.random() for _ in range(17)]
         body = dialect.encode_response(response_for(request, scores), request, "m")
         assert dialect.decode(body, request).scores == pytest.approx(scores)
+
+
+# Accepting what the peers accept ---------------------------------------------------------------------------
+
+# A body of each dialect with fields the peer ignores or sends as null (vLLM's model_dump sends every field).
+EXTRA_FIELDS = {"some_future_field": 1, "user": None}
+
+
+@pytest.mark.parametrize("name", sorted(DIALECTS))
+def test_unknown_and_null_fields_are_ignored(name):
+    dialect = get_dialect(name)
+    _, body = dialect.encode_request(request_for(name), "m")
+    parsed = dialect.parse_request({**body, **EXTRA_FIELDS})
+    assert parsed.items == dialect.parse_request(body).items == DOCS
+
+
+def test_cohere_v1_object_documents_score_their_rank_fields_as_lines():
+    cohere = get_dialect("cohere")
+    documents = [{"title": "Paris", "text": "Capital of France", "year": 1900}, {"text": "Bananas"}, "plain"]
+    parsed = cohere.parse_request({"query": "q", "documents": documents, "rank_fields": ["title", "text", "year"],
+                                   "max_chunks_per_doc": 3})
+    assert parsed.items == ["title: Paris\ntext: Capital of France\nyear: 1900", "text: Bananas", "plain"]
+    assert parsed.truncation == "end", "max_chunks_per_doc is applied as truncation until chunking exists"
+    assert cohere.parse_request({"query": "q", "documents": documents[:2]}).items == ["Capital of France", "Bananas"]
+
+
+# Which dialect answers a shared path ------------------------------------------------------------------------
+
+def _pick(path: str, body: dict, headers: dict | None = None, default: str | None = None) -> str:
+    from rerankit.server.routes import ROUTES, dialect_for
+
+    dialects = [get_dialect(name) for name in ROUTES[path]]
+    chosen = dialect_for(dialects, body, headers, get_dialect(default) if default else None)
+    return chosen.name
+
+
+BARE = {"query": "q", "documents": ["a", "b"]}
+VLLM_DUMP = {**BARE, "model": "m", "top_n": 0, "user": None, "truncate_prompt_tokens": None, "max_tokens_per_query": 0,
+             "max_tokens_per_doc": 0, "priority": 0, "padding": None}
+PICKS = [
+    ("/v1/rerank", BARE, None, None, "vllm-rerank"),
+    ("/v1/rerank", {**BARE, "model": "m"}, None, None, "vllm-rerank"),
+    ("/v1/rerank", BARE, None, "sglang-rerank", "sglang-rerank"),
+    ("/v1/rerank", {**BARE, "model": "m"}, None, "sglang-rerank", "sglang-rerank"),
+    ("/v1/rerank", {**BARE, "model": "m"}, {"x-fern-sdk-name": "cohere"}, None, "cohere"),
+    ("/v1/rerank", {**BARE, "rank_fields": ["text"]}, None, None, "cohere"),
+    ("/v1/rerank", {**BARE, "max_chunks_per_doc": 2}, None, None, "cohere"),
+    ("/v1/rerank", {**BARE, "model": "m", "return_documents": True, "top_n": 2}, None, None, "cohere"),  # Jina
+    ("/v1/rerank", {**BARE, "return_documents": False}, None, None, "sglang-rerank"),
+    ("/v1/rerank", {**BARE, "instruct": "be strict", "model": "m"}, None, None, "sglang-rerank"),
+    ("/v1/rerank", {**BARE, "model": "m", "return_documents": False, "raw_scores": False, "top_n": 2}, None, None,
+     "infinity"),
+    ("/v1/rerank", VLLM_DUMP, None, "sglang-rerank", "vllm-rerank"),
+    ("/v1/rerank", {**BARE, "return_documents": None, "instruct": None}, None, None, "vllm-rerank"),
+    ("/v2/rerank", {**BARE, "model": "m", "priority": 3, "max_tokens_per_doc": 100}, None, None, "cohere"),
+    ("/v2/rerank", VLLM_DUMP, None, None, "vllm-rerank"),
+    ("/v2/rerank", BARE, None, "vllm-rerank", "vllm-rerank"),
+    ("/rerank", BARE, None, None, "vllm-rerank"),
+    ("/rerank", {"query": "q", "texts": ["a"], "raw_scores": False}, None, None, "tei"),
+    ("/rerank", {**BARE, "raw_scores": False, "return_documents": True, "model": "m"}, None, None, "infinity"),
+    ("/rerank", BARE, None, "infinity", "infinity"),
+    ("/v1/score", {"query": "q", "items": ["a"]}, None, None, "sglang-score"),
+    ("/v1/score", {"queries": "q", "items": ["a"]}, None, None, "vllm-score"),
+    ("/v1/score", {"text_1": "q", "text_2": ["a"], "label_token_ids": None}, None, None, "vllm-score"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "headers", "default", "want"), PICKS)
+def test_shared_path_answers_in_the_callers_dialect(path, body, headers, default, want):
+    assert _pick(path, body, headers, default) == want
+
+
+def test_rerank_dialect_setting_names_exactly_the_rerank_paths_dialects():
+    from rerankit.server.limits import RERANK_DIALECTS, ServerConfig
+    from rerankit.server.routes import ROUTES
+
+    assert set(RERANK_DIALECTS) == {name for path in ("/rerank", "/v1/rerank", "/v2/rerank") for name in ROUTES[path]}
+    with pytest.raises(ValueError, match="rerank_dialect"):
+        ServerConfig(rerank_dialect="vllm-score")
+
+
+# The client's body gives the true score under the peer's own semantics ----------------------------------------
+# Each ``peer`` below answers a body as the peer's source does, from the model's raw outputs; the client's decode
+# must give rerankit's score for the model's mode (sigmoid of a lone logit, softmax over labels...).
+
+def _sigmoid(value: float) -> float:
+    return 1 / (1 + math.exp(-value))
+
+
+LOGITS = [2.5, -1.0, 0.0, 7.0]  # a one-logit cross-encoder's head, one per document
+LABEL_LOGPROBS = [[-0.2, -1.9], [-2.5, -0.1], [-0.7, -0.8], [-3.0, -4.0]]  # log p(yes), log p(no) per document
+
+
+def _label_values(apply_softmax: bool) -> list[list[float]]:
+    if apply_softmax:
+        return [[math.exp(lp) / sum(math.exp(x) for x in row) for lp in row] for row in LABEL_LOGPROBS]
+    return [[math.exp(lp) for lp in row] for row in LABEL_LOGPROBS]
+
+
+def test_sglang_score_cross_encoder_body_yields_the_heads_true_score():
+    """SGLang 0.5.23 ``python/sglang/srt/managers/tokenizer_manager_score_mixin.py``: for a SequenceClassification
+    model ``scores`` are the class logits, softmaxed over the classes when ``apply_softmax`` (a lone logit: 1.0)."""
+    dialect = get_dialect("sglang-score")
+    request = ScoreRequest(query="q", items=DOCS, mode="cross-encoder")
+    _, body = dialect.encode_request(request, "m")
+    assert body["apply_softmax"] is False and "label_token_ids" not in body
+
+    def peer(body):
+        if body["apply_softmax"]:
+            return [[1.0] for _ in LOGITS]  # softmax over one value
+        return [[logit] for logit in LOGITS]
+
+    decoded = dialect.decode({"scores": peer(body), "model": "m", "object": "scoring"}, request)
+    assert decoded.scores == pytest.approx([_sigmoid(logit) for logit in LOGITS])
+    two_class = dialect.decode({"scores": [[0.0, logit] for logit in LOGITS]}, request)
+    assert two_class.scores == pytest.approx([_sigmoid(logit) for logit in LOGITS]), "softmax's class 1"
+    with pytest.raises(InvalidRequest, match="apply_softmax"):
+        dialect.encode_request(request.model_copy(update={"apply_softmax": False}), None)
+
+
+@pytest.mark.parametrize("apply_softmax", [True, False])
+def test_sglang_score_label_body_yields_the_true_label_probability(apply_softmax):
+    """SGLang ``tokenizer_manager_score_mixin.py`` ``_convert_logprobs_to_scores``: softmax over the label logprobs
+    when ``apply_softmax``, else ``exp(logprob)`` (full-vocabulary probability); default false."""
+    dialect = get_dialect("sglang-score")
+    request = ScoreRequest(query="q", items=DOCS, label_token_ids=[1, 2], apply_softmax=apply_softmax)
+    _, body = dialect.encode_request(request, None)
+    decoded = dialect.decode({"scores": _label_values(body["apply_softmax"])}, request)
+    assert decoded.scores == pytest.approx([row[0] for row in _label_values(apply_softmax)])
+
+
+@pytest.mark.parametrize("apply_softmax", [True, False])
+def test_vllm_generative_body_yields_the_true_label_probability(apply_softmax):
+    """vLLM 0.33 ``vllm/entrypoints/openai/generative_scoring/serving.py``: ``apply_softmax`` (default true) is a
+    softmax over the label ids, false the full-vocabulary probability; ``score`` is the first label's."""
+    dialect = get_dialect("vllm-generative")
+    request = ScoreRequest(query="q", items=DOCS, label_token_ids=[1, 2], apply_softmax=apply_softmax)
+    _, body = dialect.encode_request(request, None)
+    data = [{"index": i, "object": "score", "score": row[0]}
+            for i, row in enumerate(_label_values(body.get("apply_softmax", True)))]
+    assert dialect.decode({"data": data}, request).scores == pytest.approx(
+        [row[0] for row in _label_values(apply_softmax)])
+
+
+@pytest.mark.parametrize("name", ["vllm-score", "vllm-rerank"])
+def test_vllm_pooling_body_keeps_the_heads_activation(name):
+    """vLLM 0.33 ``vllm/entrypoints/pooling/score/protocol.py``: ``use_activation`` null or true applies the model's
+    activation (sigmoid for one label), false answers raw logits; the client never sends false."""
+    dialect = get_dialect(name)
+    request = ScoreRequest(query="q", items=DOCS, mode="cross-encoder")
+    _, body = dialect.encode_request(request, None)
+    activate = body.get("use_activation") in (None, True)
+    scores = [_sigmoid(logit) if activate else logit for logit in LOGITS]
+    wire = ({"data": [{"index": i, "score": s} for i, s in enumerate(scores)]} if name == "vllm-score" else
+            {"results": [{"index": i, "relevance_score": s} for i, s in enumerate(scores)]})
+    assert dialect.decode(wire, request).scores == pytest.approx([_sigmoid(logit) for logit in LOGITS])
+
+
+@pytest.mark.parametrize("name", ["tei", "infinity"])
+def test_tei_and_infinity_bodies_ask_for_activated_scores(name):
+    """TEI ``router/src/http/server.rs`` rerank and Infinity
+    ``libs/infinity_emb/infinity_emb/fastapi_schemas/pymodels.py``
+    ``RerankInput``: ``raw_scores`` false (the default) applies the sigmoid to a cross-encoder's logit."""
+    dialect = get_dialect(name)
+    request = ScoreRequest(query="q", items=DOCS)
+    _, body = dialect.encode_request(request, None)
+    scores = [logit if body.get("raw_scores") else _sigmoid(logit) for logit in LOGITS]
+    wire = ([{"index": i, "score": s} for i, s in enumerate(scores)] if name == "tei" else
+            {"results": [{"index": i, "relevance_score": s} for i, s in enumerate(scores)]})
+    assert dialect.decode(wire, request).scores == pytest.approx([_sigmoid(logit) for logit in LOGITS])
+
+
+def test_sglang_score_server_answers_classifier_logits_that_round_trip():
+    """rerankit's own ``/v1/score`` answers ``apply_softmax: false`` for a classifier with the logit whose sigmoid is
+    the engine's score (kept finite), so the client's activation gives the engine's score back."""
+    dialect = get_dialect("sglang-score")
+    request = ScoreRequest(query="q", items=DOCS, mode="cross-encoder")
+    parsed = dialect.parse_request(dialect.encode_request(request, None)[1])
+    engine = response_for(parsed, [0.25, 0.0, 1.0, 0.999])
+    body = dialect.encode_response(engine, parsed)
+    assert all(abs(values[0]) <= 100 for values in body["scores"])
+    assert dialect.decode(body, request).scores == pytest.approx([0.25, 0.0, 1.0, 0.999], abs=1e-12)
+
+
+# The OpenAPI request schemas -------------------------------------------------------------------------------
+
+def test_openapi_publishes_each_paths_request_models_and_client_bodies_fit_them():
+    jsonschema = pytest.importorskip("jsonschema")
+    from rerankit.server.app import create_app
+    from rerankit.server.routes import ROUTES
+
+    class NoBackend:
+        model_name = "m"
+
+    spec = create_app(NoBackend()).openapi()
+    for path, names in ROUTES.items():
+        schema = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        titles = [part["title"] for part in (schema["anyOf"] if len(names) > 1 else [schema])]
+        assert titles == [f"{name} request" for name in names]
+        for name in names:
+            _, body = get_dialect(name).encode_request(request_for(name), "m")
+            jsonschema.validate(body, schema)

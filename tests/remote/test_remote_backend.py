@@ -81,7 +81,7 @@ def backend(server: FakeServer, url: str = "http://fake:8000", **options) -> Rem
 
 def test_scores_come_back_in_input_order_across_split_requests():
     server = FakeServer()
-    with backend(server, dialect="cohere", model="rerank-v3.5", max_items_per_request=3) as remote:
+    with backend(server, dialect="cohere", served_model="rerank-v3.5", max_items_per_request=3) as remote:
         response = remote.score(ScoreRequest(query="q", items=DOCS))
     assert response.scores == [doc_score(doc) for doc in DOCS]
     assert sorted(len(json.loads(r.content)["documents"]) for r in server.posts()) == [1, 3, 3, 3]
@@ -101,11 +101,20 @@ async def test_async_scores_split_and_reassemble():
 
 def test_api_key_is_sent_as_bearer_token_and_model_on_the_wire():
     server = FakeServer()
-    with backend(server, dialect="cohere", api_key="sekret", model="rerank-v3.5") as remote:
+    with backend(server, dialect="cohere", api_key="sekret", served_model="rerank-v3.5") as remote:
         remote.score(ScoreRequest(query="q", items=DOCS[:2]))
     sent = server.posts()[0]
     assert sent.headers["authorization"] == "Bearer sekret"
     assert sent.url.path == "/v2/rerank" and json.loads(sent.content)["model"] == "rerank-v3.5"
+
+
+def test_cohere_without_served_model_sends_the_one_from_v1_models_once():
+    server = FakeServer(models=[{"id": "served-reranker", "owned_by": "rerankit"}])
+    with backend(server, "http://models-probe:8000", dialect="cohere") as remote:
+        remote.score(ScoreRequest(query="q", items=DOCS[:2]))
+        remote.score(ScoreRequest(query="q", items=DOCS[:2]))
+    assert [r.url.path for r in server.requests if r.method == "GET"] == ["/v1/models"]
+    assert [json.loads(sent.content)["model"] for sent in server.posts()] == ["served-reranker"] * 2
 
 
 def test_path_option_posts_to_another_route_of_the_dialect():

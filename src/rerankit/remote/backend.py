@@ -22,11 +22,13 @@ class RemoteBackend:
 
     ``urls``: one server root URL or several serving the same model (round-robin, failover).
     ``dialect``: one of ``rerankit.remote.dialects.DIALECTS``; discovered from the server when None.
+    ``served_model``: the server's model, sent as the body's ``model`` where the dialect has one (Cohere requires
+    it); when None, the first model of the server's ``/v1/models`` (none sent if it lists none).
     ``path``: post there instead of the dialect's default route (e.g. ``/v1/rerank`` for Jina).
     ``timeout``: a ``Timeout`` or the read timeout in seconds. Other options: see ``ClientConfig``.
     """
 
-    def __init__(self, urls: str | Sequence[str], *, dialect: str | None = None, model: str | None = None,
+    def __init__(self, urls: str | Sequence[str], *, dialect: str | None = None, served_model: str | None = None,
                  api_key: str | None = None, path: str | None = None, timeout: Timeout | float = Timeout(),
                  max_retries: int = 3, backoff_base: float = 0.25, backoff_max: float = 10.0,
                  max_items_per_request: int | None = None, max_concurrency: int = 8, dead_cooldown: float = 30.0,
@@ -45,7 +47,7 @@ class RemoteBackend:
                               backoff_max=backoff_max, max_concurrency=max_concurrency, dead_cooldown=dead_cooldown)
         self._dialect = get_dialect(dialect) if dialect is not None else None
         self._path = path
-        self._model = model
+        self._model = served_model
         self._max_items = max_items_per_request
         self._discovery: Discovery | None = None
         self._served_model: str | None = None
@@ -58,15 +60,17 @@ class RemoteBackend:
 
     def score(self, request: ScoreRequest) -> ScoreResponse:
         """Score on the server; one result per item, in input order."""
-        if self._dialect is None and self._discovery is None:
-            self._learn(discover(self.transport.get, self.transport.endpoints.order()))
+        if self._discovery is None and (self._dialect is None or self._model_unknown(request)):
+            self._learn(discover(self.transport.get, self.transport.endpoints.order(),
+                                 model_only=self._dialect is not None))
         dialect, path, chunks, bodies = self._encode(request)
         return self._decode(dialect, chunks, self.transport.post_all(path, bodies))
 
     async def ascore(self, request: ScoreRequest) -> ScoreResponse:
         """Async twin of ``score``."""
-        if self._dialect is None and self._discovery is None:
-            self._learn(await adiscover(self.transport.aget, self.transport.endpoints.order()))
+        if self._discovery is None and (self._dialect is None or self._model_unknown(request)):
+            self._learn(await adiscover(self.transport.aget, self.transport.endpoints.order(),
+                                        model_only=self._dialect is not None))
         dialect, path, chunks, bodies = self._encode(request)
         return self._decode(dialect, chunks, await self.transport.apost_all(path, bodies))
 
@@ -89,6 +93,14 @@ class RemoteBackend:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+    def _model_unknown(self, request: ScoreRequest) -> bool:
+        """True when the given dialect requires a model and none was given: it is then read from ``/v1/models``,
+        after the request is checked (a refused field never costs a request)."""
+        if self._dialect is None or self._model is not None or not self._dialect.requires_model:
+            return False
+        self._dialect.encode_request(request, None)
+        return True
 
     def _learn(self, discovery: Discovery) -> None:
         self._discovery = discovery

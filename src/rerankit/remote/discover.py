@@ -1,5 +1,6 @@
 """Which dialects a server speaks, read from what it publishes: the paths of ``/openapi.json``, the owner
-in ``/v1/models``, TEI's ``/info``. Results are cached per base URL for the life of the process.
+in ``/v1/models``, TEI's ``/info``; and, for a client told its dialect, only the served model from ``/v1/models``.
+Results are cached per base URL for the life of the process.
 
 The probing is written once, as a generator that yields the path to GET and is sent back the ``Reply``;
 ``discover`` and ``adiscover`` only drive it with sync or async I/O.
@@ -67,6 +68,11 @@ def _probe() -> Probe:
     return Discovery(tuple(routes), model)
 
 
+def _model_probe() -> Probe:
+    model, _ = _first_model((yield "/v1/models"))
+    return Discovery((), model)
+
+
 def _first_model(reply: Reply) -> tuple[str | None, str | None]:
     """Id and owner of the first model of an OpenAI-style ``/v1/models`` list."""
     data = reply.body.get("data") if reply.status == 200 and isinstance(reply.body, dict) else None
@@ -76,6 +82,7 @@ def _first_model(reply: Reply) -> tuple[str | None, str | None]:
 
 
 _cache: dict[str, Discovery] = {}
+_model_cache: dict[str, Discovery] = {}
 _cache_lock = threading.Lock()
 
 
@@ -88,44 +95,62 @@ def _found(base_url: str, discovery: Discovery) -> Discovery:
     return discovery
 
 
+def _found_model(base_url: str, discovery: Discovery) -> Discovery:
+    with _cache_lock:
+        _model_cache[base_url] = discovery
+    return discovery
+
+
 def _unreachable(base_urls: Sequence[str]) -> RemoteError:
     return RemoteError(f"cannot reach {', '.join(base_urls)} to discover its dialect; is the server up?")
 
 
-def discover(get: Callable[[str, str], Reply], base_urls: Sequence[str]) -> Discovery:
-    """The first reachable server's routes and model (cached); ``get(base_url, path)`` does the I/O."""
+def discover(get: Callable[[str, str], Reply], base_urls: Sequence[str], *, model_only: bool = False) -> Discovery:
+    """The first reachable server's routes and model (cached); ``get(base_url, path)`` does the I/O.
+
+    ``model_only``: ask ``/v1/models`` only, for a client that was told its dialect (no routes are then found).
+    """
+    cache, probe_of, found = _MODEL_ONLY if model_only else _FULL
     for base_url in base_urls:
-        if base_url in _cache:
-            return _cache[base_url]
-        probe = _probe()
+        if base_url in cache:
+            return cache[base_url]
+        probe = probe_of()
         path = next(probe)
         try:
             while (reply := get(base_url, path)).status is not None:
                 path = probe.send(reply)
         except StopIteration as done:
-            return _found(base_url, done.value)
+            return found(base_url, done.value)
     raise _unreachable(base_urls)
 
 
-async def adiscover(aget: Callable[[str, str], Awaitable[Reply]], base_urls: Sequence[str]) -> Discovery:
+async def adiscover(aget: Callable[[str, str], Awaitable[Reply]], base_urls: Sequence[str], *,
+                    model_only: bool = False) -> Discovery:
     """Async twin of ``discover``."""
+    cache, probe_of, found = _MODEL_ONLY if model_only else _FULL
     for base_url in base_urls:
-        if base_url in _cache:
-            return _cache[base_url]
-        probe = _probe()
+        if base_url in cache:
+            return cache[base_url]
+        probe = probe_of()
         path = next(probe)
         try:
             while (reply := await aget(base_url, path)).status is not None:
                 path = probe.send(reply)
         except StopIteration as done:
-            return _found(base_url, done.value)
+            return found(base_url, done.value)
     raise _unreachable(base_urls)
+
+
+# (cache, probe, what records a result) of a full discovery and of a served-model one.
+_FULL = (_cache, _probe, _found)
+_MODEL_ONLY = (_model_cache, _model_probe, _found_model)
 
 
 def forget(base_url: str | None = None) -> None:
     """Drop the cached discovery of ``base_url`` (of every URL when None), e.g. after a server changed."""
     with _cache_lock:
-        if base_url is None:
-            _cache.clear()
-        else:
-            _cache.pop(base_url.rstrip("/"), None)
+        for cache in (_cache, _model_cache):
+            if base_url is None:
+                cache.clear()
+            else:
+                cache.pop(base_url.rstrip("/"), None)

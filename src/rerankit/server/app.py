@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import time
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -19,13 +19,12 @@ from starlette.exceptions import HTTPException
 from rerankit import __version__
 from rerankit.backend import Backend
 from rerankit.errors import RerankitError
+from rerankit.remote.dialects import get_dialect
 from rerankit.remote.dialects.common import openai_error
 from rerankit.server.batcher import Batcher
 from rerankit.server.limits import ServerConfig, check_api_key
 from rerankit.server.routes import METHODS, ROUTES, error_headers, scoring_endpoint
 
-# Swagger's "try it out" needs to know that the scoring routes take a JSON body; the dialect picks its shape.
-JSON_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"type": "object"}}}}}
 
 
 def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
@@ -52,7 +51,7 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
     for path, dialects in ROUTES.items():
         endpoint = scoring_endpoint(path, batcher, config, model_name)
         for method in METHODS.get(path, ("POST",)):
-            app.add_api_route(path, endpoint, methods=[method], openapi_extra=JSON_BODY, tags=["scoring"],
+            app.add_api_route(path, endpoint, methods=[method], openapi_extra=request_body(dialects), tags=["scoring"],
                               operation_id=f"{method.lower()}{path.replace('/', '_')}",
                               summary=f"Score or rerank ({' | '.join(dialects)} wire format)")
 
@@ -82,6 +81,14 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
         return error_json(exc.status_code, str(exc.detail), "http_error", exc.headers)
 
     return app
+
+
+def request_body(dialects: tuple[str, ...]) -> dict[str, Any]:
+    """The OpenAPI ``requestBody`` of a scoring path: its dialects' request models (``anyOf`` when several), so that
+    Swagger's "try it out" and body generators (schemathesis) build bodies the path takes."""
+    schemas = [{**get_dialect(name).request_body.model_json_schema(), "title": f"{name} request"} for name in dialects]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 def error_json(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> JSONResponse:

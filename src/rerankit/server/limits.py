@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from rerankit.errors import RequestTooLarge, Unauthorized
 from rerankit.schema import ScoreRequest
 
+# The dialects that answer /rerank, /v1/rerank or /v2/rerank (rerankit.server.routes.ROUTES).
+RERANK_DIALECTS = ("vllm-rerank", "tei", "infinity", "sglang-rerank", "cohere")
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -21,6 +24,7 @@ class ServerConfig:
     (``gc.freeze()``), so that later full collections skip the model's and the compiler's objects. On the lent H100
     with the Qwen3-0.6B shape loaded, compiled and captured, 628k objects were tracked and one full collection took
     309 ms, a stall that any request could meet; ``rerankit serve`` sets it, as it owns its process.
+    ``rerank_dialect``: the dialect that answers a rerank body which shows none (see ``rerankit.server.routes``).
     """
 
     api_key: str | None = None
@@ -36,6 +40,7 @@ class ServerConfig:
     retry_after_s: int = 1
     warm_up: bool = True
     freeze_gc: bool = False
+    rerank_dialect: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_items_per_request", "max_tokens_per_item", "max_queue_requests",
@@ -44,6 +49,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.batch_window_ms < 0:
             raise ValueError(f"batch_window_ms must be >= 0, got {self.batch_window_ms}")
+        if self.rerank_dialect is not None and self.rerank_dialect not in RERANK_DIALECTS:
+            raise ValueError(f"rerank_dialect must be one of {', '.join(RERANK_DIALECTS)}, got {self.rerank_dialect!r}")
 
 
 def check_api_key(config: ServerConfig, authorization: str | None) -> None:

@@ -1,13 +1,20 @@
 """The scoring routes: one per wire path, each thin: read the body, parse with the dialect, batch, encode.
 
-A path that several dialects share is decided by the body's field names: the path's first dialect answers
-unless the body holds a field that dialect does not take; then the first other dialect of the path that takes
-every field of the body answers it (when none does, the first dialect's error names the odd field). So
-``/v1/score`` is SGLang's, or vLLM's deprecated one for ``queries``/``documents``/``text_1``/``data_1``;
-``/rerank`` is vLLM's, or TEI's for ``texts``; ``/v1/rerank`` is vLLM's (Jina-compatible), SGLang's for
-``instruct``/``return_documents``, Cohere-style (Jina, Infinity) for ``return_documents`` with ``model``;
-``/v2/rerank`` is Cohere's, or vLLM's for its own fields (``truncate_prompt_tokens``, ``instruction``...).
-Errors found before the body is parsed (auth, size, JSON) are in the path's first dialect's format.
+A path that several dialects share answers each body in the dialect that the body shows, as peers ignore
+fields they do not know and so bodies cannot be told apart by their fields alone:
+
+1. the SDK's header: the ``cohere`` SDKs (v1 ``Client``, ``ClientV2``, and what builds on them: langchain-cohere,
+   LlamaIndex's Cohere postprocessor) send ``X-Fern-SDK-Name: cohere``;
+2. else the fields that only one dialect has (``Dialect.markers``), present and not null: the dialect whose
+   markers claim the most fields of the body answers it (a tie goes to the default if it is tied, else to the
+   path's order). So ``rank_fields``/``max_chunks_per_doc`` are Cohere v1's, ``raw_scores`` Infinity's (with
+   ``texts`` TEI's), ``instruct`` or ``return_documents`` alone SGLang's, ``return_documents`` with ``model``
+   Jina's (Cohere-style), ``truncate_prompt_tokens``, ``padding``... vLLM's, ``queries``/``text_1`` on
+   ``/v1/score`` vLLM's and ``query``/``label_token_ids`` there SGLang's;
+3. else (a bare ``query``, ``documents``, maybe ``model`` and ``top_n``: truly ambiguous) the default: the server's
+   ``rerank_dialect`` where the path speaks it (``rerankit serve --rerank-dialect``), else the path's first.
+
+Errors found before the body is parsed (auth, size, JSON) are in the path's default dialect's format.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Mapping
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -32,10 +39,12 @@ ROUTES: dict[str, tuple[str, ...]] = {
     "/generative_scoring": ("vllm-generative",),
     "/score": ("vllm-score",),
     "/v1/score": ("sglang-score", "vllm-score"),
-    "/rerank": ("vllm-rerank", "tei"),
-    "/v1/rerank": ("vllm-rerank", "sglang-rerank", "cohere"),
+    "/rerank": ("vllm-rerank", "tei", "infinity"),
+    "/v1/rerank": ("vllm-rerank", "sglang-rerank", "cohere", "infinity"),
     "/v2/rerank": ("cohere", "vllm-rerank"),
 }
+# Header -> value -> dialect, for SDKs that say who they are.
+SDK_HEADERS = {"x-fern-sdk-name": {"cohere": "cohere"}}
 METHODS: dict[str, tuple[str, ...]] = {"/v1/rerank": ("POST", "PUT")}  # SGLang takes PUT there too
 
 
@@ -43,19 +52,20 @@ def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
                      model_name: str) -> Callable[[Request], Awaitable[JSONResponse]]:
     """The handler of one scoring path."""
     dialects = [get_dialect(name) for name in ROUTES[path]]
+    default = next((dialect for dialect in dialects if dialect.name == config.rerank_dialect), dialects[0])
     metrics = batcher.metrics
 
     async def endpoint(request: Request) -> JSONResponse:
         started = time.perf_counter()
-        dialect, status, items, tokens = dialects[0], 500, 0, 0
+        dialect, status, items, tokens = default, 500, 0, 0
         try:
             check_api_key(config, request.headers.get("authorization"))
             body = parse_json(await read_body(request, config))
-            dialect = dialect_for(dialects, body)
+            dialect = dialect_for(dialects, body, request.headers, default)
             score_request = dialect.parse_request(body)
             score_request = bound_request(config, score_request)
             response = await batcher.submit(score_request)
-            payload = dialect.encode_response(response, score_request, model_name, dialect.documents_requested(body))
+            payload = dialect.encode_response(response, score_request, model_name, dialect.echoed_documents(body))
             status, items, tokens = 200, len(response.results), response.usage.prompt_tokens
             return JSONResponse(payload)
         except RerankitError as exc:
@@ -70,10 +80,22 @@ def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
     return endpoint
 
 
-def dialect_for(dialects: list[Dialect], body: Any) -> Dialect:
-    """The dialect that answers ``body`` on a path shared by ``dialects`` (see the module's docstring)."""
-    fields = set(body) if isinstance(body, dict) else set()
-    return next((dialect for dialect in dialects if fields <= dialect.wire_fields), dialects[0])
+def dialect_for(dialects: list[Dialect], body: Any, headers: Mapping[str, str] | None = None,
+                default: Dialect | None = None) -> Dialect:
+    """The dialect that answers ``body`` on a path shared by ``dialects``: by the SDK's header, else by the
+    fields only one dialect has, else ``default`` (the path's first when None); see the module's docstring."""
+    default = default or dialects[0]
+    for header, named in SDK_HEADERS.items():
+        name = named.get(((headers or {}).get(header) or "").strip().lower())
+        sdk_dialect = next((dialect for dialect in dialects if dialect.name == name), None)
+        if sdk_dialect is not None:
+            return sdk_dialect
+    present = {field for field, value in body.items() if value is not None} if isinstance(body, dict) else set()
+    weights = {dialect.name: dialect.evidence(present) for dialect in dialects}
+    best = max(weights.values())
+    if best == 0 or weights[default.name] == best:
+        return default
+    return next(dialect for dialect in dialects if weights[dialect.name] == best)
 
 
 async def read_body(request: Request, config: ServerConfig) -> bytes:

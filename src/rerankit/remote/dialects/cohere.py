@@ -1,19 +1,24 @@
-"""Cohere-style rerank: Cohere's ``/v2/rerank``, and ``/v1/rerank`` of Jina and Infinity.
+"""Cohere-style rerank: Cohere's ``/v2/rerank`` and ``/v1/rerank`` (its v1 API, and Jina's).
 
-Results come sorted by ``relevance_score``; the client puts them back in input order by ``index``.
+Results come sorted by ``relevance_score``; the client puts them back in input order by ``index``. Cohere v1
+takes documents as objects too: ``rank_fields`` names the fields scored, which are joined as ``field: value``
+lines (the YAML-like form Cohere recommends for structured documents); without it an object's ``text`` is scored.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import Field, WithJsonSchema
 
 from rerankit.errors import InvalidRequest
 from rerankit.remote.dialects.common import (
     Dialect,
+    Text,
     WireBody,
     build_request,
+    echoed,
     in_input_order,
     new_id,
     param_first,
@@ -29,17 +34,24 @@ from rerankit.remote.dialects.common import (
 from rerankit.schema import ScoreRequest, ScoreResponse
 
 ENDPOINT = "Cohere-style /rerank"
+# Read by document_texts (whose errors name the document), typed for the OpenAPI schema.
+_OBJECT_DOCUMENT = {"type": "object", "required": ["text"], "additionalProperties": {"type": "string"}}
+Documents = Annotated[Any, WithJsonSchema(
+    {"type": "array", "minItems": 1, "items": {"anyOf": [{"type": "string"}, _OBJECT_DOCUMENT]}})]
 
 
 class RerankBody(WireBody):
-    """``POST /v2/rerank`` (and Jina/Infinity ``/v1/rerank``)."""
+    """``POST /v2/rerank`` and ``/v1/rerank`` (Cohere v1, Jina)."""
 
     model: str | None = None
-    query: Any
-    documents: Any
+    query: Text
+    documents: Documents
     top_n: int | None = Field(default=None, ge=1)
     max_tokens_per_doc: int | None = Field(default=None, ge=1)
-    return_documents: bool = False
+    return_documents: bool | None = None
+    rank_fields: list[str] | None = Field(default=None, min_length=1)
+    max_chunks_per_doc: int | None = Field(default=None, ge=1)
+    priority: int | None = None
 
 
 def encode_request(request: ScoreRequest, model: str | None) -> tuple[str, dict[str, Any]]:
@@ -66,25 +78,61 @@ def decode_response(body: Any, request: ScoreRequest, model: str | None = None) 
 
 
 def parse_request(body: Any) -> ScoreRequest:
-    """A rerank body as a ``ScoreRequest``; ``max_tokens_per_doc`` cuts each document's end."""
+    """A rerank body as a ``ScoreRequest``; ``max_tokens_per_doc`` cuts each document's end.
+
+    ``max_chunks_per_doc`` (Cohere v1: score a long document's chunks, keep the best) is accepted, and a long
+    document is cut at the model's limit instead (truncation ``end``). ``priority`` is ignored (one queue).
+    """
     wire = parse_wire(RerankBody, body)
     return build_request({"items": "documents", "max_tokens_per_item": "max_tokens_per_doc"},
-                         query=single_text(wire.query, "query"), items=text_list(wire.documents, "documents"),
+                         query=single_text(wire.query, "query"), items=document_texts(wire.documents,
+                                                                                      wire.rank_fields),
                          top_n=wire.top_n, max_tokens_per_item=wire.max_tokens_per_doc)
 
 
+def document_texts(documents: Any, rank_fields: list[str] | None) -> list[str]:
+    """The text scored for each document: a string as is; an object's ``rank_fields`` as ``field: value`` lines,
+    in the order given (fields a document lacks are skipped), or its ``text`` when no ``rank_fields``."""
+    if isinstance(documents, str) or not isinstance(documents, list) or \
+            all(isinstance(document, str) for document in documents):
+        return text_list(documents, "documents")
+    texts = []
+    for index, document in enumerate(documents):
+        if isinstance(document, str):
+            texts.append(document)
+            continue
+        if not isinstance(document, dict):
+            raise InvalidRequest(f"documents.{index}", "must be a text or an object of fields")
+        if rank_fields is None:
+            if not isinstance(document.get("text"), str):
+                raise InvalidRequest(f"documents.{index}", "an object document needs a text field "
+                                                           "(or give rank_fields)")
+            texts.append(document["text"])
+            continue
+        lines = [f"{field}: {_field_text(document[field])}" for field in rank_fields if field in document]
+        if not lines:
+            raise InvalidRequest(f"documents.{index}", f"has none of the rank_fields {rank_fields}")
+        texts.append("\n".join(lines))
+    return texts
+
+
+def _field_text(value: Any) -> str:
+    """A field's value as text: strings as they are, anything else as JSON."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
 def encode_response(response_: ScoreResponse, request: ScoreRequest, model: str | None = None,
-                    return_documents: bool = False) -> dict[str, Any]:
-    """Cohere v2 body: results best first, cut to ``top_n``; input tokens in ``meta.tokens``."""
-    results = ranked_results(response_, request, "relevance_score", "document.text", return_documents)
+                    documents: list[Any] | None = None) -> dict[str, Any]:
+    """Cohere body: results best first, cut to ``top_n``; input tokens in ``meta.tokens``."""
+    results = ranked_results(response_, request, "relevance_score", "document.text", documents)
     meta = {"api_version": {"version": "2"},
             "tokens": {"input_tokens": response_.usage.prompt_tokens, "output_tokens": 0}}
     return {"id": new_id("rerank"), "results": results, "meta": meta}
 
 
-def documents_requested(body: Any) -> bool:
-    """``return_documents`` (Jina/Infinity); Cohere v2 does not echo documents."""
-    return isinstance(body, dict) and body.get("return_documents") is True
+def echoed_documents(body: Any) -> list[Any] | None:
+    """With ``return_documents`` (Cohere v1, Jina; false unless asked) the documents as sent, objects whole."""
+    return echoed(body, "documents", isinstance(body, dict) and body.get("return_documents") is True)
 
 
 def error_body(status: int, message: str, param: str | None = None, kind: str | None = None) -> dict[str, Any]:
@@ -96,4 +144,6 @@ COHERE = Dialect(
     name="cohere", paths=("/v2/rerank", "/v1/rerank"), max_items=1000,
     encode_request=encode_request, decode_response=decode_response, parse_request=parse_request,
     encode_response=encode_response, error_body=error_body, request_body=RerankBody,
-    documents_requested=documents_requested)
+    echoed_documents=echoed_documents, requires_model=True,
+    # Fields only Cohere v1 has; a Jina client sends return_documents with model (SGLang's body has no model).
+    markers=(frozenset({"rank_fields"}), frozenset({"max_chunks_per_doc"}), frozenset({"model", "return_documents"})))

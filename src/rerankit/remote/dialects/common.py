@@ -6,18 +6,39 @@ and the server routes all run the same code.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import uuid
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any, Callable, Iterable
+from typing import Annotated, Any, Callable, Iterable, Union
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, WithJsonSchema
 
 from rerankit.errors import InvalidRequest, RemoteError
 from rerankit.schema import ErrorDetail, ScoreRequest, ScoreResponse, ScoreResult, Usage
 from rerankit.templates import RAW, get_template
+
+log = logging.getLogger("rerankit.server")
+
+# Wire fields read by ``single_text``/``text_list`` (whose errors name the field), typed for the OpenAPI schema.
+TEXT_SCHEMA = {"type": "string", "pattern": r"\S"}
+TEXT_LIST_SCHEMA = {"type": "array", "items": {"type": "string"}, "minItems": 1}
+TEXTS_SCHEMA = {"anyOf": [TEXT_SCHEMA, TEXT_LIST_SCHEMA]}
+TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+ITEMS_SCHEMA = {"anyOf": [TEXT_LIST_SCHEMA, {"type": "array", "items": TOKEN_IDS_SCHEMA, "minItems": 1}]}
+NULL_SCHEMA = {"type": "null"}
+Text = Annotated[Any, WithJsonSchema(TEXT_SCHEMA)]
+Texts = Annotated[Any, WithJsonSchema(TEXTS_SCHEMA)]
+OptionalText = Annotated[Any, WithJsonSchema({"anyOf": [TEXT_SCHEMA, NULL_SCHEMA]})]
+OptionalTexts = Annotated[Any, WithJsonSchema({"anyOf": [TEXT_SCHEMA, TEXT_LIST_SCHEMA, NULL_SCHEMA]})]
+TextOrTokens = Annotated[Union[str, list[int]], WithJsonSchema({"anyOf": [TEXT_SCHEMA, TOKEN_IDS_SCHEMA]})]
+TextsOrTokens = Annotated[Union[list[str], list[list[int]]], WithJsonSchema(ITEMS_SCHEMA)]
+LabelIds = Annotated[list[int], WithJsonSchema(TOKEN_IDS_SCHEMA)]
+# Fields whose other values are refused with a clear error: the schema publishes only what is honoured.
+TRUE_OR_NULL = WithJsonSchema({"enum": [True, None]})
+NULL_ONLY = WithJsonSchema(NULL_SCHEMA)
 
 # Why a field cannot travel to a server, when the bare "cannot honour" says too little.
 _REASONS = {
@@ -39,9 +60,10 @@ _OWN_HEAD: dict[str, tuple[Any, ...]] = {
 
 
 class WireBody(BaseModel):
-    """Base of the server-side request models: unknown fields are refused, not dropped."""
+    """Base of the server-side request models: unknown fields are ignored (logged at debug), as vLLM and SGLang
+    do; a field the model names but rerankit cannot honour is refused by the dialect's parser."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
 
 
 @dataclass(frozen=True)
@@ -50,7 +72,9 @@ class Dialect:
 
     ``paths`` are the routes that speak it, the first being where the client posts; ``max_items`` is the
     most items the client puts in one request unless told otherwise; ``request_body`` is the server's model of
-    a request body.
+    a request body; ``markers`` are the sets of fields that, all present and not null, show a body is in this
+    dialect (a server path shared by several dialects weighs them, see ``rerankit.server.routes``);
+    ``requires_model``: the server refuses a body without ``model`` (Cohere), so the client finds one to send.
     """
 
     name: str
@@ -62,12 +86,17 @@ class Dialect:
     encode_response: Callable[..., Any]
     error_body: Callable[..., dict[str, Any]]
     request_body: type[WireBody]
-    documents_requested: Callable[[Any], bool] = lambda body: False
+    echoed_documents: Callable[[Any], list[Any] | None] = lambda body: None
+    markers: tuple[frozenset[str], ...] = ()
+    requires_model: bool = False
 
-    @property
-    def wire_fields(self) -> frozenset[str]:
-        """The fields a request body in this dialect may hold (the server routes tell dialects apart by them)."""
-        return frozenset(self.request_body.model_fields)
+    def evidence(self, present: set[str]) -> int:
+        """How many of the ``present`` fields this dialect's markers claim (0: the body says nothing of it)."""
+        claimed: set[str] = set()
+        for marker in self.markers:
+            if marker <= present:
+                claimed |= marker
+        return len(claimed)
 
     def decode(self, body: Any, request: ScoreRequest, model: str | None = None) -> ScoreResponse:
         """``decode_response`` with a malformed body turned into a ``RemoteError``."""
@@ -197,6 +226,9 @@ def parse_wire(model: type[WireBody], body: Any) -> Any:
     """Validate a JSON body against a wire model, raising ``InvalidRequest`` naming the wire field."""
     if not isinstance(body, dict):
         raise InvalidRequest("body", f"must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - set(model.model_fields))
+    if unknown:
+        log.debug("%s: ignoring unknown fields %s", model.__name__, ", ".join(unknown))
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -246,27 +278,29 @@ def text_list(value: Any, field: str) -> list[str]:
 
 
 def ranked_results(response_: ScoreResponse, request: ScoreRequest, score_field: str, document_field: str,
-                   return_documents: bool) -> list[dict[str, Any]]:
+                   documents: list[Any] | None) -> list[dict[str, Any]]:
     """Rerank-style wire results: best first, cut to ``top_n``, each ``{"index", score_field}``.
 
-    With ``return_documents`` each also holds its item's text under ``document_field``; a dotted field nests it
-    (``"document.text"``: ``{"document": {"text": ...}}``).
+    With ``documents`` (the body's, see ``echoed``) each also holds its document under ``document_field``; a dotted
+    field nests a text (``"document.text"``: ``{"document": {"text": ...}}``), an object document is echoed whole.
     """
     results = []
     for result in response_.ranked(request.top_n):
         entry: dict[str, Any] = {"index": result.index, score_field: result.score}
-        if return_documents:
+        if documents is not None:
             outer, _, inner = document_field.partition(".")
-            text = _document_text(request, result.index)
-            entry[outer] = {inner: text} if inner else text
+            document = documents[result.index]
+            entry[outer] = {inner: document} if inner and isinstance(document, str) else document
         results.append(entry)
     return results
 
 
-def _document_text(request: ScoreRequest, index: int) -> str:
-    """The text of item ``index`` (token-id items are written out as ids)."""
-    item = request.items[index]
-    return item if isinstance(item, str) else " ".join(str(token) for token in item)
+def echoed(body: Any, field: str, asked: bool) -> list[Any] | None:
+    """The documents of a (parsed, so valid) body's ``field`` to echo in the reply when ``asked``, else None."""
+    if not asked or not isinstance(body, dict):
+        return None
+    documents = body.get(field)
+    return [documents] if isinstance(documents, str) else documents
 
 
 def error_type(status: int) -> str:

@@ -5,15 +5,24 @@ and ``/v1/rerank`` (a JSON list sorted by score).
 from __future__ import annotations
 
 import math
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
-from pydantic import Field
+from pydantic import Field, WithJsonSchema
 
 from rerankit.errors import InvalidRequest, RemoteError
 from rerankit.remote.dialects.common import (
+    ITEMS_SCHEMA,
+    NULL_ONLY,
+    NULL_SCHEMA,
+    TEXT_SCHEMA,
+    TOKEN_IDS_SCHEMA,
     Dialect,
+    Text,
+    TextOrTokens,
+    Texts,
     WireBody,
     build_request,
+    echoed,
     in_input_order,
     openai_error,
     openai_usage,
@@ -32,10 +41,12 @@ from rerankit.remote.dialects.common import (
     wire_refuse_set,
     with_model,
 )
-from rerankit.schema import ScoreRequest, ScoreResponse
+from rerankit.schema import ScoreRequest, ScoreResponse, ScoreResult
 from rerankit.templates import RAW
 
 SCORE = "SGLang /v1/score"
+# The largest logit answered: sigmoid(100) is 1.0 in float64, so a saturated score still round-trips.
+LOGIT_LIMIT = 100.0
 RERANK = "SGLang /v1/rerank"
 
 
@@ -43,25 +54,26 @@ class ScoreBody(WireBody):
     """``POST /v1/score``."""
 
     model: str | None = None
-    query: Union[str, list[int]]
-    items: Union[str, list[str], list[list[int]]]
-    label_token_ids: Union[list[int], list[list[int]], None] = None
+    query: TextOrTokens
+    items: Annotated[Union[str, list[str], list[list[int]]], WithJsonSchema({"anyOf": [TEXT_SCHEMA, ITEMS_SCHEMA]})]
+    label_token_ids: Annotated[Union[list[int], list[list[int]], None], WithJsonSchema(
+        {"anyOf": [TOKEN_IDS_SCHEMA, NULL_SCHEMA]})] = None
     apply_softmax: bool = False
-    temperature: float = Field(default=1.0, gt=0)
-    return_token_logprobs: bool = False
+    temperature: Annotated[float, WithJsonSchema({"const": 1.0})] = Field(default=1.0, gt=0)
+    return_token_logprobs: Annotated[bool, WithJsonSchema({"const": False})] = False
     item_first: bool = False
     return_pooled_hidden_states: bool = False
-    score_extraction_token: str | None = None
-    embed_override_token_id: int | None = None
-    query_embed_overrides: Any = None
-    item_embed_overrides: Any = None
+    score_extraction_token: Annotated[str | None, NULL_ONLY] = None
+    embed_override_token_id: Annotated[int | None, NULL_ONLY] = None
+    query_embed_overrides: Annotated[Any, NULL_ONLY] = None
+    item_embed_overrides: Annotated[Any, NULL_ONLY] = None
 
 
 class RerankBody(WireBody):
     """``POST /v1/rerank``."""
 
-    query: Any
-    documents: Any
+    query: Text
+    documents: Texts
     instruct: str | None = None
     top_n: int | None = Field(default=None, ge=1)
     return_documents: bool = True
@@ -71,7 +83,12 @@ class RerankBody(WireBody):
 
 def encode_score_request(request: ScoreRequest, model: str | None) -> tuple[str, dict[str, Any]]:
     """``/v1/score`` body: label ids for a CausalLM, none for a classifier; ``apply_softmax`` always sent,
-    since SGLang's default (false) differs from rerankit's."""
+    since SGLang's default (false) differs from rerankit's.
+
+    A classifier is sent ``apply_softmax: false``: SGLang then answers the head's logits, and the client
+    activates them as rerankit does (sigmoid of a lone logit, softmax's class 1 of several), whereas a softmax
+    over a lone logit is 1.0 for every item.
+    """
     refuse(request, SCORE, mode=(None, "generative", "cross-encoder"), labels=(None,), add_special_tokens=(True,),
            max_tokens_per_item=(None,), truncation=("end", "none"), mis_delimiter_token_id=(None,))
     if request.label_token_ids is None:
@@ -79,14 +96,16 @@ def encode_score_request(request: ScoreRequest, model: str | None) -> tuple[str,
             raise InvalidRequest("label_token_ids", f"{SCORE} needs label_token_ids to score a CausalLM")
         if request.return_label_logprobs:
             raise InvalidRequest("return_label_logprobs", f"{SCORE} gives label log-probs for label_token_ids")
+        refuse(request, f"{SCORE} without label_token_ids", apply_softmax=(True,))
     elif request.mode == "cross-encoder":
         raise InvalidRequest("label_token_ids", f"{SCORE} scores a classifier with its own head, not label ids")
     query, items, instruction = raw_prompt_parts(request, SCORE)
     if instruction is not None:
         raise InvalidRequest("instruction", f"{SCORE} has no instruction; use a template that takes one")
-    body: dict[str, Any] = {"query": query, "items": items, "apply_softmax": request.apply_softmax,
-                            "item_first": request.item_first}
-    if request.label_token_ids is not None:
+    classifier = request.label_token_ids is None
+    body: dict[str, Any] = {"query": query, "items": items,
+                            "apply_softmax": request.apply_softmax and not classifier, "item_first": request.item_first}
+    if not classifier:
         body["label_token_ids"] = request.label_token_ids
     if request.return_pooled_hidden_states:
         body["return_pooled_hidden_states"] = True
@@ -115,7 +134,7 @@ def decode_score_response(body: Any, request: ScoreRequest, model: str | None = 
     results = []
     for index, values in enumerate(scores):
         values = values if isinstance(values, list) else [values]
-        result = scored(index, values[0])
+        result = scored(index, values[0] if request.label_token_ids is not None else activated(values))
         if request.return_label_logprobs:
             result.label_logprobs = probability_logs([float(value) for value in values])
         if pooled is not None:
@@ -129,6 +148,34 @@ def decode_rerank_response(body: Any, request: ScoreRequest, model: str | None =
     results = in_input_order(body, "score", len(request.items), RERANK)
     prompt_tokens = sum(prompt_tokens_of(entry.get("meta_info")) for entry in body)
     return response(results, None, model, prompt_tokens)
+
+
+def activated(logits: list[Any]) -> float:
+    """A classifier's score from its logits, as rerankit's cross-encoder head computes it."""
+    values = [float(logit) for logit in logits]
+    if len(values) == 1:
+        return _sigmoid(values[0])
+    # softmax(values)[1] = sigmoid(values[1] - logsumexp(values without index 1))
+    rest = values[:1] + values[2:]
+    top = max(rest)
+    return _sigmoid(values[1] - (top + math.log(sum(math.exp(value - top) for value in rest))))
+
+
+def _sigmoid(value: float) -> float:
+    """Sigmoid without overflow for large negative values."""
+    if value >= 0:
+        return 1.0 / (1.0 + math.exp(-value))
+    small = math.exp(value)
+    return small / (1.0 + small)
+
+
+def logit(probability: float) -> float:
+    """The logit whose sigmoid is ``probability``, kept finite (JSON has no infinity): within +-LOGIT_LIMIT."""
+    if probability <= 0.0:
+        return -LOGIT_LIMIT
+    if probability >= 1.0:
+        return LOGIT_LIMIT
+    return max(-LOGIT_LIMIT, min(LOGIT_LIMIT, math.log(probability) - math.log1p(-probability)))
 
 
 # Server side ------------------------------------------------------------------------------------------
@@ -161,25 +208,32 @@ def parse_rerank_request(body: Any) -> ScoreRequest:
 
 
 def encode_score_response(response_: ScoreResponse, request: ScoreRequest, model: str | None = None,
-                          return_documents: bool = False) -> dict[str, Any]:
-    """``/v1/score`` body: every label's probability per item (the score alone for a classifier)."""
-    scores = [[math.exp(logprob) for logprob in result.label_logprobs] if result.label_logprobs is not None
-              else [result.score] for result in response_.results]
+                          documents: list[Any] | None = None) -> dict[str, Any]:
+    """``/v1/score`` body: every label's probability per item; for a classifier its activated score, or with
+    ``apply_softmax: false`` (SGLang's logits) the logit whose sigmoid is that score."""
+    def values(result: ScoreResult) -> list[float]:
+        if request.label_token_ids is None:
+            return [result.score if request.apply_softmax else logit(result.score)]
+        if result.label_logprobs is not None:
+            return [math.exp(logprob) for logprob in result.label_logprobs]
+        return [result.score]
+
     pooled = ([result.pooled_hidden_state for result in response_.results]
               if request.return_pooled_hidden_states else None)
-    return {"scores": scores, "pooled_hidden_states": pooled, "token_logprobs": None,
-            "model": model or response_.model, "usage": openai_usage(response_), "object": "scoring"}
+    return {"scores": [values(result) for result in response_.results], "pooled_hidden_states": pooled,
+            "token_logprobs": None, "model": model or response_.model, "usage": openai_usage(response_),
+            "object": "scoring"}
 
 
 def encode_rerank_response(response_: ScoreResponse, request: ScoreRequest, model: str | None = None,
-                           return_documents: bool = True) -> list[dict[str, Any]]:
+                           documents: list[Any] | None = None) -> list[dict[str, Any]]:
     """``/v1/rerank`` body: a list best first, cut to ``top_n``."""
-    return ranked_results(response_, request, "score", "document", return_documents)
+    return ranked_results(response_, request, "score", "document", documents)
 
 
-def documents_requested(body: Any) -> bool:
-    """``return_documents``, true unless the body says otherwise."""
-    return not isinstance(body, dict) or body.get("return_documents", True) is not False
+def echoed_documents(body: Any) -> list[Any] | None:
+    """The documents unless ``return_documents`` is false (true by default)."""
+    return echoed(body, "documents", isinstance(body, dict) and body.get("return_documents", True) is not False)
 
 
 def error_body(status: int, message: str, param: str | None = None, kind: str | None = None) -> dict[str, Any]:
@@ -191,9 +245,13 @@ SGLANG_SCORE = Dialect(
     name="sglang-score", paths=("/v1/score",), max_items=256,
     encode_request=encode_score_request, decode_response=decode_score_response,
     parse_request=parse_score_request, encode_response=encode_score_response, error_body=error_body,
-    request_body=ScoreBody)
+    request_body=ScoreBody,
+    markers=tuple(frozenset({field}) for field in (
+        "query", "label_token_ids", "apply_softmax", "temperature", "return_token_logprobs", "item_first",
+        "return_pooled_hidden_states", "score_extraction_token", "embed_override_token_id")))
 SGLANG_RERANK = Dialect(
     name="sglang-rerank", paths=("/v1/rerank",), max_items=256,
     encode_request=encode_rerank_request, decode_response=decode_rerank_response,
     parse_request=parse_rerank_request, encode_response=encode_rerank_response, error_body=error_body,
-    request_body=RerankBody, documents_requested=documents_requested)
+    request_body=RerankBody, echoed_documents=echoed_documents,
+    markers=(frozenset({"instruct"}), frozenset({"return_documents"})))

@@ -6,12 +6,17 @@ rerankit's truncation maps one to one: ``end`` is ``truncate`` to the right, ``s
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+from pydantic import WithJsonSchema
 
 from rerankit.remote.dialects.common import (
     Dialect,
+    Text,
+    Texts,
     WireBody,
     build_request,
+    echoed,
     in_input_order,
     param_first,
     parse_wire,
@@ -34,9 +39,9 @@ _ERROR_TYPES = {400: "Validation", 413: "Validation", 422: "Validation", 424: "B
 class RerankBody(WireBody):
     """``POST /rerank``."""
 
-    query: Any
-    texts: Any
-    raw_scores: bool = False
+    query: Text
+    texts: Texts
+    raw_scores: Annotated[bool, WithJsonSchema({"const": False})] = False
     return_text: bool = False
     truncate: bool | None = None
     truncation_direction: Literal["Right", "Left"] = "Right"
@@ -68,14 +73,14 @@ def parse_request(body: Any) -> ScoreRequest:
 
 
 def encode_response(response_: ScoreResponse, request: ScoreRequest, model: str | None = None,
-                    return_documents: bool = False) -> list[dict[str, Any]]:
+                    documents: list[Any] | None = None) -> list[dict[str, Any]]:
     """A list best first; ``text`` when ``return_text`` was asked."""
-    return ranked_results(response_, request, "score", "text", return_documents)
+    return ranked_results(response_, request, "score", "text", documents)
 
 
-def documents_requested(body: Any) -> bool:
-    """``return_text``, false unless asked."""
-    return isinstance(body, dict) and body.get("return_text") is True
+def echoed_documents(body: Any) -> list[Any] | None:
+    """The texts when ``return_text`` (false unless asked)."""
+    return echoed(body, "texts", isinstance(body, dict) and body.get("return_text") is True)
 
 
 def error_body(status: int, message: str, param: str | None = None, kind: str | None = None) -> dict[str, Any]:
@@ -87,4 +92,6 @@ TEI = Dialect(
     name="tei", paths=("/rerank",), max_items=32,
     encode_request=encode_request, decode_response=decode_response, parse_request=parse_request,
     encode_response=encode_response, error_body=error_body, request_body=RerankBody,
-    documents_requested=documents_requested)
+    echoed_documents=echoed_documents,
+    markers=(frozenset({"texts"}), frozenset({"return_text"}), frozenset({"truncate"}),
+             frozenset({"truncation_direction"})))

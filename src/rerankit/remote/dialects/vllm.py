@@ -6,15 +6,27 @@ Client side, ``top_n`` is never sent: every item must come back, and ``ScoreResp
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field, WithJsonSchema
 
 from rerankit.errors import InvalidRequest
 from rerankit.remote.dialects.common import (
+    NULL_ONLY,
+    TEXT_SCHEMA,
+    TEXTS_SCHEMA,
+    TRUE_OR_NULL,
     Dialect,
+    LabelIds,
+    OptionalText,
+    OptionalTexts,
+    Text,
+    Texts,
+    TextOrTokens,
+    TextsOrTokens,
     WireBody,
     build_request,
+    echoed,
     in_input_order,
     new_id,
     now,
@@ -40,15 +52,19 @@ GENERATIVE = "vLLM /generative_scoring"
 POOLING_MODES = (None, "cross-encoder", "bi-encoder", "late-interaction")
 # The (query, documents) field pairs /score accepts, in vLLM's order of preference.
 SCORE_PAIRS = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
+# Fields of /score and /rerank that no other dialect has (priority and max_tokens_per_doc are Cohere's too).
+_POOLING_ONLY = ("user", "truncate_prompt_tokens", "truncation_side", "max_tokens_per_query", "instruction",
+                 "chat_template_kwargs", "use_activation", "softmax", "activation", "request_id",
+                 "mm_processor_kwargs", "cache_salt", "padding")
 
 
 class GenerativeScoringBody(WireBody):
     """``POST /generative_scoring``."""
 
     model: str | None = None
-    query: Union[str, list[int]]
-    items: Union[list[str], list[list[int]]]
-    label_token_ids: list[int]
+    query: TextOrTokens
+    items: TextsOrTokens
+    label_token_ids: LabelIds
     apply_softmax: bool = True
     item_first: bool = False
     add_special_tokens: bool = True
@@ -62,36 +78,44 @@ class PoolingFields(WireBody):
 
     model: str | None = None
     user: str | None = None
-    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
-    truncation_side: Literal["left", "right"] | None = None
-    max_tokens_per_query: int = Field(default=0, ge=0)
+    truncate_prompt_tokens: Annotated[int | None, WithJsonSchema({"enum": [-1, None]})] = Field(default=None, ge=-1)
+    truncation_side: Annotated[Literal["left", "right"] | None, WithJsonSchema({"enum": ["right", None]})] = None
+    max_tokens_per_query: Annotated[int, WithJsonSchema({"const": 0})] = Field(default=0, ge=0)
     max_tokens_per_doc: int = Field(default=0, ge=0)
     instruction: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    use_activation: bool | None = None
+    chat_template_kwargs: Annotated[dict[str, Any] | None, NULL_ONLY] = None
+    use_activation: Annotated[bool | None, TRUE_OR_NULL] = None
+    softmax: Annotated[bool | None, TRUE_OR_NULL] = None  # softmax and activation: use_activation's old names
+    activation: Annotated[bool | None, TRUE_OR_NULL] = None
     priority: int = 0
     request_id: str | None = None
-    mm_processor_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: Annotated[dict[str, Any] | None, NULL_ONLY] = None
     cache_salt: str | None = None
+    padding: Annotated[Any, NULL_ONLY] = None
 
 
 class ScoreBody(PoolingFields):
     """``POST /score``: one of four (query, documents) field pairs."""
 
-    queries: Any = None
-    documents: Any = None
-    items: Any = None
-    data_1: Any = None
-    data_2: Any = None
-    text_1: Any = None
-    text_2: Any = None
+    # Any pair makes a body: the schema says so, for clients generating bodies from /openapi.json.
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"required": list(pair), "properties": {pair[0]: TEXT_SCHEMA, pair[1]: TEXTS_SCHEMA}}
+        for pair in SCORE_PAIRS]})
+
+    queries: OptionalText = None
+    documents: OptionalTexts = None
+    items: OptionalTexts = None
+    data_1: OptionalText = None
+    data_2: OptionalTexts = None
+    text_1: OptionalText = None
+    text_2: OptionalTexts = None
 
 
 class RerankBody(PoolingFields):
     """``POST /rerank``, ``/v1/rerank``, ``/v2/rerank``."""
 
-    query: Any
-    documents: Any
+    query: Text
+    documents: Texts
     top_n: int = Field(default=0, ge=0)
 
 
@@ -167,12 +191,13 @@ def parse_generative_request(body: Any) -> ScoreRequest:
 def _pooling_request(wire: PoolingFields, query: str, documents: list[str], names: dict[str, str],
                      top_n: int | None = None) -> ScoreRequest:
     """The ``ScoreRequest`` of a ``/score`` or ``/rerank`` body, refusing what the engine does not offer."""
-    wire_refuse("use_activation", wire.use_activation, (None, True), "raw logits are not offered")
+    for field in ("use_activation", "softmax", "activation"):
+        wire_refuse(field, getattr(wire, field), (None, True), "raw logits are not offered")
     wire_refuse("max_tokens_per_query", wire.max_tokens_per_query, (0,), "the query is never cut")
     wire_refuse("truncation_side", wire.truncation_side, (None, "right"), "the query is never cut")
     wire_refuse("truncate_prompt_tokens", wire.truncate_prompt_tokens, (None, -1),
                 "a whole-prompt cap is not offered; use max_tokens_per_doc, or -1 for the model's limit")
-    wire_refuse_set(wire, ("chat_template_kwargs", "mm_processor_kwargs"), "not offered")
+    wire_refuse_set(wire, ("chat_template_kwargs", "mm_processor_kwargs", "padding"), "not offered")
     cuts = wire.truncate_prompt_tokens == -1 or wire.max_tokens_per_doc > 0
     return build_request(names, query=query, items=documents, instruction=wire.instruction, top_n=top_n,
                          max_tokens_per_item=wire.max_tokens_per_doc or None,
@@ -200,7 +225,7 @@ def parse_rerank_request(body: Any) -> ScoreRequest:
 
 
 def encode_data_response(response_: ScoreResponse, request: ScoreRequest, model: str | None = None,
-                         return_documents: bool = False) -> dict[str, Any]:
+                         documents: list[Any] | None = None) -> dict[str, Any]:
     """``/generative_scoring`` and ``/score`` body: scores in input order."""
     data = [{"index": result.index, "object": "score", "score": result.score} for result in response_.results]
     return {"id": new_id("score"), "object": "list", "created": now(), "model": model or response_.model,
@@ -208,9 +233,9 @@ def encode_data_response(response_: ScoreResponse, request: ScoreRequest, model:
 
 
 def encode_rerank_response(response_: ScoreResponse, request: ScoreRequest, model: str | None = None,
-                           return_documents: bool = True) -> dict[str, Any]:
-    """``/rerank`` body: best first, cut to ``top_n``, each with its document (vLLM always echoes it)."""
-    results = ranked_results(response_, request, "relevance_score", "document.text", return_documents)
+                           documents: list[Any] | None = None) -> dict[str, Any]:
+    """``/rerank`` body: best first, cut to ``top_n``, each with its document (vLLM always echoes them)."""
+    results = ranked_results(response_, request, "relevance_score", "document.text", documents)
     tokens = response_.usage.prompt_tokens
     return {"id": new_id("rerank"), "model": model or response_.model, "results": results,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
@@ -230,9 +255,11 @@ VLLM_SCORE = Dialect(
     name="vllm-score", paths=("/score", "/v1/score"), max_items=256,
     encode_request=encode_score_request, decode_response=decode_data_response,
     parse_request=parse_score_request, encode_response=encode_data_response, error_body=error_body,
-    request_body=ScoreBody)
+    request_body=ScoreBody,
+    markers=tuple(frozenset({field}) for field in ("queries", "data_1", "text_1", "documents", *_POOLING_ONLY)))
 VLLM_RERANK = Dialect(
     name="vllm-rerank", paths=("/rerank", "/v1/rerank", "/v2/rerank"), max_items=256,
     encode_request=encode_rerank_request, decode_response=decode_rerank_response,
     parse_request=parse_rerank_request, encode_response=encode_rerank_response, error_body=error_body,
-    request_body=RerankBody, documents_requested=lambda body: True)
+    request_body=RerankBody, echoed_documents=lambda body: echoed(body, "documents", True),
+    markers=tuple(frozenset({field}) for field in _POOLING_ONLY))

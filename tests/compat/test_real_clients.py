@@ -1,0 +1,148 @@
+"""The real client packages against ``rerankit serve`` on loopback: each gets its indexes and the scores of the
+local ``Reranker`` back, in the shape it parses. A test is skipped when its package is not installed
+(``pip install 'rerankit[compat]'``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from live_server import live_server
+
+from rerankit import Reranker
+from rerankit.server.app import create_app
+from rerankit.server.limits import ServerConfig
+
+QUERY = "What is the capital of France?"
+DOCS = ["Paris is the capital and most populous city of France.", "The quick brown fox jumps over the lazy dog.",
+        "Gravity is a force that attracts two bodies towards each other.", "The capital of China is Beijing."]
+MODEL = "tiny-ce"
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def local(tiny_bert_cross_encoder):
+    with Reranker(str(tiny_bert_cross_encoder)) as reranker:
+        yield reranker
+
+
+@pytest.fixture(scope="module")
+def url(local):
+    with live_server(create_app(local.backend, ServerConfig(served_model_name=MODEL))) as base:
+        yield base
+
+
+def true_scores(local: Reranker, documents: list[str] = DOCS) -> list[float]:
+    return [ranked.score for ranked in sorted(local.rank(QUERY, documents), key=lambda ranked: ranked.index)]
+
+
+def assert_ranked(pairs: list[tuple[int, float]], want: list[float], top_n: int | None = None) -> None:
+    """(index, score) pairs best first, each the local score of that document, cut to top_n."""
+    order = sorted(range(len(want)), key=lambda index: -want[index])[:top_n]
+    assert [index for index, _ in pairs] == order
+    for index, score in pairs:
+        assert score == pytest.approx(want[index], abs=TOLERANCE)
+
+
+def test_cohere_v2_client(url, local):
+    cohere = pytest.importorskip("cohere")
+    client = cohere.ClientV2(api_key="unused", base_url=url)
+    reply = client.rerank(model=MODEL, query=QUERY, documents=DOCS, top_n=3, max_tokens_per_doc=256, priority=1)
+    assert_ranked([(r.index, r.relevance_score) for r in reply.results], true_scores(local), top_n=3)
+    assert reply.meta is not None and reply.meta.tokens.input_tokens > 0
+    assert all(getattr(r, "document", None) is None for r in reply.results)
+
+
+def test_cohere_v1_client_with_object_documents_and_rank_fields(url, local):
+    cohere = pytest.importorskip("cohere")
+    client = cohere.Client(api_key="unused", base_url=url)
+    documents = [{"title": f"Doc {i}", "text": text} for i, text in enumerate(DOCS)]
+    reply = client.rerank(model=MODEL, query=QUERY, documents=documents, rank_fields=["title", "text"],
+                          max_chunks_per_doc=4, return_documents=True)
+    scored = [f"title: Doc {i}\ntext: {text}" for i, text in enumerate(DOCS)]
+    assert_ranked([(r.index, r.relevance_score) for r in reply.results], true_scores(local, scored))
+    assert reply.meta is not None
+    assert [r.document.text for r in reply.results] == [DOCS[r.index] for r in reply.results]
+    assert [r.document.title for r in reply.results] == [f"Doc {r.index}" for r in reply.results]
+    plain = client.rerank(model=MODEL, query=QUERY, documents=DOCS)
+    assert_ranked([(r.index, r.relevance_score) for r in plain.results], true_scores(local))
+    assert plain.meta is not None and all(r.document is None for r in plain.results)
+
+
+def test_langchain_cohere_rerank(url, local):
+    langchain_cohere = pytest.importorskip("langchain_cohere")
+    reranker = langchain_cohere.CohereRerank(model=MODEL, base_url=url, cohere_api_key="unused", top_n=2)
+    reply = reranker.rerank(DOCS, QUERY, top_n=None)
+    assert_ranked([(r["index"], r["relevance_score"]) for r in reply], true_scores(local))
+
+
+def _nodes(texts: list[str]):
+    schema = pytest.importorskip("llama_index.core.schema")
+    return [schema.NodeWithScore(node=schema.TextNode(text=text, id_=str(i))) for i, text in enumerate(texts)]
+
+
+def _node_pairs(nodes) -> list[tuple[int, float]]:
+    return [(int(node.node.id_), node.score) for node in nodes]
+
+
+def test_llama_index_cohere_postprocessor(url, local):
+    module = pytest.importorskip("llama_index.postprocessor.cohere_rerank")
+    reranker = module.CohereRerank(api_key="unused", model=MODEL, top_n=3, base_url=url)
+    nodes = reranker.postprocess_nodes(_nodes(DOCS), query_str=QUERY)
+    assert_ranked(_node_pairs(nodes), true_scores(local), top_n=3)
+
+
+def test_llama_index_tei_postprocessor(url, local):
+    module = pytest.importorskip("llama_index.postprocessor.tei_rerank")
+    reranker = module.TextEmbeddingInference(base_url=url, top_n=3)
+    nodes = reranker.postprocess_nodes(_nodes(DOCS), query_str=QUERY)
+    assert_ranked(_node_pairs(nodes), true_scores(local), top_n=3)
+
+
+def test_llama_index_jina_postprocessor(url, local):
+    module = pytest.importorskip("llama_index.postprocessor.jinaai_rerank")
+    reranker = module.JinaRerank(api_key="unused", model=MODEL, top_n=3, base_url=f"{url}/v1")
+    nodes = reranker.postprocess_nodes(_nodes(DOCS), query_str=QUERY)
+    assert_ranked(_node_pairs(nodes), true_scores(local), top_n=3)
+
+
+@pytest.mark.parametrize("path", ["/rerank", "/v1/rerank"])
+def test_infinity_client(url, local, path):
+    pytest.importorskip("infinity_client")
+    from infinity_client import Client
+    from infinity_client.api.default import rerank
+    from infinity_client.models import RerankInput
+
+    client = Client(base_url=url if path == "/rerank" else f"{url}/v1", timeout=30)
+    result = rerank.sync(client=client, body=RerankInput(query=QUERY, documents=DOCS, return_documents=True,
+                                                         top_n=3))
+    assert_ranked([(r.index, r.relevance_score) for r in result.results], true_scores(local), top_n=3)
+    assert [r.document for r in result.results] == [DOCS[r.index] for r in result.results]
+    assert result.model == MODEL and result.usage.prompt_tokens > 0
+
+
+def test_remote_reranker_with_served_model(url, local):
+    """The issue's ``Reranker(url, dialect="cohere", model=...)`` spelled ``served_model=``: sent as ``model``."""
+    with Reranker(url, dialect="cohere", served_model=MODEL) as remote:
+        assert [r.index for r in remote.rank(QUERY, DOCS)] == [r.index for r in local.rank(QUERY, DOCS)]
+    with Reranker(url, dialect="cohere") as remote:  # the model from /v1/models
+        assert remote.rank(QUERY, DOCS)[0].score == pytest.approx(max(true_scores(local)), abs=TOLERANCE)
+        assert remote.model_name == MODEL
+
+
+def test_vllm_body_dumped_with_nulls_and_unknown_fields_is_answered(url, local, caplog):
+    """A vLLM ``RerankRequest.model_dump()``: every field, unset ones null, plus a field rerankit does not know."""
+    httpx = pytest.importorskip("httpx")
+    body = {"model": MODEL, "query": QUERY, "documents": DOCS, "top_n": 0, "user": None, "truncate_prompt_tokens": None,
+            "truncation_side": None, "max_tokens_per_query": 0, "max_tokens_per_doc": 0, "instruction": None,
+            "chat_template_kwargs": None, "use_activation": None, "priority": 0, "request_id": None,
+            "mm_processor_kwargs": None, "cache_salt": None, "padding": None, "some_future_field": 1}
+    with caplog.at_level(logging.DEBUG, logger="rerankit.server"):
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            reply = httpx.post(url + path, json=body, timeout=30)
+            assert reply.status_code == 200, reply.text
+            payload = reply.json()
+            assert "usage" in payload and payload["results"][0]["document"]["text"] in DOCS  # vLLM's shape
+            assert_ranked([(r["index"], r["relevance_score"]) for r in payload["results"]], true_scores(local))
+    assert "some_future_field" in caplog.text
