@@ -236,7 +236,7 @@ class EmbeddedBackend:
     def _shares_prefix(self, request: ScoreRequest, encoded: EncodedRequest) -> bool:
         """MIS where it is exact and pays: a causal packed model, several items after a prefix, read at the end."""
         return (self._multi_item and self._runner.supports_multi_item and request.multi_item
-                and len(request.items) > 1
+                and len(encoded.item_ids) > 1  # items, or windows of one long document
                 and len(encoded.prefix_ids) > 0 and not encoded.read_first
                 and encoded.mode in ("generative", "cross-encoder"))
 
@@ -300,7 +300,7 @@ class EmbeddedBackend:
                     parts = RequestParts.from_encoded(
                         encoded, cache_head=share and self._runner.prefix_cache is not None, share_prefix=share,
                         head=head_ids[chunk.head_key], own_batches=not heads.reads_only(encoded.mode, loaded.pooling),
-                        item_offset=items.start)
+                        item_offset=len(entry.encoded.item_ids) - len(encoded.item_ids))  # windows count as items
                     yield from planner.add(position, parts)
                     if chunk_index < len(chunks) - 1:  # a ramp chunk: its own micro-batch where the prefix is small
                         spans = int(parts.span_lengths.sum())
@@ -378,9 +378,11 @@ class EmbeddedBackend:
             rows = order[bounds[index]:bounds[index + 1]]
             if not np.array_equal(items[rows], np.arange(len(entry.encoded.item_ids))):
                 raise RuntimeError(f"the plan scored request {index}'s items {items[rows].tolist()}, not each once")
-            values = scores[rows].tolist()
+            windows = entry.encoded.item_windows
+            values = _aggregate(scores[rows], windows, entry.request.long_documents).tolist()
             results = [ScoreResult(index=item, score=values[item], label_logprobs=label_logprobs[index][item],
-                                   pooled_hidden_state=pooled[index][item]) for item in range(len(values))]
+                                   pooled_hidden_state=pooled[index][item], windows=windows[item])
+                       for item in range(len(values))]
             usage = Usage(prompt_tokens=entry.encoded.prompt_tokens, computed_tokens=computed[index])
             responses.append(ScoreResponse(results=results, model=loaded.name, usage=usage))
         return responses
@@ -408,3 +410,12 @@ class EmbeddedBackend:
             return heads.bi_encoder_head(embedding, loaded.pooling, loaded.normalize_embeddings)
         return heads.late_interaction_head(query_hidden, loaded.pooling, loaded.normalize_embeddings)
 
+
+def _aggregate(scores: np.ndarray, windows: list[int], how: str) -> np.ndarray:
+    """One score per item from its windows' consecutive scores: their max, or their mean (``long_documents``)."""
+    if len(windows) == len(scores):
+        return scores
+    starts = np.concatenate(([0], np.cumsum(windows)[:-1]))
+    if how == "max":
+        return np.maximum.reduceat(scores, starts)
+    return np.add.reduceat(scores, starts) / np.asarray(windows)

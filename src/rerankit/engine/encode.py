@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from rerankit.engine.load import LoadedModel
 from rerankit.errors import InvalidRequest
@@ -22,6 +22,12 @@ from rerankit.schema import ScoreRequest
 from rerankit.templates import RAW, Template, detect_template, get_template
 
 QUERY_KEY = -1  # the key of a bi-encoder's query sequence; items are keyed by their index
+# A text is tokenized from a bounded slice when it is longer than (tokens it may keep + TOKEN_MARGIN) x
+# CHARS_PER_TOKEN characters: ~2x the characters a token of prose or code takes in BPE and WordPiece vocabularies.
+# A slice that still yields too few tokens (runs of whitespace, which WordPiece drops) is grown SLICE_GROWTH-fold.
+CHARS_PER_TOKEN = 8
+TOKEN_MARGIN = 32
+SLICE_GROWTH = 4
 HEAD_PROBE_QUERY = "a"  # a second query on which a template head's separate tokenization is checked
 MAX_CACHED_PER_TOKENIZER = 256  # instructions and label words come from requests: keep the newest only
 
@@ -55,10 +61,18 @@ class EncodedRequest:
     item_type: int = 0
     suffix_types: list[int] | None = None
     head_len: int = 0  # the prefix's first tokens that do not depend on the query (BOS, system prompt, instruction)
+    windows: list[int] | None = None  # per request item, how many of item_ids are its windows; None: one each
 
     def extend(self, chunk: "EncodedRequest") -> None:
         """Append the items of the next chunk of the same request (``encode_request(..., items=...)``)."""
+        if self.windows is not None or chunk.windows is not None:
+            self.windows = self.item_windows + chunk.item_windows
         self.item_ids = self.item_ids + chunk.item_ids
+
+    @property
+    def item_windows(self) -> list[int]:
+        """How many sequences of ``item_ids`` each request item was scored in (``long_documents``)."""
+        return self.windows if self.windows is not None else [1] * len(self.item_ids)
 
     @property
     def pair_lengths(self) -> list[int]:
@@ -138,7 +152,7 @@ def resolve_template(request: ScoreRequest, loaded: LoadedModel, option: str | N
             raise InvalidRequest("template", f"{mode} mode encodes the query and items alone; it takes no template")
         return None
     if request.template is not None:
-        return get_template(request.template)
+        return get_template(request.template)  # a name, or a Template given by its pieces
     if request.label_token_ids is not None:
         return get_template(RAW)  # vLLM /generative_scoring semantics
     if option is not None:
@@ -159,6 +173,7 @@ def encode_request(request: ScoreRequest, loaded: LoadedModel, mode: str, templa
     chunk = _Chunk(request, items or slice(0, len(request.items)))
     if earlier is not None:
         return _encode_later_chunk(request, loaded, mode, template, chunk, earlier)
+    _refuse_huge_texts(request, loaded)
     if mode == "generative":
         if template is None:
             raise InvalidRequest("template", f"no prompt template is known for {loaded.name!r}: name one "
@@ -261,16 +276,15 @@ def _encode_text(request: ScoreRequest, loaded: LoadedModel, template: Template,
     parts = _template_ids(loaded.tokenizer, template, request.instruction)
     head_ids = _head_ids(loaded.tokenizer, template, request.instruction, request.query)
     if head_ids is None:
-        prefix, *items = _tokenize(loaded.tokenizer, [template.prefix(request.instruction, request.query),
-                                                      *map(template.item, chunk.items)])
+        prefix_text = template.prefix(request.instruction, request.query)
     else:  # the instruction's head is known: only the query's line on is tokenized
-        tail, *items = _tokenize(loaded.tokenizer, [template.prefix_parts(request.instruction, request.query)[1],
-                                                    *map(template.item, chunk.items)])
-        prefix = head_ids + tail
+        prefix_text = template.prefix_parts(request.instruction, request.query)[1]
+    (prefix,), items = _tokenize_items(loaded.tokenizer, chunk.items, request, loaded, template.item, [prefix_text])
+    if head_ids is not None:
+        prefix = head_ids + prefix
     encoded = EncodedRequest(mode, parts.bos + prefix + parts.separator, [], parts.separator + parts.suffix, [],
                              read_first=False, head_len=0 if head_ids is None else len(parts.bos) + len(head_ids))
-    encoded.item_ids = _fit_items(items, request, loaded, len(encoded.prefix_ids) + len(encoded.suffix_ids),
-                                  chunk.offset, lead_ids=parts.empty_item)
+    _set_items(encoded, items, request, loaded, chunk.offset, lead_ids=parts.empty_item)
     return encoded
 
 
@@ -302,14 +316,13 @@ def _encode_later_chunk(request: ScoreRequest, loaded: LoadedModel, mode: str, t
                         chunk: _Chunk, earlier: EncodedRequest) -> EncodedRequest:
     """A later chunk of a request: ``earlier``'s fields, and only this chunk's items tokenized and fitted as every
     encoder fits them (a text template's items through ``template.item``, the others as they come)."""
-    encoded = dataclasses.replace(earlier, item_ids=[])
-    fixed = len(encoded.prefix_ids) + len(encoded.suffix_ids)
+    encoded = dataclasses.replace(earlier, item_ids=[], windows=None)
     if mode in ("generative", "cross-encoder") and template is not None and template.name != RAW:
         parts = _template_ids(loaded.tokenizer, template, request.instruction)
-        items = _tokenize(loaded.tokenizer, list(map(template.item, chunk.items)))
-        encoded.item_ids = _fit_items(items, request, loaded, fixed, chunk.offset, lead_ids=parts.empty_item)
+        items = _tokenize_items(loaded.tokenizer, chunk.items, request, loaded, template.item)[1]
+        _set_items(encoded, items, request, loaded, chunk.offset, lead_ids=parts.empty_item)
     else:
-        encoded.item_ids = _fit_items(_item_ids(request, loaded, chunk), request, loaded, fixed, chunk.offset)
+        _set_items(encoded, _item_ids(request, loaded, chunk), request, loaded, chunk.offset)
     return encoded
 
 
@@ -331,7 +344,7 @@ def _encode_raw(request: ScoreRequest, loaded: LoadedModel, chunk: _Chunk) -> En
         _check_vocab([request.mis_delimiter_token_id], loaded.vocab_size, "mis_delimiter_token_id")
     prefix, suffix = ([], query) if request.item_first else (query, [])
     encoded = EncodedRequest("generative", prefix, [], suffix, [], read_first=False)
-    encoded.item_ids = _fit_items(items, request, loaded, len(prefix) + len(suffix), chunk.offset)
+    _set_items(encoded, items, request, loaded, chunk.offset)
     return encoded
 
 
@@ -346,7 +359,7 @@ def _encode_pair(request: ScoreRequest, loaded: LoadedModel, chunk: _Chunk) -> E
         encoded.prefix_types = layout.before_types + [layout.first_type] * len(query) + layout.between_types
         encoded.item_type = layout.second_type
         encoded.suffix_types = list(layout.after_types)
-    encoded.item_ids = _fit_items(items, request, loaded, len(prefix) + len(layout.after), chunk.offset)
+    _set_items(encoded, items, request, loaded, chunk.offset)
     return encoded
 
 
@@ -361,7 +374,7 @@ def _encode_single(request: ScoreRequest, loaded: LoadedModel, mode: str, chunk:
         encoded.prefix_types = list(layout.before_types)
         encoded.item_type = layout.first_type
         encoded.suffix_types = list(layout.after_types)
-    encoded.item_ids = _fit_items(_item_ids(request, loaded, chunk), request, loaded, fixed, chunk.offset)
+    _set_items(encoded, _item_ids(request, loaded, chunk), request, loaded, chunk.offset)
     return encoded
 
 
@@ -377,31 +390,136 @@ def _item_ids(request: ScoreRequest, loaded: LoadedModel, chunk: _Chunk) -> list
         for index, item in enumerate(chunk.items, chunk.offset):
             _check_vocab(item, loaded.vocab_size, f"items[{index}]")
         return [list(item) for item in chunk.items]
-    return _tokenize(loaded.tokenizer, list(chunk.items))
+    return _tokenize_items(loaded.tokenizer, chunk.items, request, loaded)[1]
+
+
+def _kept_tokens(request: ScoreRequest, loaded: LoadedModel) -> int | None:
+    """The most tokens of one item that can be scored, before the prompt around it is counted (the template's item
+    text may add a few); None when the whole item may be needed (long documents in windows, with no cap)."""
+    per_item = request.max_tokens_per_item
+    if request.long_documents == "truncate":
+        return min(loaded.max_length, per_item or loaded.max_length)
+    if request.long_document_max_windows is None:
+        return per_item
+    window = min(loaded.max_length, request.long_document_window or loaded.max_length)
+    stride = request.long_document_stride or window
+    covered = window + stride * (request.long_document_max_windows - 1)
+    return covered if per_item is None else min(covered, per_item)
+
+
+def _bounded(text: str, chars: int, policy: str) -> str:
+    """``text`` cut to about ``chars`` characters on the side truncation keeps, at a whitespace where one is in the
+    slice's outer half: pre-tokenizers split there, so the slice's tokens are the whole text's tokens up to the cut."""
+    if len(text) <= chars:
+        return text
+    if policy == "start":
+        cut = len(text) - chars
+        space = next((position for position in range(cut, cut + chars // 2) if text[position].isspace()), cut)
+        return text[space:]
+    space = next((position for position in range(chars, chars // 2, -1) if text[position].isspace()), chars)
+    return text[:space]
+
+
+def _tokenize_items(tokenizer: Any, docs: Any, request: ScoreRequest, loaded: LoadedModel,
+                    wrap: Callable[[str], str] | None = None,
+                    extra: Sequence[str] = ()) -> tuple[list[list[int]], list[list[int]]]:
+    """Token ids of ``extra`` texts and of each document (through ``wrap``, a template's item), in one call.
+
+    A document far longer than the tokens that can be kept (``_kept_tokens``) is tokenized from a bounded slice of
+    the side truncation keeps, so a multi-MB text costs what its kept part costs; a slice that yields fewer than
+    the kept tokens and a margin (e.g. mostly whitespace) is grown and tokenized again, up to the whole text.
+    """
+    wrap = wrap or (lambda doc: doc)
+    kept = _kept_tokens(request, loaded)
+    need = None if kept is None else kept + TOKEN_MARGIN
+    chars = None if need is None else need * CHARS_PER_TOKEN
+    texts = [doc if chars is None else _bounded(doc, chars, request.truncation) for doc in docs]
+    ids = _tokenize(tokenizer, [*extra, *map(wrap, texts)])
+    lead, items = ids[:len(extra)], ids[len(extra):]
+    for index, doc in enumerate(docs):
+        while need is not None and len(texts[index]) < len(doc) and len(items[index]) < need:
+            chars *= SLICE_GROWTH
+            texts[index] = _bounded(doc, chars, request.truncation)
+            items[index] = _tokenize(tokenizer, [wrap(texts[index])])[0]
+    return lead, items
+
+
+def _refuse_huge_texts(request: ScoreRequest, loaded: LoadedModel) -> None:
+    """Refuse a query or instruction text that cannot fit the model, from a bounded slice of it: the prompt around
+    every item holds it whole, so without this a multi-MB query would be tokenized whole before being refused."""
+    limit = loaded.max_length
+    chars = (limit + TOKEN_MARGIN) * CHARS_PER_TOKEN
+    for field in ("query", "instruction"):
+        text = getattr(request, field)
+        if isinstance(text, str) and len(text) > chars:
+            count = len(_tokenize(loaded.tokenizer, [_bounded(text, chars, "end")])[0])
+            if count > limit:
+                raise InvalidRequest(field, f"has more than {limit} tokens, the model's limit for a whole "
+                                            "sequence")
+
+
+def _set_items(encoded: EncodedRequest, items: list[list[int]], request: ScoreRequest, loaded: LoadedModel,
+               offset: int, lead_ids: list[int] | None = None) -> None:
+    """``encoded.item_ids`` (and ``windows``): the items fitted after the encoded prefix and suffix."""
+    fixed = len(encoded.prefix_ids) + len(encoded.suffix_ids)
+    encoded.item_ids, encoded.windows = _fit_items(items, request, loaded, fixed, offset, lead_ids)
 
 
 def _fit_items(items: list[list[int]], request: ScoreRequest, loaded: LoadedModel, fixed: int, offset: int = 0,
-               lead_ids: list[int] | None = None) -> list[list[int]]:
-    """Cut each item to what the model length (and ``max_tokens_per_item``) leaves after prefix and suffix.
+               lead_ids: list[int] | None = None) -> tuple[list[list[int]], list[int] | None]:
+    """Cut each item to what the model length (and ``max_tokens_per_item``) leaves after prefix and suffix, or with
+    ``long_documents`` split one that does not fit into windows; returns the sequences' items and, when any item
+    was split, how many windows each item has.
 
     ``lead_ids``: the template's item text without a document (e.g. ``<Document>: ``); an item's tokens that match
-    it are the template's, not the document's: ``max_tokens_per_item`` counts the document's tokens only, and a
-    cut never removes them.
+    it are the template's, not the document's: ``max_tokens_per_item`` counts the document's tokens only, a cut
+    never removes them, and every window starts with them.
     """
     room = loaded.max_length - fixed
     if room < 1:
         raise InvalidRequest("query", f"the prompt around each item takes {fixed} tokens, which leaves no room for "
                              f"an item within the model's limit of {loaded.max_length} tokens")
     per_item = request.max_tokens_per_item
-    fitted = []
+    windowed = request.long_documents != "truncate"
+    fitted: list[list[int]] = []
+    windows: list[int] = []
     for index, item in enumerate(items, offset):
-        if len(item) <= (room if per_item is None else min(room, per_item)):
+        if len(item) <= (room if per_item is None else min(room, per_item)) and not (
+                windowed and request.long_document_window is not None):
             fitted.append(item)  # fits even counting the template's tokens: no need to find them
+            windows.append(1)
             continue
         lead = _common_prefix(item, lead_ids) if lead_ids else 0
-        limit = room if per_item is None else min(room, lead + per_item)
-        fitted.append(_fit(item, limit, request.truncation, f"items[{index}]", lead))
-    return fitted
+        field = f"items[{index}]"
+        if not windowed:
+            limit = room if per_item is None else min(room, lead + per_item)
+            fitted.append(_fit(item, limit, request.truncation, field, lead))
+            windows.append(1)
+            continue
+        if per_item is not None:
+            item = _fit(item, lead + per_item, request.truncation, field, lead)
+        split = _windows(item, lead, room, request, field)
+        fitted.extend(split)
+        windows.append(len(split))
+    return fitted, (windows if len(fitted) != len(windows) else None)
+
+
+def _windows(item: list[int], lead: int, room: int, request: ScoreRequest, field: str) -> list[list[int]]:
+    """``item`` as windows of ``long_document_window`` document tokens (at most what ``room`` leaves), each led by
+    the item's ``lead`` template tokens, starting every ``long_document_stride`` tokens until one reaches the end."""
+    size = min(room - lead, request.long_document_window or room)
+    if size < 1:
+        raise InvalidRequest(field, f"the prompt leaves {room} tokens for an item, which its template's {lead} "
+                                    "tokens fill: no room for a window")
+    stride = request.long_document_stride or max(1, size * 3 // 4)
+    if stride > size:
+        raise InvalidRequest("long_document_stride", f"is {stride} tokens, more than the window of {size}: tokens "
+                                                     "between windows would not be scored")
+    head, document = item[:lead], item[lead:]
+    starts = [0]
+    while starts[-1] + size < len(document) and len(starts) < (request.long_document_max_windows or len(document)):
+        starts.append(starts[-1] + stride)
+    return [head + document[start:start + size] for start in starts]
 
 
 def _fit(ids: list[int], limit: int, policy: str, field: str, lead: int = 0) -> list[int]:
@@ -409,7 +527,8 @@ def _fit(ids: list[int], limit: int, policy: str, field: str, lead: int = 0) -> 
     if len(ids) <= limit:
         return ids
     if policy == "none" or limit <= lead:
-        raise InvalidRequest(field, f"has {len(ids) - lead} tokens; the limit is {max(limit - lead, 0)} "
+        # "at least": a long text is tokenized from a bounded slice (``_tokenize_items``)
+        raise InvalidRequest(field, f"has at least {len(ids) - lead} tokens; the limit is {max(limit - lead, 0)} "
                              f"(truncation={policy!r})")
     if policy == "end":
         return ids[:limit]
