@@ -409,13 +409,14 @@ def _kept_tokens(request: ScoreRequest, loaded: LoadedModel) -> int | None:
 
 def _bounded(text: str, chars: int, policy: str) -> str:
     """``text`` cut to about ``chars`` characters on the side truncation keeps, at a whitespace where one is in the
-    slice's outer half: pre-tokenizers split there, so the slice's tokens are the whole text's tokens up to the cut."""
+    slice's outer half: pre-tokenizers split there, so the slice's tokens are the whole text's tokens up to the cut
+    (for "start", from the cut on, but for the first word, which ``TOKEN_MARGIN`` keeps clear of the kept tokens)."""
     if len(text) <= chars:
         return text
     if policy == "start":
         cut = len(text) - chars
-        space = next((position for position in range(cut, cut + chars // 2) if text[position].isspace()), cut)
-        return text[space:]
+        space = next((position for position in range(cut, cut + chars // 2) if text[position].isspace()), cut - 1)
+        return text[space + 1:]  # from a word's start: the whitespace before it would tokenize as its own token
     space = next((position for position in range(chars, chars // 2, -1) if text[position].isspace()), chars)
     return text[:space]
 
