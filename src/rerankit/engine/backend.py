@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rerankit.engine import heads
-from rerankit.engine.encode import EncodedRequest, encode_request, resolve_template
+from rerankit.engine.encode import Defaults, EncodedRequest, encode_request, resolve_request
 from rerankit.engine.load import LoadedModel, load_model
 from rerankit.engine.plan import DEFAULT_MAX_BATCH_TOKENS, MicroBatch, Planner, RequestParts, pack
 from rerankit.engine.prefetch import prefetch
@@ -31,7 +31,7 @@ from rerankit.engine.prefix_cache import PREFIX_CACHE_MAX_BYTES
 from rerankit.engine.runner import Runner, make_runner
 from rerankit.errors import InvalidRequest, ModelLoadError, RerankitError
 from rerankit.schema import ScoreRequest, ScoreResponse, ScoreResult, Usage
-from rerankit.templates import get_template
+from rerankit.templates import Template, get_template
 
 PROGRESS_MIN_ITEMS = 256  # below this a call is quick enough that a progress bar is noise
 MAX_CACHED_HEADS = 256  # label sets come from requests: a server keeps the newest heads only
@@ -89,7 +89,8 @@ class _Call:
 class EmbeddedBackend:
     """Scores requests with a transformers model loaded here, on a GPU (bf16) or the CPU (float32).
 
-    ``mode`` and ``template`` set this backend's defaults (a request may still name its own);
+    ``mode``, ``template`` (a name or a ``Template``) and ``instruction`` (for templates that take one) set this
+    backend's defaults (a request may still give its own);
     ``max_batch_tokens`` bounds the tokens of a micro-batch (padded tokens for the reference runner);
     ``runner``: "auto" runs our packed forward where it supports the model, else the transformers model
     ("reference", padded; it never shares prefixes); ``multi_item`` allows prefix sharing (MIS) for requests that
@@ -114,7 +115,7 @@ class EmbeddedBackend:
     """
 
     def __init__(self, model: str, *, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
-                 mode: str | None = None, template: str | None = None,
+                 mode: str | None = None, template: str | Template | None = None, instruction: str | None = None,
                  max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, runner: str = "auto",
                  multi_item: bool = True, overlap: bool = False, cuda_graphs: bool | None = None,
                  prefix_cache_bytes: int = PREFIX_CACHE_MAX_BYTES, show_progress: bool | None = None) -> None:
@@ -129,8 +130,7 @@ class EmbeddedBackend:
         loaded = self._loaded
         if mode is not None and mode not in loaded.supported_modes:
             raise ModelLoadError(f"{model!r} cannot score in mode {mode!r}; it supports {loaded.supported_modes}")
-        self._mode = mode
-        self._template = template
+        self._defaults = Defaults(mode, template, instruction)
         self._classify = heads.sequence_classifier(loaded.model) if loaded.kind == "sequence-classifier" else None
         self._runner: Runner = make_runner(loaded, runner, cuda_graphs, prefix_cache_bytes)
         self._multi_item = multi_item
@@ -218,11 +218,7 @@ class EmbeddedBackend:
                  items: slice | None = None, earlier: _Prepared | None = None) -> _Prepared:
         """Checks and token ids (of ``request.items[items]``), and the key of the head that will score them;
         ``earlier``: the request's entry so far, whose encoding (all but the items) a later chunk reuses."""
-        mode = request.mode or self._mode or loaded.default_mode
-        if mode not in loaded.supported_modes:
-            raise InvalidRequest("mode", f"{loaded.name!r} cannot score in mode {mode!r}; "
-                                 f"it supports {', '.join(loaded.supported_modes)}")
-        template = resolve_template(request, loaded, self._template, mode)
+        request, mode, template = resolve_request(request, loaded, self._defaults)
         encoded = encode_request(request, loaded, mode, template, items,
                                  earlier.encoded if earlier is not None else None)
         if mode == "generative":

@@ -142,7 +142,31 @@ def _find(ids: list[int], part: list[int], start: int) -> int:
     raise ValueError(f"cannot locate {part} in the tokenizer's output {ids}")
 
 
-def resolve_template(request: ScoreRequest, loaded: LoadedModel, option: str | None, mode: str) -> Template | None:
+@dataclass(frozen=True)
+class Defaults:
+    """A backend's defaults for what a request leaves out: mode, template (a name or a ``Template``), instruction."""
+
+    mode: str | None = None
+    template: "str | Template | None" = None
+    instruction: str | None = None
+
+
+def resolve_request(request: ScoreRequest, loaded: LoadedModel,
+                    defaults: Defaults) -> tuple[ScoreRequest, str, Template | None]:
+    """The request with the defaults' instruction where its template takes one, its mode and its template."""
+    mode = request.mode or defaults.mode or loaded.default_mode
+    if mode not in loaded.supported_modes:
+        raise InvalidRequest("mode", f"{loaded.name!r} cannot score in mode {mode!r}; "
+                             f"it supports {', '.join(loaded.supported_modes)}")
+    template = resolve_template(request, loaded, defaults.template, mode)
+    if defaults.instruction is not None and request.instruction is None and template is not None \
+            and template.name != RAW:
+        request = request.model_copy(update={"instruction": defaults.instruction})
+    return request, mode, template
+
+
+def resolve_template(request: ScoreRequest, loaded: LoadedModel, option: "str | Template | None",
+                     mode: str) -> Template | None:
     """The request's template, else raw when it gives label ids, else the backend option, else the detected one.
 
     Bi-encoders and late interaction take no template: each text is encoded on its own.

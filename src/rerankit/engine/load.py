@@ -11,6 +11,7 @@ from typing import Any, Iterator, Literal
 import torch
 
 from rerankit.errors import InvalidRequest, ModelLoadError
+from rerankit.hub import hub_cached
 
 ModelKind = Literal["causal-lm", "sequence-classifier", "encoder"]
 Pooling = Literal["mean", "cls", "lasttoken"]
@@ -83,8 +84,13 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 
 def load_model(model: str, *, device: str | torch.device | None = None,
-               dtype: str | torch.dtype | None = None) -> LoadedModel:
-    """Load a model folder (offline) or a hub id; ``ModelLoadError`` for a missing path or an unsupported model."""
+               dtype: str | torch.dtype | None = None, weights: bool = True) -> LoadedModel:
+    """Load a model folder (offline) or a hub id; ``ModelLoadError`` for a missing path or an unsupported model.
+
+    A hub id is read from the local cache when it is there (no network call); one that is not fails at once when
+    the hub cannot be reached. ``weights=False`` loads the config and tokenizer only (``model`` is None): enough
+    to encode requests (``rerankit render``).
+    """
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, \
         AutoTokenizer
 
@@ -93,8 +99,9 @@ def load_model(model: str, *, device: str | torch.device | None = None,
     if not local and (model.startswith((".", "/", "~")) or model.count("/") > 1):
         raise ModelLoadError(f"no model folder at {model!r}")
     source = str(folder) if local else model
+    offline = local or hub_cached(model)
     try:
-        config = AutoConfig.from_pretrained(source, local_files_only=local)
+        config = AutoConfig.from_pretrained(source, local_files_only=offline)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read the config of {model!r}: {exc}") from exc
     kind = _model_kind(config, folder if local else None)
@@ -106,16 +113,20 @@ def load_model(model: str, *, device: str | torch.device | None = None,
     torch_dtype = resolve_dtype(dtype, torch_device)
     try:
         with _quiet_transformers():
-            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local)
-            network = auto_class.from_pretrained(source, dtype=torch_dtype, local_files_only=local)
+            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=offline)
+            network = auto_class.from_pretrained(source, dtype=torch_dtype, local_files_only=offline) \
+                if weights else None
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load {model!r}: {exc}") from exc
-    network = network.to(torch_device).eval()
     pooling, normalize = _sentence_transformers_pooling(folder) if local else (None, False)
     decoder = _is_decoder(config)
-    rows = [network.get_input_embeddings().num_embeddings]
-    if kind == "causal-lm":
-        rows.append(network.get_output_embeddings().weight.shape[0])
+    if network is not None:
+        network = network.to(torch_device).eval()
+        rows = [network.get_input_embeddings().num_embeddings]
+        if kind == "causal-lm":
+            rows.append(network.get_output_embeddings().weight.shape[0])
+    else:
+        rows = [getattr(config, "vocab_size", None) or len(tokenizer)]
     return LoadedModel(
         name=model, model=network, tokenizer=tokenizer, config=config, kind=kind, is_decoder=decoder,
         pooling=pooling or ("lasttoken" if decoder else "mean"), normalize_embeddings=normalize,
