@@ -53,7 +53,9 @@ class Template:
         if not isinstance(self.separator, str):  # joined as is, never formatted: braces are literal
             raise InvalidRequest("template.separator", f"must be a string, got {type(self.separator).__name__}")
         if isinstance(self.labels, str) or not all(isinstance(label, str) and label for label in self.labels):
-            raise InvalidRequest("template.labels", f"must be a list of non-empty strings, got {self.labels!r}")
+            hint = ("; YAML reads unquoted yes/no as booleans: quote them" if any(isinstance(label, bool)
+                                                                               for label in self.labels) else "")
+            raise InvalidRequest("template.labels", f"must be a list of non-empty strings, got {self.labels!r}{hint}")
         object.__setattr__(self, "labels", tuple(self.labels))  # lists from JSON/YAML: keep the template hashable
         if len(set(self.labels)) != len(self.labels):
             raise InvalidRequest("template.labels", f"holds the same label twice ({list(self.labels)})")
