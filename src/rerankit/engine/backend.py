@@ -126,7 +126,9 @@ class EmbeddedBackend:
             raise InvalidRequest("max_batch_tokens", f"must be >= 1, got {max_batch_tokens}")
         if prefix_cache_bytes < 0:
             raise InvalidRequest("prefix_cache_bytes", f"must be >= 0, got {prefix_cache_bytes}")
-        self._loaded: LoadedModel | None = load_model(model, device=device, dtype=dtype)
+        # the packed runner reads an encoder's tensors straight from its file; the reference runner needs the model
+        self._loaded: LoadedModel | None = load_model(model, device=device, dtype=dtype,
+                                                      packed_only=runner != "reference")
         loaded = self._loaded
         if mode is not None and mode not in loaded.supported_modes:
             raise ModelLoadError(f"{model!r} cannot score in mode {mode!r}; it supports {loaded.supported_modes}")
