@@ -359,3 +359,22 @@ def test_rank_with_a_template_file_scores_as_the_same_template_given_in_the_requ
         pieces = dataclasses.asdict(load_template_file(template))
         expected = reranker.rank(QUERY, DOCUMENTS, template=pieces)
     assert ranked == [(entry.index, pytest.approx(entry.score, abs=1e-6)) for entry in expected]
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_a_hub_id_missing_from_the_cache_fails_at_once_in_one_line(monkeypatch, capsys, tmp_path, offline):
+    from huggingface_hub import constants
+
+    from rerankit.cli import main
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens: the hub is unreachable
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))  # an empty cache
+    monkeypatch.delenv("HTTPS_PROXY", raising=False)
+    monkeypatch.delenv("https_proxy", raising=False)
+    docs = tmp_path / "docs.txt"
+    docs.write_text("a document\n", encoding="utf-8")
+    assert main(["rank", "--model", "nobody/no-such-reranker", "--query", "q", "--docs", str(docs)]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "'nobody/no-such-reranker' is not in the local Hugging Face cache" in error
+    assert ("HF_HUB_OFFLINE" in error) == offline and "pass the model's folder" in error

@@ -121,3 +121,25 @@ def test_a_multi_megabyte_document_is_cut_or_refused_from_a_bounded_slice(monkey
     with pytest.raises(InvalidRequest) as error:
         _encode_items(loaded, ScoreRequest(query=huge, items=["d"]), "cross-encoder")
     assert error.value.field == "query" and max(seen) < 20 * loaded.max_length
+
+
+@pytest.mark.parametrize("dialect", ["vllm-generative", "vllm-rerank", "sglang-score", "sglang-rerank", "cohere",
+                                     "tei"])
+def test_remote_dialects_refuse_windowed_scoring_before_any_io(dialect):
+    from rerankit.remote.dialects import get_dialect
+
+    request = ScoreRequest(query="q", items=["d"], long_documents="max",
+                           label_token_ids=LABELS if dialect in ("vllm-generative", "sglang-score") else None)
+    with pytest.raises(InvalidRequest) as error:
+        get_dialect(dialect).encode_request(request, None)
+    assert error.value.field == "long_documents" and "rerankit serve" in error.value.reason
+
+
+def test_a_template_given_by_its_pieces_is_rendered_for_a_raw_server():
+    from rerankit.remote.dialects import get_dialect
+
+    pieces = {"name": "mine", "prefix_format": "Q: {query}\n", "item_format": "D: {doc}", "suffix_format": "\nOK?",
+              "labels": ["yes", "no"]}
+    request = ScoreRequest(query="q", items=["d"], template=pieces, label_token_ids=LABELS)
+    _, body = get_dialect("vllm-generative").encode_request(request, None)
+    assert body["query"] == "Q: q\n" and body["items"] == ["D: d\nOK?"]
