@@ -8,6 +8,7 @@ import pytest
 from rerankit.engine import EmbeddedBackend
 from rerankit.engine import encode as encode_module
 from rerankit.engine.encode import encode_request, resolve_template
+from rerankit.engine.lengths import common_prefix
 from rerankit.engine.load import load_model
 from rerankit.errors import InvalidRequest
 from rerankit.schema import ScoreRequest
@@ -77,7 +78,7 @@ def test_a_text_template_puts_the_document_lead_in_every_window(tiny_qwen3_lm):
                            long_documents="max", long_document_window=60)
     encoded = encode_request(request, loaded, "generative", resolve_template(request, loaded, None, "generative"))
     empty_item = encode_module._tokenize(loaded.tokenizer, ["<Document>: "])[0]
-    lead = encoded.item_ids[0][:encode_module._common_prefix(encoded.item_ids[0], empty_item)]
+    lead = encoded.item_ids[0][:common_prefix(encoded.item_ids[0], empty_item)]
     assert encoded.windows == [len(encoded.item_ids)] and len(encoded.item_ids) > 1 and lead
     assert all(window[:len(lead)] == lead and len(window) <= len(lead) + 60 for window in encoded.item_ids)
 

@@ -16,6 +16,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeVar
 
+from rerankit.engine.lengths import bounded, common_prefix, fit, fit_items, kept_tokens
 from rerankit.engine.load import LoadedModel
 from rerankit.errors import InvalidRequest
 from rerankit.schema import ScoreRequest
@@ -391,7 +392,7 @@ def _encode_single(request: ScoreRequest, loaded: LoadedModel, mode: str, chunk:
     """Bi-encoder / late interaction: the query and each item as their own sequences, with special tokens."""
     layout = special_layout(loaded.tokenizer, pair=False)
     fixed = len(layout.before) + len(layout.after)
-    query = _fit(_query_ids(request, loaded), loaded.max_length - fixed, request.truncation, "query")
+    query = fit(_query_ids(request, loaded), loaded.max_length - fixed, request.truncation, "query")
     encoded = EncodedRequest(mode, list(layout.before), [], list(layout.after), [],
                              read_first=loaded.pooling == "cls", query_ids=layout.before + query + layout.after)
     if "token_type_ids" in loaded.tokenizer.model_input_names:
@@ -417,54 +418,26 @@ def _item_ids(request: ScoreRequest, loaded: LoadedModel, chunk: _Chunk) -> list
     return _tokenize_items(loaded.tokenizer, chunk.items, request, loaded)[1]
 
 
-def _kept_tokens(request: ScoreRequest, loaded: LoadedModel) -> int | None:
-    """The most tokens of one item that can be scored, before the prompt around it is counted (the template's item
-    text may add a few); None when the whole item may be needed (long documents in windows, with no cap)."""
-    per_item = request.max_tokens_per_item
-    if request.long_documents == "truncate":
-        return min(loaded.max_length, per_item or loaded.max_length)
-    if request.long_document_max_windows is None:
-        return per_item
-    window = min(loaded.max_length, request.long_document_window or loaded.max_length)
-    stride = request.long_document_stride or window
-    covered = window + stride * (request.long_document_max_windows - 1)
-    return covered if per_item is None else min(covered, per_item)
-
-
-def _bounded(text: str, chars: int, policy: str) -> str:
-    """``text`` cut to about ``chars`` characters on the side truncation keeps, at a whitespace where one is in the
-    slice's outer half: pre-tokenizers split there, so the slice's tokens are the whole text's tokens up to the cut
-    (for "start", from the cut on, but for the first word, which ``TOKEN_MARGIN`` keeps clear of the kept tokens)."""
-    if len(text) <= chars:
-        return text
-    if policy == "start":
-        cut = len(text) - chars
-        space = next((position for position in range(cut, cut + chars // 2) if text[position].isspace()), cut - 1)
-        return text[space + 1:]  # from a word's start: the whitespace before it would tokenize as its own token
-    space = next((position for position in range(chars, chars // 2, -1) if text[position].isspace()), chars)
-    return text[:space]
-
-
 def _tokenize_items(tokenizer: Any, docs: Any, request: ScoreRequest, loaded: LoadedModel,
                     wrap: Callable[[str], str] | None = None,
                     extra: Sequence[str] = ()) -> tuple[list[list[int]], list[list[int]]]:
     """Token ids of ``extra`` texts and of each document (through ``wrap``, a template's item), in one call.
 
-    A document far longer than the tokens that can be kept (``_kept_tokens``) is tokenized from a bounded slice of
+    A document far longer than the tokens that can be kept (``kept_tokens``) is tokenized from a bounded slice of
     the side truncation keeps, so a multi-MB text costs what its kept part costs; a slice that yields fewer than
     the kept tokens and a margin (e.g. mostly whitespace) is grown and tokenized again, up to the whole text.
     """
     wrap = wrap or (lambda doc: doc)
-    kept = _kept_tokens(request, loaded)
+    kept = kept_tokens(request, loaded.max_length)
     need = None if kept is None else kept + TOKEN_MARGIN
     chars = None if need is None else need * CHARS_PER_TOKEN
-    texts = [doc if chars is None else _bounded(doc, chars, request.truncation) for doc in docs]
+    texts = [doc if chars is None else bounded(doc, chars, request.truncation) for doc in docs]
     ids = _tokenize(tokenizer, [*extra, *map(wrap, texts)])
     lead, items = ids[:len(extra)], ids[len(extra):]
     for index, doc in enumerate(docs):
         while need is not None and len(texts[index]) < len(doc) and len(items[index]) < need:
             chars *= SLICE_GROWTH
-            texts[index] = _bounded(doc, chars, request.truncation)
+            texts[index] = bounded(doc, chars, request.truncation)
             items[index] = _tokenize(tokenizer, [wrap(texts[index])])[0]
     return lead, items
 
@@ -477,7 +450,7 @@ def _refuse_huge_texts(request: ScoreRequest, loaded: LoadedModel) -> None:
     for field in ("query", "instruction"):
         text = getattr(request, field)
         if isinstance(text, str) and len(text) > chars:
-            count = len(_tokenize(loaded.tokenizer, [_bounded(text, chars, "end")])[0])
+            count = len(_tokenize(loaded.tokenizer, [bounded(text, chars, "end")])[0])
             if count > limit:
                 raise InvalidRequest(field, f"has more than {limit} tokens, the model's limit for a whole "
                                             "sequence")
@@ -487,86 +460,7 @@ def _set_items(encoded: EncodedRequest, items: list[list[int]], request: ScoreRe
                offset: int, lead_ids: list[int] | None = None) -> None:
     """``encoded.item_ids`` (and ``windows``): the items fitted after the encoded prefix and suffix."""
     fixed = len(encoded.prefix_ids) + len(encoded.suffix_ids)
-    encoded.item_ids, encoded.windows = _fit_items(items, request, loaded, fixed, offset, lead_ids)
-
-
-def _fit_items(items: list[list[int]], request: ScoreRequest, loaded: LoadedModel, fixed: int, offset: int = 0,
-               lead_ids: list[int] | None = None) -> tuple[list[list[int]], list[int] | None]:
-    """Cut each item to what the model length (and ``max_tokens_per_item``) leaves after prefix and suffix, or with
-    ``long_documents`` split one that does not fit into windows; returns the sequences' items and, when any item
-    was split, how many windows each item has.
-
-    ``lead_ids``: the template's item text without a document (e.g. ``<Document>: ``); an item's tokens that match
-    it are the template's, not the document's: ``max_tokens_per_item`` counts the document's tokens only, a cut
-    never removes them, and every window starts with them.
-    """
-    room = loaded.max_length - fixed
-    if room < 1:
-        raise InvalidRequest("query", f"the prompt around each item takes {fixed} tokens, which leaves no room for "
-                             f"an item within the model's limit of {loaded.max_length} tokens")
-    per_item = request.max_tokens_per_item
-    windowed = request.long_documents != "truncate"
-    fitted: list[list[int]] = []
-    windows: list[int] = []
-    for index, item in enumerate(items, offset):
-        if len(item) <= (room if per_item is None else min(room, per_item)) and not (
-                windowed and request.long_document_window is not None):
-            fitted.append(item)  # fits even counting the template's tokens: no need to find them
-            windows.append(1)
-            continue
-        lead = _common_prefix(item, lead_ids) if lead_ids else 0
-        field = f"items[{index}]"
-        if not windowed:
-            limit = room if per_item is None else min(room, lead + per_item)
-            fitted.append(_fit(item, limit, request.truncation, field, lead))
-            windows.append(1)
-            continue
-        if per_item is not None:
-            item = _fit(item, lead + per_item, request.truncation, field, lead)
-        split = _windows(item, lead, room, request, field)
-        fitted.extend(split)
-        windows.append(len(split))
-    return fitted, (windows if len(fitted) != len(windows) else None)
-
-
-def _windows(item: list[int], lead: int, room: int, request: ScoreRequest, field: str) -> list[list[int]]:
-    """``item`` as windows of ``long_document_window`` document tokens (at most what ``room`` leaves), each led by
-    the item's ``lead`` template tokens, starting every ``long_document_stride`` tokens until one reaches the end."""
-    size = min(room - lead, request.long_document_window or room)
-    if size < 1:
-        raise InvalidRequest(field, f"the prompt leaves {room} tokens for an item, which its template's {lead} "
-                                    "tokens fill: no room for a window")
-    stride = request.long_document_stride or max(1, size * 3 // 4)
-    if stride > size:
-        raise InvalidRequest("long_document_stride", f"is {stride} tokens, more than the window of {size}: tokens "
-                                                     "between windows would not be scored")
-    head, document = item[:lead], item[lead:]
-    starts = [0]
-    while starts[-1] + size < len(document) and len(starts) < (request.long_document_max_windows or len(document)):
-        starts.append(starts[-1] + stride)
-    return [head + document[start:start + size] for start in starts]
-
-
-def _fit(ids: list[int], limit: int, policy: str, field: str, lead: int = 0) -> list[int]:
-    """``ids`` cut to ``limit`` tokens at the end, or at the start keeping its ``lead`` template tokens."""
-    if len(ids) <= limit:
-        return ids
-    if policy == "none" or limit <= lead:
-        # "at least": a long text is tokenized from a bounded slice (``_tokenize_items``)
-        raise InvalidRequest(field, f"has at least {len(ids) - lead} tokens; the limit is {max(limit - lead, 0)} "
-                             f"(truncation={policy!r})")
-    if policy == "end":
-        return ids[:limit]
-    return ids[:lead] + ids[len(ids) - (limit - lead):]
-
-
-def _common_prefix(ids: list[int], other: list[int]) -> int:
-    count = 0
-    for left, right in zip(ids, other):
-        if left != right:
-            break
-        count += 1
-    return count
+    encoded.item_ids, encoded.windows = fit_items(items, request, loaded.max_length, fixed, offset, lead_ids)
 
 
 def _check_vocab(ids: list[int], vocab_size: int, field: str) -> None:
