@@ -124,6 +124,16 @@ def test_a_multi_megabyte_document_is_cut_or_refused_from_a_bounded_slice(monkey
     assert error.value.field == "query" and max(seen) < 20 * loaded.max_length
 
 
+def test_a_bi_encoders_long_query_is_cut_as_before_from_a_bounded_slice(monkeypatch):
+    from rerankit.defaults import default_model_path
+
+    loaded = load_model(default_model_path(), device="cpu", weights=False)
+    request = ScoreRequest(query=PROSE * 3000, items=["d"])
+    cut = encode_request(request, loaded, "bi-encoder", None).query_ids
+    monkeypatch.setattr(encode_module, "CHARS_PER_TOKEN", 10**9)
+    assert len(cut) == loaded.max_length and cut == encode_request(request, loaded, "bi-encoder", None).query_ids
+
+
 @pytest.mark.parametrize("dialect", ["vllm-generative", "vllm-rerank", "sglang-score", "sglang-rerank", "cohere",
                                      "tei"])
 def test_remote_dialects_refuse_windowed_scoring_before_any_io(dialect):

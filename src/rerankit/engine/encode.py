@@ -198,7 +198,7 @@ def encode_request(request: ScoreRequest, loaded: LoadedModel, mode: str, templa
     chunk = _Chunk(request, items or slice(0, len(request.items)))
     if earlier is not None:
         return _encode_later_chunk(request, loaded, mode, template, chunk, earlier)
-    _refuse_huge_texts(request, loaded)
+    _refuse_huge_texts(request, loaded, mode)
     if mode == "generative":
         if template is None:
             raise InvalidRequest("template", f"no prompt template is known for {loaded.name!r}: name one "
@@ -404,8 +404,8 @@ def _encode_single(request: ScoreRequest, loaded: LoadedModel, mode: str, chunk:
 
 
 def _query_ids(request: ScoreRequest, loaded: LoadedModel) -> list[int]:
-    if isinstance(request.query, str):
-        return _tokenize(loaded.tokenizer, [request.query])[0]
+    if isinstance(request.query, str):  # more than the model's length is never kept: a bounded slice does
+        return _tokenize_bounded(loaded.tokenizer, [request.query], loaded.max_length, request.truncation)[1][0]
     _check_vocab(request.query, loaded.vocab_size, "query")
     return list(request.query)
 
@@ -427,31 +427,38 @@ def _tokenize_items(tokenizer: Any, docs: Any, request: ScoreRequest, loaded: Lo
     the side truncation keeps, so a multi-MB text costs what its kept part costs; a slice that yields fewer than
     the kept tokens and a margin (e.g. mostly whitespace) is grown and tokenized again, up to the whole text.
     """
-    wrap = wrap or (lambda doc: doc)
-    kept = kept_tokens(request, loaded.max_length)
+    return _tokenize_bounded(tokenizer, docs, kept_tokens(request, loaded.max_length), request.truncation, wrap,
+                             extra)
+
+
+def _tokenize_bounded(tokenizer: Any, texts: Any, kept: int | None, policy: str,
+                      wrap: Callable[[str], str] | None = None,
+                      extra: Sequence[str] = ()) -> tuple[list[list[int]], list[list[int]]]:
+    """``_tokenize_items`` with the kept tokens (None: all) and the side truncation keeps given."""
+    wrap = wrap or (lambda text: text)
     need = None if kept is None else kept + TOKEN_MARGIN
-    chars = None if need is None else need * CHARS_PER_TOKEN
-    texts = [doc if chars is None else bounded(doc, chars, request.truncation) for doc in docs]
-    ids = _tokenize(tokenizer, [*extra, *map(wrap, texts)])
+    sliced = [text if need is None else bounded(text, need * CHARS_PER_TOKEN, policy) for text in texts]
+    ids = _tokenize(tokenizer, [*extra, *map(wrap, sliced)])
     lead, items = ids[:len(extra)], ids[len(extra):]
-    for index, doc in enumerate(docs):
-        while need is not None and len(texts[index]) < len(doc) and len(items[index]) < need:
+    for index, text in enumerate(texts):
+        chars = None if need is None else need * CHARS_PER_TOKEN
+        while need is not None and len(sliced[index]) < len(text) and len(items[index]) < need:
             chars *= SLICE_GROWTH
-            texts[index] = bounded(doc, chars, request.truncation)
-            items[index] = _tokenize(tokenizer, [wrap(texts[index])])[0]
+            sliced[index] = bounded(text, chars, policy)
+            items[index] = _tokenize(tokenizer, [wrap(sliced[index])])[0]
     return lead, items
 
 
-def _refuse_huge_texts(request: ScoreRequest, loaded: LoadedModel) -> None:
+def _refuse_huge_texts(request: ScoreRequest, loaded: LoadedModel, mode: str) -> None:
     """Refuse a query or instruction text that cannot fit the model, from a bounded slice of it: the prompt around
-    every item holds it whole, so without this a multi-MB query would be tokenized whole before being refused."""
+    every item holds it whole, so without this a multi-MB query would be tokenized whole before being refused.
+    A bi-encoder's query is a sequence of its own, cut like an item (``_query_ids``)."""
     limit = loaded.max_length
-    chars = (limit + TOKEN_MARGIN) * CHARS_PER_TOKEN
-    for field in ("query", "instruction"):
+    fields = ("instruction",) if mode in ("bi-encoder", "late-interaction") else ("query", "instruction")
+    for field in fields:
         text = getattr(request, field)
-        if isinstance(text, str) and len(text) > chars:
-            count = len(_tokenize(loaded.tokenizer, [bounded(text, chars, "end")])[0])
-            if count > limit:
+        if isinstance(text, str) and len(text) > (limit + TOKEN_MARGIN) * CHARS_PER_TOKEN:
+            if len(_tokenize_bounded(loaded.tokenizer, [text], limit, "end")[1][0]) > limit:
                 raise InvalidRequest(field, f"has more than {limit} tokens, the model's limit for a whole "
                                             "sequence")
 
