@@ -149,6 +149,10 @@ class ScoreRequest(_Strict):
     def _labels_once(self) -> "ScoreRequest":
         if self.label_token_ids is not None and self.labels is not None:
             raise ValueError("give label_token_ids or labels, not both")
+        return self
+
+    @model_validator(mode="after")
+    def _window_fields_need_windows(self) -> "ScoreRequest":
         if self.long_documents == "truncate":
             for field in ("long_document_window", "long_document_stride", "long_document_max_windows"):
                 if getattr(self, field) is not None:
