@@ -109,6 +109,8 @@ MINE = {"name": "mine-test", "prefix_format": "Question: {query}\n", "item_forma
     ({"labels": ["yes", "yes"]}, "template.labels", "twice"),
     ({"name": " "}, "template.name", "non-empty"),
     ({"separator": 3}, "template.separator", "string"),
+    ({"labels": 5}, "template.labels", "list of non-empty strings"),
+    ({"add_bos": "false"}, "template.add_bos", "true or false"),
 ])
 def test_a_bad_template_names_the_piece_and_why(change, field, says):
     from rerankit.templates import Template

@@ -52,9 +52,13 @@ class Template:
             _check_format(piece, getattr(self, piece), allowed, required)
         if not isinstance(self.separator, str):  # joined as is, never formatted: braces are literal
             raise InvalidRequest("template.separator", f"must be a string, got {type(self.separator).__name__}")
-        if isinstance(self.labels, str) or not all(isinstance(label, str) and label for label in self.labels):
-            hint = ("; YAML reads unquoted yes/no as booleans: quote them" if any(isinstance(label, bool)
-                                                                               for label in self.labels) else "")
+        for flag in ("add_bos", "lone_label_sigmoid"):
+            if not isinstance(getattr(self, flag), bool):
+                raise InvalidRequest(f"template.{flag}", f"must be true or false, got {getattr(self, flag)!r}")
+        if not isinstance(self.labels, (list, tuple)) or not all(isinstance(label, str) and label
+                                                                 for label in self.labels):
+            booleans = isinstance(self.labels, (list, tuple)) and any(isinstance(label, bool) for label in self.labels)
+            hint = "; YAML reads unquoted yes/no as booleans: quote them" if booleans else ""
             raise InvalidRequest("template.labels", f"must be a list of non-empty strings, got {self.labels!r}{hint}")
         object.__setattr__(self, "labels", tuple(self.labels))  # lists from JSON/YAML: keep the template hashable
         if len(set(self.labels)) != len(self.labels):
@@ -115,7 +119,7 @@ def _check_format(piece: str, text: Any, allowed: frozenset[str], required: str 
     if not isinstance(text, str):
         raise InvalidRequest(field, f"must be a string, got {type(text).__name__}")
     try:
-        names = {name for _, name, spec, _ in string.Formatter().parse(text) if name is not None}
+        names = {name for _, name, _, _ in string.Formatter().parse(text) if name is not None}
     except ValueError as exc:  # a lone "{" or "}": literal braces are written "{{" and "}}"
         raise InvalidRequest(field, f"is not a format string ({exc}); write literal braces as {{{{ and }}}}") from None
     unknown = names - allowed
