@@ -12,16 +12,20 @@ from urllib.parse import urlsplit
 
 from rerankit.errors import ModelLoadError
 
+# a cache holding the config and one of these is taken as the whole model (a sharded one's index names its shards)
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 HUB_CHECK_SECONDS = 1.0  # how long a hub id not in the local cache waits to learn whether the hub can be reached
 
 
 def hub_cached(model: str) -> bool:
-    """Whether hub id ``model``'s config is in the local cache; ``ModelLoadError`` at once, in one line, when it is
-    not and the hub cannot be reached (``HF_HUB_OFFLINE`` set, or no connection within ``HUB_CHECK_SECONDS``),
-    instead of huggingface_hub's retries."""
+    """Whether hub id ``model``'s config and weights are in the local cache (it then loads with no network call);
+    ``ModelLoadError`` at once, in one line, when they are not and the hub cannot be reached (``HF_HUB_OFFLINE``
+    set, or no connection within ``HUB_CHECK_SECONDS``), instead of huggingface_hub's retries."""
     from huggingface_hub import constants, try_to_load_from_cache
 
-    if isinstance(try_to_load_from_cache(model, "config.json"), str):
+    cached = [isinstance(try_to_load_from_cache(model, name), str) for name in ("config.json", *WEIGHT_FILES)]
+    if cached[0] and any(cached[1:]):
         return True
     how = ("is not in the local Hugging Face cache and HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE
            else None if _hub_reachable(constants.ENDPOINT) else
