@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -125,16 +126,29 @@ def test_errors_print_one_line_and_exit_2(args, message):
     assert "Traceback" not in completed.stderr and completed.stdout == ""
 
 
-def test_a_bad_flag_value_is_a_usage_error():
-    completed = rerankit_cli("rank", "--query", QUERY, "--docs", "-", "--top-n", "0", stdin="")
+@pytest.mark.parametrize("value", ["0", "x"])
+def test_a_bad_flag_value_is_a_usage_error_saying_what_is_expected(value, capsys):
+    from rerankit.cli import main
 
-    assert completed.returncode == 2 and "argument --top-n: must be >= 1, got 0" in completed.stderr
+    with pytest.raises(SystemExit) as exit_info:
+        main(["rank", "--query", QUERY, "--docs", "-", "--top-n", value])
+    stderr = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"argument --top-n: must be a positive integer, got '{value}'" in stderr
+    assert "_positive_int" not in stderr
+
+
+def test_version_prints_the_package_version(capsys):
+    from rerankit.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"rerankit {rerankit.__version__}"
 
 
 @pytest.mark.parametrize("flag, value, message", [
-    ("--batch-window-ms", "-1", "must be >= 0, got -1.0"),
-    ("--port", "70000", "must be a port number, 0 to 65535, got 70000"),
-    ("--prefix-cache-mib", "-1", "must be >= 0, got -1"),
+    ("--batch-window-ms", "-1", "must be a number >= 0, got '-1'"),
+    ("--port", "70000", "must be a port number, 0 to 65535, got '70000'"),
+    ("--prefix-cache-mib", "-1", "must be an integer >= 0, got '-1'"),
 ])
 def test_a_bad_serve_flag_is_a_usage_error_before_the_model_loads(flag, value, message):
     completed = rerankit_cli("serve", "--model", "/no/such/model", flag, value)
@@ -244,3 +258,123 @@ def test_serve_hands_the_prefix_cache_size_to_the_engine(monkeypatch):
     assert cli.main(["serve", "--model", "some/model", "--prefix-cache-mib", "256"]) == 0
     assert given["prefix_cache_bytes"] == 256 << 20 and given["model"] == "some/model"
     assert cli.main(["serve", "--model", "some/model"]) == 0 and given["prefix_cache_bytes"] is None
+
+
+def test_serve_hands_template_mode_and_instruction_to_the_engine_as_defaults(monkeypatch, tmp_path):
+    from rerankit import cli
+
+    given = {}
+    monkeypatch.setattr(cli, "serve", lambda model, **options: given.update(options))
+    path = tmp_path / "mine.yaml"
+    path.write_text(TEMPLATE_YAML, encoding="utf-8")
+    assert cli.main(["serve", "--model", "folder", "--template", str(path), "--mode", "generative",
+                     "--instruction", "Find code"]) == 0
+    options = given["engine_options"]
+    assert options["template"].name == "mine" and options["template"].labels == ("yes", "no")
+    assert options["mode"] == "generative" and options["instruction"] == "Find code"
+    assert cli.main(["serve", "--model", "folder", "--template", "qwen3-reranker"]) == 0
+    assert given["engine_options"] == {"template": "qwen3-reranker"}
+
+
+# --- templates and render -----------------------------------------------------------------------------------
+
+TEMPLATE_YAML = """\
+name: mine
+prefix_format: "Question: {query}\\n"
+item_format: "Passage: {doc}"
+suffix_format: "\\nRelevant (yes/no)?"
+labels: ["yes", "no"]
+"""
+
+
+def test_templates_lists_names_model_families_and_labels(capsys, tmp_path):
+    from rerankit.cli import main
+
+    assert main(["templates"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["name", "models", "labels"]
+    assert any(line.split()[:3] == ["qwen3-reranker", "qwen3-reranker", "(Qwen3*)"] and line.endswith("yes,no")
+               for line in lines)
+    path = tmp_path / "mine.yaml"
+    path.write_text(TEMPLATE_YAML, encoding="utf-8")
+    assert main(["templates", "--template-file", str(path), "--json"]) == 0
+    listed = {entry["name"]: entry for entry in json.loads(capsys.readouterr().out)}
+    assert listed["mine"]["prefix_format"] == "Question: {query}\n" and listed["mine"]["labels"] == ["yes", "no"]
+
+
+def test_a_bad_template_file_names_the_piece_and_exits_2(capsys, tmp_path):
+    from rerankit.cli import main
+
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"name": "bad", "prefix_format": "{question}", "item_format": "{doc}",
+                                "suffix_format": "", "labels": ["yes"]}), encoding="utf-8")
+    assert main(["templates", "--template-file", str(path)]) == 2
+    assert capsys.readouterr().err == ("error: template.prefix_format: has the placeholder(s) {question}; it may "
+                                       "hold {instruction}, {query}\n")
+    unquoted = tmp_path / "unquoted.yaml"
+    unquoted.write_text(TEMPLATE_YAML.replace('["yes", "no"]', "[yes, no]"), encoding="utf-8")
+    assert main(["render", "--query", "q", "--docs", str(path), "--template-file", str(unquoted)]) == 2
+    assert "quote them" in capsys.readouterr().err
+
+
+def test_render_shows_the_scored_text_ids_cut_and_label_position(capsys, tmp_path, tiny_qwen3_lm):
+    from rerankit.cli import main
+
+    docs = tmp_path / "docs.txt"
+    docs.write_text("Paris is the capital of France.\n" + "the quick brown fox " * 800 + "\n", encoding="utf-8")
+    template = tmp_path / "mine.yaml"
+    template.write_text(TEMPLATE_YAML, encoding="utf-8")
+    assert main(["render", "--model", str(tiny_qwen3_lm), "--query", "capital of France?", "--docs", str(docs),
+                 "--template-file", str(template), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["template"] == "mine" and [label["token"] for label in shown["labels"]] == ["yes", "no"]
+    first, long = shown["items"]
+    sequence = first["sequences"][0]
+    assert sequence["text"] == "Question: capital of France?\nPassage: Paris is the capital of France.\n" \
+                               "Relevant (yes/no)?"
+    assert sequence["tokens"] == len(sequence["token_ids"]) and sequence["read_position"] == sequence["tokens"] - 1
+    assert first["cut_tokens"] == 0 and long["cut_tokens"] > 0
+    assert long["sequences"][0]["tokens"] == 2048  # cut to the model's length, the suffix kept
+    assert long["sequences"][0]["text"].endswith("\nRelevant (yes/no)?")
+    assert main(["render", "--model", str(tiny_qwen3_lm), "--query", "q", "--docs", str(docs),
+                 "--long-documents", "max", "--window-tokens", "500"]) == 0
+    text = capsys.readouterr().out
+    assert "template: qwen3-reranker" in text and "scored in windows" in text and "window 7:" in text
+
+
+def test_rank_with_a_template_file_scores_as_the_same_template_given_in_the_request(tmp_path, tiny_qwen3_lm,
+                                                                                    capsys):
+    from rerankit import Reranker
+    from rerankit.cli import main
+    from rerankit.templates import load_template_file
+
+    docs = tmp_path / "docs.txt"
+    docs.write_text("\n".join(DOCUMENTS) + "\n", encoding="utf-8")
+    template = tmp_path / "mine.yaml"
+    template.write_text(TEMPLATE_YAML, encoding="utf-8")
+    assert main(["rank", "--model", str(tiny_qwen3_lm), "--device", "cpu", "--query", QUERY, "--docs", str(docs),
+                 "--template", str(template), "--json"]) == 0
+    ranked = [(entry["index"], entry["score"]) for entry in json.loads(capsys.readouterr().out)["results"]]
+    with Reranker(str(tiny_qwen3_lm), device="cpu") as reranker:
+        pieces = dataclasses.asdict(load_template_file(template))
+        expected = reranker.rank(QUERY, DOCUMENTS, template=pieces)
+    assert ranked == [(entry.index, pytest.approx(entry.score, abs=1e-6)) for entry in expected]
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_a_hub_id_missing_from_the_cache_fails_at_once_in_one_line(monkeypatch, capsys, tmp_path, offline):
+    from huggingface_hub import constants
+
+    from rerankit.cli import main
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens: the hub is unreachable
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))  # an empty cache
+    monkeypatch.delenv("HTTPS_PROXY", raising=False)
+    monkeypatch.delenv("https_proxy", raising=False)
+    docs = tmp_path / "docs.txt"
+    docs.write_text("a document\n", encoding="utf-8")
+    assert main(["rank", "--model", "nobody/no-such-reranker", "--query", "q", "--docs", str(docs)]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "'nobody/no-such-reranker' is not in the local Hugging Face cache" in error
+    assert ("HF_HUB_OFFLINE" in error) == offline and "pass the model's folder" in error

@@ -92,3 +92,71 @@ def test_prefix_parts_split_the_prefix_before_the_query_line(name, instruction):
     assert head + tail == template.prefix(instruction, query)
     assert query not in head and head == template.prefix_parts(instruction, "other")[0]
     assert head == "" or tail.startswith("\n")
+
+
+# --- user templates ---------------------------------------------------------------------------------------------
+
+MINE = {"name": "mine-test", "prefix_format": "Question: {query}\n", "item_format": "Passage: {doc}",
+        "suffix_format": "\nRelevant?", "labels": ["yes", "no"]}
+
+
+@pytest.mark.parametrize("change, field, says", [
+    ({"prefix_format": "Q: {question}"}, "template.prefix_format", "{question}"),
+    ({"prefix_format": "no query here"}, "template.prefix_format", "{query}"),
+    ({"item_format": "{doc} {query}"}, "template.item_format", "{query}"),
+    ({"suffix_format": "a lone { brace"}, "template.suffix_format", "literal braces"),
+    ({"labels": "yes"}, "template.labels", "list of non-empty strings"),
+    ({"labels": ["yes", "yes"]}, "template.labels", "twice"),
+    ({"name": " "}, "template.name", "non-empty"),
+    ({"separator": 3}, "template.separator", "string"),
+    ({"labels": 5}, "template.labels", "list of non-empty strings"),
+    ({"add_bos": "false"}, "template.add_bos", "true or false"),
+])
+def test_a_bad_template_names_the_piece_and_why(change, field, says):
+    from rerankit.templates import Template
+
+    with pytest.raises(InvalidRequest) as error:
+        Template(**{**MINE, **change})
+    assert error.value.field == field and says in error.value.reason
+
+
+def test_a_request_takes_a_template_by_its_pieces_with_typed_errors():
+    from rerankit.schema import ScoreRequest
+    from rerankit.templates import Template
+
+    request = ScoreRequest(query="q", items=["d"], template=MINE)
+    assert isinstance(request.template, Template) and request.template.labels == ("yes", "no")
+    with pytest.raises(InvalidRequest) as error:
+        ScoreRequest(query="q", items=["d"], template={**MINE, "prompt": "x"})
+    assert error.value.field == "template.prompt"
+    with pytest.raises(InvalidRequest) as error:
+        ScoreRequest(query="q", items=["d"], template={"name": "x"})
+    assert error.value.field == "template.prefix_format" and "missing" in error.value.reason
+
+
+def test_registered_template_is_listed_detected_and_scores_as_its_pieces(monkeypatch, tiny_qwen3_lm):
+    from types import SimpleNamespace
+
+    from rerankit import templates
+    from rerankit.engine import EmbeddedBackend
+    from rerankit.schema import ScoreRequest
+    from rerankit.templates import Template, register_template
+
+    monkeypatch.setattr(templates, "TEMPLATES", dict(templates.TEMPLATES))
+    monkeypatch.setattr(templates, "_DETECTION_RULES", list(templates._DETECTION_RULES))
+    mine = register_template(Template(**MINE), matches=("my-reranker", "Qwen3"))
+    assert templates.get_template("mine-test") is mine and templates.template_matches("mine-test") == [
+        "my-reranker (Qwen3*)"]
+    config = SimpleNamespace(architectures=["Qwen3ForCausalLM"], _name_or_path="")
+    assert detect_template(config, "org/my-reranker-1b") is mine
+    with pytest.raises(InvalidRequest) as error:
+        register_template(Template(**MINE))
+    assert "replace=True" in error.value.reason
+    backend = EmbeddedBackend(str(tiny_qwen3_lm), device="cpu")
+    documents = ["Paris is the capital of France.", "Bananas are yellow."]
+    by_name = backend.score(ScoreRequest(query="capital of France?", items=documents, template="mine-test"))
+    by_pieces = backend.score(ScoreRequest(query="capital of France?", items=documents, template=MINE))
+    default = EmbeddedBackend(str(tiny_qwen3_lm), device="cpu", template=mine, instruction="ignored")
+    assert by_name.scores == by_pieces.scores == default.score(
+        ScoreRequest(query="capital of France?", items=documents)).scores
+    assert by_name.scores != backend.score(ScoreRequest(query="capital of France?", items=documents)).scores

@@ -1,8 +1,10 @@
-"""The ``rerankit`` command: ``rank`` documents from a file against a query, or ``serve`` a model over HTTP."""
+"""The ``rerankit`` command: ``rank`` documents from a file against a query, ``serve`` a model over HTTP, list the
+prompt ``templates``, and ``render`` the exact sequences a model scores."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -10,11 +12,13 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
+from rerankit import __version__
 from rerankit.errors import InvalidRequest, RerankitError
 from rerankit.reranker import is_url, make_backend
-from rerankit.schema import ScoreRequest, ScoreResponse
+from rerankit.schema import MODES, ScoreRequest, ScoreResponse
 from rerankit.server.limits import RERANK_DIALECTS
 from rerankit.server.main import API_KEY_ENV, serve  # fastapi and uvicorn load only when serve() runs
+from rerankit.templates import TEMPLATES, Template, get_template, load_template_file, template_matches
 
 USAGE_ERROR = 2
 
@@ -32,6 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``rerankit`` and its subcommands."""
     parser = argparse.ArgumentParser(prog="rerankit", description="Rerank documents by relevance to a query.")
+    parser.add_argument("--version", action="version", version=f"rerankit {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     rank = commands.add_parser("rank", help="rank the documents of a file against a query",
@@ -47,10 +52,31 @@ def build_parser() -> argparse.ArgumentParser:
     rank.add_argument("--json", action="store_true", help="print JSON instead of a table")
     rank.add_argument("--device", help="local model: cpu, cuda, cuda:1, ... (default: the GPU if there is one)")
     rank.add_argument("--dtype", help="local model: float32, bfloat16, float16")
-    rank.add_argument("--instruction", help="task instruction, for templates that take one")
+    add_prompt_flags(rank)
+    add_scoring_flags(rank)
     rank.add_argument("--dialect", help="server: its wire dialect, e.g. vllm-generative, cohere (default: discovered)")
     rank.add_argument("--api-key", help=f"server: the API key (default: ${API_KEY_ENV})")
     rank.set_defaults(run=run_rank)
+
+    templates = commands.add_parser("templates", help="list the prompt templates of generative rerankers",
+                                    description="List the registered prompt templates.")
+    templates.add_argument("--template-file", help="also check and list the template of this .json/.yaml file")
+    templates.add_argument("--json", action="store_true", help="print every piece of each template as JSON")
+    templates.set_defaults(run=run_templates)
+
+    render = commands.add_parser("render", help="show the exact text and token ids each document is scored on",
+                                 description="Show, per document, the sequence(s) the model runs: text, token ids, "
+                                             "what truncation cut, and where the score is read.")
+    render.add_argument("--model", help="model path or hub id (default: the packaged MiniLM); only its tokenizer "
+                                        "and config are loaded")
+    render.add_argument("--query", required=True, help="the query text")
+    render.add_argument("--docs", required=True, help="documents: a .txt file (one a line), a .jsonl file, or -")
+    render.add_argument("--format", choices=("txt", "jsonl"), help="format of --docs (default: from the suffix)")
+    render.add_argument("--text-field", default="text", help="the field holding the text in .jsonl (default: text)")
+    add_prompt_flags(render)
+    add_scoring_flags(render)
+    render.add_argument("--json", action="store_true", help="print JSON instead of text")
+    render.set_defaults(run=run_render)
 
     serve = commands.add_parser("serve", help="serve a model over HTTP (vLLM, SGLang and Cohere routes)",
                                 description="Serve one embedded model over HTTP.")
@@ -62,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", help="float32, bfloat16, float16")
     serve.add_argument("--api-key", help="require this key as a Bearer token (default: $RERANKIT_API_KEY)")
     serve.add_argument("--served-model-name", help="the model name /v1/models and the responses report")
+    add_prompt_flags(serve, defaults=True)
     serve.add_argument("--max-batch-items", type=_positive_int, help="items merged into one engine call at most")
     serve.add_argument("--batch-window-ms", type=_non_negative_float,
                        help="how long a request waits for others to batch with")
@@ -86,13 +113,71 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_prompt_flags(parser: argparse.ArgumentParser, defaults: bool = False) -> None:
+    """--template/--template-file, --mode and --instruction: per request, or the served model's ``defaults``."""
+    scope = "the default for every request: " if defaults else ""
+    parser.add_argument("--template", help=f"{scope}prompt template: a registered name (see `rerankit templates`) "
+                                           "or a .json/.yaml file of its pieces (default: detected from the model)")
+    parser.add_argument("--template-file", help=f"{scope}prompt template from a .json/.yaml file of its pieces")
+    parser.add_argument("--mode", choices=MODES, help=f"{scope}scoring mode (default: the model's first)")
+    parser.add_argument("--instruction", help=f"{scope}task instruction, for templates that take one")
+
+
+def add_scoring_flags(parser: argparse.ArgumentParser) -> None:
+    """Label and length flags of one scoring request (``rank`` and ``render``)."""
+    parser.add_argument("--labels", type=_word_list,
+                        help="generative: label words, the positive first, e.g. yes,no (default: the template's)")
+    parser.add_argument("--label-token-ids", type=_id_list,
+                        help="generative: label token ids, the positive first, e.g. 9693,2152 (raw scoring on a "
+                             "server without a template)")
+    parser.add_argument("--max-tokens-per-item", type=_positive_int, help="cut each document to N tokens")
+    parser.add_argument("--truncation", choices=("end", "start", "none"),
+                        help="cut a long document's end (default) or start, or refuse it (none)")
+    parser.add_argument("--long-documents", choices=("truncate", "max", "mean"),
+                        help="a document longer than the model takes: truncate it (default), or score it in "
+                             "windows and keep their max or mean")
+    parser.add_argument("--window-tokens", type=_positive_int,
+                        help="with --long-documents: document tokens per window (default: all that fit)")
+    parser.add_argument("--window-stride", type=_positive_int,
+                        help="with --long-documents: tokens between window starts (default: 3/4 of a window)")
+    parser.add_argument("--max-windows", type=_positive_int, help="with --long-documents: windows per document "
+                                                                   "at most")
+
+
+def chosen_template(args: argparse.Namespace) -> str | Template | None:
+    """The template of --template (a name, or a file when it names one) or --template-file, checked now."""
+    if args.template is not None and args.template_file is not None:
+        raise InvalidRequest("--template-file", "give --template or --template-file, not both")
+    if args.template_file is not None:
+        return load_template_file(args.template_file)
+    if args.template is None:
+        return None
+    if args.template in TEMPLATES:
+        return args.template
+    if Path(args.template).suffix.lower() in (".json", ".yaml", ".yml") or Path(args.template).is_file():
+        return load_template_file(args.template)
+    return get_template(args.template).name  # an unknown name: InvalidRequest listing the known ones
+
+
+def scoring_request(args: argparse.Namespace, documents: list[str]) -> ScoreRequest:
+    """The ``ScoreRequest`` that ``rank`` and ``render`` send; unset flags keep the schema's defaults."""
+    fields = {"template": chosen_template(args), "mode": args.mode, "instruction": args.instruction,
+              "labels": args.labels, "label_token_ids": args.label_token_ids,
+              "max_tokens_per_item": args.max_tokens_per_item, "truncation": args.truncation,
+              "long_documents": args.long_documents, "long_document_window": args.window_tokens,
+              "long_document_stride": args.window_stride, "long_document_max_windows": args.max_windows,
+              "top_n": getattr(args, "top_n", None)}
+    return ScoreRequest(query=args.query, items=documents,
+                        **{name: value for name, value in fields.items() if value is not None})
+
+
 def run_rank(args: argparse.Namespace) -> int:
     """``rerankit rank``: score the documents, print them best first."""
     documents = read_documents(args.docs, args.format, args.text_field)
+    request = scoring_request(args, documents)  # bad flags fail here, before a model loads
     backend = make_backend(args.model, **backend_options(args))
     try:
-        response = backend.score(ScoreRequest(query=args.query, items=documents, top_n=args.top_n,
-                                              instruction=args.instruction))
+        response = backend.score(request)
     finally:
         backend.close()
     if args.json:
@@ -121,13 +206,77 @@ def refuse_misplaced(args: argparse.Namespace, names: Sequence[str]) -> None:
             raise InvalidRequest(f"--{name.replace('_', '-')}", f"only applies to {where} as --model")
 
 
+def run_templates(args: argparse.Namespace) -> int:
+    """``rerankit templates``: one line a template (name, the model families it is detected for, labels)."""
+    templates = dict(TEMPLATES)
+    if args.template_file is not None:
+        extra = load_template_file(args.template_file)
+        templates[extra.name] = extra
+    if args.json:
+        print(json.dumps([{**dataclasses.asdict(template), "matches": template_matches(name)}
+                          for name, template in templates.items()], ensure_ascii=False, indent=2))
+        return 0
+    rows = [(name, ", ".join(template_matches(name)) or "-", ",".join(template.labels) or "(label_token_ids)")
+            for name, template in templates.items()]
+    widths = [max(len(row[column]) for row in rows + [("name", "models", "labels")]) for column in range(2)]
+    for name, models, labels in [("name", "models", "labels"), *rows]:
+        print(f"{name:<{widths[0]}}  {models:<{widths[1]}}  {labels}")
+    return 0
+
+
+def run_render(args: argparse.Namespace) -> int:
+    """``rerankit render``: encode the request as the engine would and print each document's sequences."""
+    documents = read_documents(args.docs, args.format, args.text_field)
+    request = scoring_request(args, documents)
+    if is_url(args.model):
+        raise InvalidRequest("--model", "render needs a local model or hub id (its tokenizer), not a server URL")
+    from rerankit.defaults import default_model_path
+    from rerankit.engine.load import load_model
+    from rerankit.engine.render import render_request
+
+    rendering = render_request(request, load_model(args.model or default_model_path(), weights=False))
+    if args.json:
+        print(json.dumps(rendering.to_dict(), ensure_ascii=False, indent=2))
+    else:
+        print_rendering(rendering, sys.stdout)
+    return 0
+
+
+def print_rendering(rendering: Any, out: TextIO) -> None:
+    """The rendering as text: a header (mode, template, labels), then each document's sequences."""
+    labels = ", ".join(f"{label['token']!r}={label['id']}" for label in rendering.labels) or "-"
+    print(f"model: {rendering.model}\nmode: {rendering.mode}   template: {rendering.template or '-'}   "
+          f"labels (positive first): {labels}", file=out)
+    if rendering.instruction is not None:
+        print(f"instruction: {rendering.instruction}", file=out)
+    if rendering.query is not None:
+        _print_sequence("query", rendering.query, out)
+    for item in rendering.items:
+        cut = "scored in windows" if item.cut_tokens is None else f"truncation cut {item.cut_tokens} tokens"
+        print(f"\n=== document {item.index}: {item.document_tokens} tokens, {cut}, "
+              f"{len(item.sequences)} sequence(s)", file=out)
+        for number, sequence in enumerate(item.sequences):
+            _print_sequence(f"window {number}" if len(item.sequences) > 1 else "sequence", sequence, out)
+
+
+def _print_sequence(title: str, sequence: Any, out: TextIO) -> None:
+    read = ("mean of every token's state" if sequence.read_position is None
+            else f"position {sequence.read_position} (token {sequence.read_token!r})")
+    print(f"--- {title}: {sequence.tokens} tokens, score read at {read}", file=out)
+    print(sequence.text, file=out)
+    print(f"ids: {sequence.token_ids}", file=out)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """``rerankit serve``: hand the flags to the server (a server URL as --model serves it as a proxy)."""
     if is_url(args.model):
-        refuse_misplaced(args, ("device", "dtype", "prefix_cache_mib"))
+        refuse_misplaced(args, ("device", "dtype", "prefix_cache_mib", "template", "template_file", "mode",
+                                "instruction"))
     kept_bytes = None if args.prefix_cache_mib is None else args.prefix_cache_mib << 20
+    defaults = {"template": chosen_template(args), "mode": args.mode, "instruction": args.instruction}
     serve(args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
           prefix_cache_bytes=kept_bytes, api_key=args.api_key,
+          engine_options={name: value for name, value in defaults.items() if value is not None},
           log_level=args.log_level, served_model_name=args.served_model_name, max_batch_items=args.max_batch_items,
           batch_window_ms=args.batch_window_ms, max_items_per_request=args.max_items_per_request,
           max_batch_tokens=args.max_batch_tokens, max_tokens_per_item=args.max_tokens_per_item,
@@ -160,32 +309,49 @@ def read_documents(source: str, file_format: str | None, text_field: str) -> lis
     return documents
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+# argparse names a type function in its message when it raises ValueError ("invalid _positive_int value"); these
+# raise ArgumentTypeError, whose message argparse prints as is, saying what is expected.
+def _number(text: str, kind: type, low: float, high: float, expected: str) -> Any:
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not low <= value <= high:  # "not <=" also refuses nan
+        raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _number(text, int, 1, float("inf"), "a positive integer")
 
 
 def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    return _number(text, int, 0, float("inf"), "an integer >= 0")
 
 
 def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    return _number(text, float, 0, float("inf"), "a number >= 0")
 
 
 def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number, 0 to 65535, got {value}")
-    return value
+    return _number(text, int, 0, 65535, "a port number, 0 to 65535")
+
+
+def _word_list(text: str) -> list[str]:
+    words = [word.strip() for word in text.split(",")]
+    if not all(words):
+        raise argparse.ArgumentTypeError(f"must be comma-separated words, e.g. yes,no, got {text!r}")
+    return words
+
+
+def _id_list(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.split(",")]
+    except ValueError:
+        ids = []
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"must be comma-separated token ids >= 0, e.g. 9693,2152, got {text!r}")
+    return ids
 
 
 def _jsonl_text(line: str, number: int, source: str, text_field: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+from pathlib import Path
 from typing import Any, Sequence
 
 from rerankit.backend import Backend
@@ -39,6 +40,10 @@ def make_backend(model: str | Sequence[str] | None = None, **options: Any) -> Ba
             f"the embedded engine needs {' and '.join(missing)}: pip install 'rerankit[engine]', "
             "or pass a server URL as model"
         )
+    if isinstance(model, str) and not Path(model).expanduser().exists() and model.count("/") == 1:
+        from rerankit.hub import hub_cached
+
+        hub_cached(model)  # a hub id the cache lacks fails here, in one line, before torch loads
     from rerankit.engine import EmbeddedBackend
 
     if model is None:

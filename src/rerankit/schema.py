@@ -1,7 +1,7 @@
 """The one request/response schema that every backend (embedded, remote, server) speaks.
 
-It imports nothing of rerankit but the error hierarchy, a leaf module, so that a bad request
-raises the same typed ``InvalidRequest`` wherever it is built.
+It imports nothing of rerankit but the error hierarchy and the templates (both leaf modules, no torch), so that a
+bad request raises the same typed ``InvalidRequest`` wherever it is built.
 """
 
 from __future__ import annotations
@@ -11,10 +11,12 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rerankit.errors import InvalidRequest
+from rerankit.templates import Template, template_from_dict
 
 Mode = Literal["generative", "cross-encoder", "bi-encoder", "late-interaction"]
 MODES: tuple[str, ...] = ("generative", "cross-encoder", "bi-encoder", "late-interaction")
 Truncation = Literal["end", "start", "none"]
+LongDocuments = Literal["truncate", "max", "mean"]
 TokenIds = list[int]
 MAX_LABELS = 128
 
@@ -22,6 +24,9 @@ MAX_LABELS = 128
 def _invalid_from(exc: ValidationError) -> InvalidRequest:
     """The first pydantic error as an ``InvalidRequest`` naming the field path."""
     first = exc.errors()[0]
+    cause = first.get("ctx", {}).get("error")
+    if isinstance(cause, InvalidRequest):  # raised by a validator with its own field (a template's piece)
+        return cause
     field = ".".join(str(part) for part in first.get("loc", ())) or "request"
     message = str(first.get("msg", "invalid value"))
     if message.startswith("Value error, "):
@@ -55,7 +60,8 @@ class ScoreRequest(_Strict):
     query: Union[str, TokenIds] = Field(description="Query text, or its token ids.")
     items: Union[list[str], list[TokenIds]] = Field(description="Documents: all texts or all token-id lists.")
     mode: Mode | None = Field(default=None, description="Scoring mode; inferred from the model when None.")
-    template: str | None = Field(default=None, description="Prompt template name; detected from the model when None.")
+    template: Union[str, Template, None] = Field(
+        default=None, description="Prompt template: a registered name, or its pieces; detected from the model when None.")
     label_token_ids: TokenIds | None = Field(default=None, description="Label token ids; the first is the positive one.")
     labels: list[str] | None = Field(default=None, description="Label strings, resolved to single tokens by the template.")
     apply_softmax: bool = Field(default=True, description="Softmax over the labels only; False: full-vocabulary probability.")
@@ -69,6 +75,20 @@ class ScoreRequest(_Strict):
     truncation: Truncation = Field(default="end", description="Cut an item's end or start to fit; 'none' refuses.")
     multi_item: bool = Field(default=True, description="Share the prefix among items in one sequence (generative).")
     mis_delimiter_token_id: int | None = Field(default=None, ge=0, description="Raw MIS delimiter token (SGLang layout).")
+    long_documents: LongDocuments = Field(
+        default="truncate", description="An item longer than the model takes: 'truncate' it, or score it in windows "
+                                        "and keep the 'max' or 'mean' of their scores.")
+    long_document_window: int | None = Field(
+        default=None, ge=1, description="Document tokens per window; None: all the model leaves after the prompt.")
+    long_document_stride: int | None = Field(
+        default=None, ge=1, description="Tokens between window starts; None: 3/4 of the window (1/4 overlap).")
+    long_document_max_windows: int | None = Field(
+        default=None, ge=1, description="Windows scored per item at most (the rest of the item is not scored).")
+
+    @field_validator("template", mode="before")
+    @classmethod
+    def _template_from_pieces(cls, template: Any) -> Any:
+        return template_from_dict(template) if isinstance(template, dict) else template
 
     @field_validator("query")
     @classmethod
@@ -131,6 +151,17 @@ class ScoreRequest(_Strict):
             raise ValueError("give label_token_ids or labels, not both")
         return self
 
+    @model_validator(mode="after")
+    def _window_fields_need_windows(self) -> "ScoreRequest":
+        if self.long_documents == "truncate":
+            for field in ("long_document_window", "long_document_stride", "long_document_max_windows"):
+                if getattr(self, field) is not None:
+                    raise InvalidRequest(field, "only applies with long_documents 'max' or 'mean'")
+        if self.long_documents != "truncate" and (self.return_label_logprobs or self.return_pooled_hidden_states):
+            raise InvalidRequest("long_documents", "a windowed item has one score per window: it returns no "
+                                 "label log-probs or hidden states")
+        return self
+
     @property
     def items_are_token_ids(self) -> bool:
         """True when the items are given as token ids rather than texts."""
@@ -144,6 +175,7 @@ class ScoreResult(BaseModel):
     score: float
     label_logprobs: list[float] | None = None
     pooled_hidden_state: list[float] | None = None
+    windows: int = 1  # windows the item was scored in (``long_documents``); 1 when it fit
 
 
 class Usage(BaseModel):

@@ -11,7 +11,10 @@ This module imports nothing heavy: the remote client and the server use it too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import string
+from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from rerankit.errors import InvalidRequest
@@ -40,6 +43,26 @@ class Template:
     separator: str = ""
     add_bos: bool = False
     lone_label_sigmoid: bool = True
+
+    def __post_init__(self) -> None:
+        # A bad template fails here, naming its piece, instead of as a KeyError deep in the first request.
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise InvalidRequest("template.name", "must be a non-empty string")
+        for piece, allowed, required in _PIECES:
+            _check_format(piece, getattr(self, piece), allowed, required)
+        if not isinstance(self.separator, str):  # joined as is, never formatted: braces are literal
+            raise InvalidRequest("template.separator", f"must be a string, got {type(self.separator).__name__}")
+        for flag in ("add_bos", "lone_label_sigmoid"):
+            if not isinstance(getattr(self, flag), bool):
+                raise InvalidRequest(f"template.{flag}", f"must be true or false, got {getattr(self, flag)!r}")
+        if not isinstance(self.labels, (list, tuple)) or not all(isinstance(label, str) and label
+                                                                 for label in self.labels):
+            booleans = isinstance(self.labels, (list, tuple)) and any(isinstance(label, bool) for label in self.labels)
+            hint = "; YAML reads unquoted yes/no as booleans: quote them" if booleans else ""
+            raise InvalidRequest("template.labels", f"must be a list of non-empty strings, got {self.labels!r}{hint}")
+        object.__setattr__(self, "labels", tuple(self.labels))  # lists from JSON/YAML: keep the template hashable
+        if len(set(self.labels)) != len(self.labels):
+            raise InvalidRequest("template.labels", f"holds the same label twice ({list(self.labels)})")
 
     @property
     def needs_text(self) -> bool:
@@ -79,6 +102,33 @@ class Template:
     def render(self, query: str, doc: str, instruction: str | None = None) -> str:
         """The whole prompt as one string (for remote servers and for reading; no BOS)."""
         return self.separator.join((self.prefix(instruction, query), self.item(doc), self.suffix(instruction)))
+
+
+# (piece, the placeholders it may hold, the one it must hold)
+_PIECES: tuple[tuple[str, frozenset[str], str | None], ...] = (
+    ("prefix_format", frozenset({"instruction", "query"}), "query"),
+    ("item_format", frozenset({"doc"}), "doc"),
+    ("suffix_format", frozenset({"instruction"}), None),
+    ("instruction_format", frozenset({"instruction"}), None),
+)
+
+
+def _check_format(piece: str, text: Any, allowed: frozenset[str], required: str | None) -> None:
+    """``InvalidRequest`` naming ``template.<piece>`` when it is not a format string of the ``allowed`` placeholders."""
+    field = f"template.{piece}"
+    if not isinstance(text, str):
+        raise InvalidRequest(field, f"must be a string, got {type(text).__name__}")
+    try:
+        names = {name for _, name, _, _ in string.Formatter().parse(text) if name is not None}
+    except ValueError as exc:  # a lone "{" or "}": literal braces are written "{{" and "}}"
+        raise InvalidRequest(field, f"is not a format string ({exc}); write literal braces as {{{{ and }}}}") from None
+    unknown = names - allowed
+    if unknown:
+        known = ", ".join(f"{{{name}}}" for name in sorted(allowed)) or "none"
+        raise InvalidRequest(field, f"has the placeholder(s) {', '.join(f'{{{n}}}' for n in sorted(unknown))}; "
+                                    f"it may hold {known}")
+    if required is not None and required not in names:
+        raise InvalidRequest(field, f"must hold the placeholder {{{required}}}")
 
 
 RAW = "raw"
@@ -138,20 +188,82 @@ TEMPLATES: dict[str, Template] = {
     template.name: template for template in (QWEN3_RERANKER, BGE_RERANKER_GEMMA, MXBAI_RERANK_V2, RAW_TEMPLATE)
 }
 
-# (substring of the lower-cased model name, architecture prefix, template): the first match wins.
-_DETECTION_RULES: tuple[tuple[str, str, str], ...] = (
+# (substring of the lower-cased model name, architecture prefix, template name): the first match wins; templates
+# registered with ``matches`` come first, so a user's rule overrides a built-in one.
+_DETECTION_RULES: list[tuple[str, str, str]] = [
     ("qwen3-reranker", "Qwen3", QWEN3_RERANKER.name),
     ("bge-reranker-v2-gemma", "Gemma", BGE_RERANKER_GEMMA.name),
     ("mxbai-rerank", "Qwen2", MXBAI_RERANK_V2.name),
-)
+]
 
 
-def get_template(name: str) -> Template:
-    """The registered template called ``name``; ``InvalidRequest`` naming the known ones otherwise."""
+def register_template(template: Template, *, matches: tuple[str, str] | None = None,
+                      replace: bool = False) -> Template:
+    """Add ``template`` to the registry under its name; ``matches=(name substring, architecture prefix)`` also
+    picks it for models whose name and architecture match. Re-registering a name needs ``replace=True``."""
+    if not isinstance(template, Template):
+        raise InvalidRequest("template", f"must be a Template, got {type(template).__name__}")
+    if template.name == RAW or (template.name in TEMPLATES and not replace):
+        raise InvalidRequest("template.name", f"{template.name!r} is already registered"
+                             + ("" if template.name == RAW else "; pass replace=True to replace it"))
+    TEMPLATES[template.name] = template
+    if matches is not None:
+        pattern, architecture = matches
+        _DETECTION_RULES.insert(0, (pattern.lower(), architecture, template.name))
+    return template
+
+
+def template_matches(name: str) -> list[str]:
+    """The model families a template is detected for, as "name-substring (Architecture*)"."""
+    return [f"{pattern} ({architecture}*)" for pattern, architecture, rule in _DETECTION_RULES if rule == name]
+
+
+def get_template(name: "str | Template") -> Template:
+    """The registered template called ``name`` (a ``Template`` is returned as is); ``InvalidRequest`` naming the
+    known ones otherwise."""
+    if isinstance(name, Template):
+        return name
     try:
         return TEMPLATES[name]
     except KeyError:
         raise InvalidRequest("template", f"unknown template {name!r}; known: {', '.join(TEMPLATES)}") from None
+
+
+def template_from_dict(data: Any, source: str = "template") -> Template:
+    """A ``Template`` from its pieces (a JSON/YAML mapping); ``InvalidRequest`` naming a missing or unknown piece."""
+    if not isinstance(data, dict):
+        raise InvalidRequest(source, f"must be a mapping of template pieces, got {type(data).__name__}")
+    known = [field.name for field in fields(Template)]
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise InvalidRequest(f"{source}.{unknown[0]}", f"is not a template piece; the pieces are {', '.join(known)}")
+    missing = [name for name in ("name", "prefix_format", "item_format", "suffix_format", "labels") if name not in data]
+    if missing:
+        raise InvalidRequest(f"{source}.{missing[0]}", "is missing (a template needs name, prefix_format, "
+                                                       "item_format, suffix_format and labels)")
+    return Template(**data)
+
+
+def load_template_file(path: str | Path) -> Template:
+    """A template from a .json, .yaml or .yml file of its pieces (``template_from_dict``)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidRequest("--template-file", f"cannot read {path}: {exc}") from None
+    if path.suffix.lower() in (".yaml", ".yml"):
+        import yaml  # PyYAML (a huggingface_hub dependency) is imported only for YAML files
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise InvalidRequest("--template-file", f"{path} is not valid YAML: {exc}") from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequest("--template-file", f"{path} is not valid JSON: {exc}") from None
+    return template_from_dict(data, source=path.name)
 
 
 def detect_template(config: Any, name: str) -> Template | None:

@@ -348,7 +348,7 @@ def test_cohere_v1_object_documents_score_their_rank_fields_as_lines():
     parsed = cohere.parse_request({"query": "q", "documents": documents, "rank_fields": ["title", "text", "year"],
                                    "max_chunks_per_doc": 3})
     assert parsed.items == ["title: Paris\ntext: Capital of France\nyear: 1900", "text: Bananas", "plain"]
-    assert parsed.truncation == "end", "max_chunks_per_doc is applied as truncation until chunking exists"
+    assert (parsed.long_documents, parsed.long_document_max_windows) == ("max", 3)  # best of at most 3 windows
     assert cohere.parse_request({"query": "q", "documents": documents[:2]}).items == ["Capital of France", "Bananas"]
 
 

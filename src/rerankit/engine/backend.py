@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rerankit.engine import heads
-from rerankit.engine.encode import EncodedRequest, encode_request, resolve_template
+from rerankit.engine.encode import Defaults, EncodedRequest, encode_request, resolve_request
 from rerankit.engine.load import LoadedModel, load_model
 from rerankit.engine.plan import DEFAULT_MAX_BATCH_TOKENS, MicroBatch, Planner, RequestParts, pack
 from rerankit.engine.prefetch import prefetch
@@ -32,7 +32,7 @@ from rerankit.engine.runner import PackedRunner, Runner, make_runner
 from rerankit.engine.warm_up import warm_up_runner
 from rerankit.errors import InvalidRequest, ModelLoadError, RerankitError
 from rerankit.schema import ScoreRequest, ScoreResponse, ScoreResult, Usage
-from rerankit.templates import get_template
+from rerankit.templates import Template, get_template
 
 PROGRESS_MIN_ITEMS = 256  # below this a call is quick enough that a progress bar is noise
 MAX_CACHED_HEADS = 256  # label sets come from requests: a server keeps the newest heads only
@@ -90,7 +90,8 @@ class _Call:
 class EmbeddedBackend:
     """Scores requests with a transformers model loaded here, on a GPU (bf16) or the CPU (float32).
 
-    ``mode`` and ``template`` set this backend's defaults (a request may still name its own);
+    ``mode``, ``template`` (a name or a ``Template``) and ``instruction`` (for templates that take one) set this
+    backend's defaults (a request may still give its own);
     ``max_batch_tokens`` bounds the tokens of a micro-batch (padded tokens for the reference runner);
     ``runner``: "auto" runs our packed forward where it supports the model, else the transformers model
     ("reference", padded; it never shares prefixes); ``multi_item`` allows prefix sharing (MIS) for requests that
@@ -115,7 +116,7 @@ class EmbeddedBackend:
     """
 
     def __init__(self, model: str, *, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
-                 mode: str | None = None, template: str | None = None,
+                 mode: str | None = None, template: str | Template | None = None, instruction: str | None = None,
                  max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, runner: str = "auto",
                  multi_item: bool = True, overlap: bool = False, cuda_graphs: bool | None = None,
                  prefix_cache_bytes: int = PREFIX_CACHE_MAX_BYTES, show_progress: bool | None = None) -> None:
@@ -126,12 +127,13 @@ class EmbeddedBackend:
             raise InvalidRequest("max_batch_tokens", f"must be >= 1, got {max_batch_tokens}")
         if prefix_cache_bytes < 0:
             raise InvalidRequest("prefix_cache_bytes", f"must be >= 0, got {prefix_cache_bytes}")
-        self._loaded: LoadedModel | None = load_model(model, device=device, dtype=dtype)
+        # the packed runner reads an encoder's tensors straight from its file; the reference runner needs the model
+        self._loaded: LoadedModel | None = load_model(model, device=device, dtype=dtype,
+                                                      packed_only=runner != "reference")
         loaded = self._loaded
         if mode is not None and mode not in loaded.supported_modes:
             raise ModelLoadError(f"{model!r} cannot score in mode {mode!r}; it supports {loaded.supported_modes}")
-        self._mode = mode
-        self._template = template
+        self._defaults = Defaults(mode, template, instruction)
         self._classify = heads.sequence_classifier(loaded.model) if loaded.kind == "sequence-classifier" else None
         self._runner: Runner = make_runner(loaded, runner, cuda_graphs, prefix_cache_bytes)
         self._multi_item = multi_item
@@ -225,11 +227,7 @@ class EmbeddedBackend:
                  items: slice | None = None, earlier: _Prepared | None = None) -> _Prepared:
         """Checks and token ids (of ``request.items[items]``), and the key of the head that will score them;
         ``earlier``: the request's entry so far, whose encoding (all but the items) a later chunk reuses."""
-        mode = request.mode or self._mode or loaded.default_mode
-        if mode not in loaded.supported_modes:
-            raise InvalidRequest("mode", f"{loaded.name!r} cannot score in mode {mode!r}; "
-                                 f"it supports {', '.join(loaded.supported_modes)}")
-        template = resolve_template(request, loaded, self._template, mode)
+        request, mode, template = resolve_request(request, loaded, self._defaults)
         encoded = encode_request(request, loaded, mode, template, items,
                                  earlier.encoded if earlier is not None else None)
         if mode == "generative":
@@ -243,7 +241,7 @@ class EmbeddedBackend:
     def _shares_prefix(self, request: ScoreRequest, encoded: EncodedRequest) -> bool:
         """MIS where it is exact and pays: a causal packed model, several items after a prefix, read at the end."""
         return (self._multi_item and self._runner.supports_multi_item and request.multi_item
-                and len(request.items) > 1
+                and len(encoded.item_ids) > 1  # items, or windows of one long document
                 and len(encoded.prefix_ids) > 0 and not encoded.read_first
                 and encoded.mode in ("generative", "cross-encoder"))
 
@@ -307,7 +305,7 @@ class EmbeddedBackend:
                     parts = RequestParts.from_encoded(
                         encoded, cache_head=share and self._runner.prefix_cache is not None, share_prefix=share,
                         head=head_ids[chunk.head_key], own_batches=not heads.reads_only(encoded.mode, loaded.pooling),
-                        item_offset=items.start)
+                        item_offset=len(entry.encoded.item_ids) - len(encoded.item_ids))  # windows count as items
                     yield from planner.add(position, parts)
                     if chunk_index < len(chunks) - 1:  # a ramp chunk: its own micro-batch where the prefix is small
                         spans = int(parts.span_lengths.sum())
@@ -385,9 +383,11 @@ class EmbeddedBackend:
             rows = order[bounds[index]:bounds[index + 1]]
             if not np.array_equal(items[rows], np.arange(len(entry.encoded.item_ids))):
                 raise RuntimeError(f"the plan scored request {index}'s items {items[rows].tolist()}, not each once")
-            values = scores[rows].tolist()
+            windows = entry.encoded.item_windows
+            values = _aggregate(scores[rows], windows, entry.request.long_documents).tolist()
             results = [ScoreResult(index=item, score=values[item], label_logprobs=label_logprobs[index][item],
-                                   pooled_hidden_state=pooled[index][item]) for item in range(len(values))]
+                                   pooled_hidden_state=pooled[index][item], windows=windows[item])
+                       for item in range(len(values))]
             usage = Usage(prompt_tokens=entry.encoded.prompt_tokens, computed_tokens=computed[index])
             responses.append(ScoreResponse(results=results, model=loaded.name, usage=usage))
         return responses
@@ -415,3 +415,12 @@ class EmbeddedBackend:
             return heads.bi_encoder_head(embedding, loaded.pooling, loaded.normalize_embeddings)
         return heads.late_interaction_head(query_hidden, loaded.pooling, loaded.normalize_embeddings)
 
+
+def _aggregate(scores: np.ndarray, windows: list[int], how: str) -> np.ndarray:
+    """One score per item from its windows' consecutive scores: their max, or their mean (``long_documents``)."""
+    if len(windows) == len(scores):
+        return scores
+    starts = np.concatenate(([0], np.cumsum(windows)[:-1]))
+    if how == "max":
+        return np.maximum.reduceat(scores, starts)
+    return np.add.reduceat(scores, starts) / np.asarray(windows)

@@ -14,14 +14,21 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
+from rerankit.engine.lengths import bounded, common_prefix, fit, fit_items, kept_tokens
 from rerankit.engine.load import LoadedModel
 from rerankit.errors import InvalidRequest
 from rerankit.schema import ScoreRequest
 from rerankit.templates import RAW, Template, detect_template, get_template
 
 QUERY_KEY = -1  # the key of a bi-encoder's query sequence; items are keyed by their index
+# A text is tokenized from a bounded slice when it is longer than (tokens it may keep + TOKEN_MARGIN) x
+# CHARS_PER_TOKEN characters: ~2x the characters a token of prose or code takes in BPE and WordPiece vocabularies.
+# A slice that still yields too few tokens (runs of whitespace, which WordPiece drops) is grown SLICE_GROWTH-fold.
+CHARS_PER_TOKEN = 8
+TOKEN_MARGIN = 32
+SLICE_GROWTH = 4
 HEAD_PROBE_QUERY = "a"  # a second query on which a template head's separate tokenization is checked
 MAX_CACHED_PER_TOKENIZER = 256  # instructions and label words come from requests: keep the newest only
 
@@ -55,10 +62,18 @@ class EncodedRequest:
     item_type: int = 0
     suffix_types: list[int] | None = None
     head_len: int = 0  # the prefix's first tokens that do not depend on the query (BOS, system prompt, instruction)
+    windows: list[int] | None = None  # per request item, how many of item_ids are its windows; None: one each
 
     def extend(self, chunk: "EncodedRequest") -> None:
         """Append the items of the next chunk of the same request (``encode_request(..., items=...)``)."""
+        if self.windows is not None or chunk.windows is not None:
+            self.windows = self.item_windows + chunk.item_windows
         self.item_ids = self.item_ids + chunk.item_ids
+
+    @property
+    def item_windows(self) -> list[int]:
+        """How many sequences of ``item_ids`` each request item was scored in (``long_documents``)."""
+        return self.windows if self.windows is not None else [1] * len(self.item_ids)
 
     @property
     def pair_lengths(self) -> list[int]:
@@ -128,7 +143,31 @@ def _find(ids: list[int], part: list[int], start: int) -> int:
     raise ValueError(f"cannot locate {part} in the tokenizer's output {ids}")
 
 
-def resolve_template(request: ScoreRequest, loaded: LoadedModel, option: str | None, mode: str) -> Template | None:
+@dataclass(frozen=True)
+class Defaults:
+    """A backend's defaults for what a request leaves out: mode, template (a name or a ``Template``), instruction."""
+
+    mode: str | None = None
+    template: "str | Template | None" = None
+    instruction: str | None = None
+
+
+def resolve_request(request: ScoreRequest, loaded: LoadedModel,
+                    defaults: Defaults) -> tuple[ScoreRequest, str, Template | None]:
+    """The request with the defaults' instruction where its template takes one, its mode and its template."""
+    mode = request.mode or defaults.mode or loaded.default_mode
+    if mode not in loaded.supported_modes:
+        raise InvalidRequest("mode", f"{loaded.name!r} cannot score in mode {mode!r}; "
+                             f"it supports {', '.join(loaded.supported_modes)}")
+    template = resolve_template(request, loaded, defaults.template, mode)
+    if defaults.instruction is not None and request.instruction is None and template is not None \
+            and template.name != RAW:
+        request = request.model_copy(update={"instruction": defaults.instruction})
+    return request, mode, template
+
+
+def resolve_template(request: ScoreRequest, loaded: LoadedModel, option: "str | Template | None",
+                     mode: str) -> Template | None:
     """The request's template, else raw when it gives label ids, else the backend option, else the detected one.
 
     Bi-encoders and late interaction take no template: each text is encoded on its own.
@@ -138,7 +177,7 @@ def resolve_template(request: ScoreRequest, loaded: LoadedModel, option: str | N
             raise InvalidRequest("template", f"{mode} mode encodes the query and items alone; it takes no template")
         return None
     if request.template is not None:
-        return get_template(request.template)
+        return get_template(request.template)  # a name, or a Template given by its pieces
     if request.label_token_ids is not None:
         return get_template(RAW)  # vLLM /generative_scoring semantics
     if option is not None:
@@ -159,6 +198,7 @@ def encode_request(request: ScoreRequest, loaded: LoadedModel, mode: str, templa
     chunk = _Chunk(request, items or slice(0, len(request.items)))
     if earlier is not None:
         return _encode_later_chunk(request, loaded, mode, template, chunk, earlier)
+    _refuse_huge_texts(request, loaded, mode)
     if mode == "generative":
         if template is None:
             raise InvalidRequest("template", f"no prompt template is known for {loaded.name!r}: name one "
@@ -261,16 +301,15 @@ def _encode_text(request: ScoreRequest, loaded: LoadedModel, template: Template,
     parts = _template_ids(loaded.tokenizer, template, request.instruction)
     head_ids = _head_ids(loaded.tokenizer, template, request.instruction, request.query)
     if head_ids is None:
-        prefix, *items = _tokenize(loaded.tokenizer, [template.prefix(request.instruction, request.query),
-                                                      *map(template.item, chunk.items)])
+        prefix_text = template.prefix(request.instruction, request.query)
     else:  # the instruction's head is known: only the query's line on is tokenized
-        tail, *items = _tokenize(loaded.tokenizer, [template.prefix_parts(request.instruction, request.query)[1],
-                                                    *map(template.item, chunk.items)])
-        prefix = head_ids + tail
+        prefix_text = template.prefix_parts(request.instruction, request.query)[1]
+    (prefix,), items = _tokenize_items(loaded.tokenizer, chunk.items, request, loaded, template.item, [prefix_text])
+    if head_ids is not None:
+        prefix = head_ids + prefix
     encoded = EncodedRequest(mode, parts.bos + prefix + parts.separator, [], parts.separator + parts.suffix, [],
                              read_first=False, head_len=0 if head_ids is None else len(parts.bos) + len(head_ids))
-    encoded.item_ids = _fit_items(items, request, loaded, len(encoded.prefix_ids) + len(encoded.suffix_ids),
-                                  chunk.offset, lead_ids=parts.empty_item)
+    _set_items(encoded, items, request, loaded, chunk.offset, lead_ids=parts.empty_item)
     return encoded
 
 
@@ -302,14 +341,13 @@ def _encode_later_chunk(request: ScoreRequest, loaded: LoadedModel, mode: str, t
                         chunk: _Chunk, earlier: EncodedRequest) -> EncodedRequest:
     """A later chunk of a request: ``earlier``'s fields, and only this chunk's items tokenized and fitted as every
     encoder fits them (a text template's items through ``template.item``, the others as they come)."""
-    encoded = dataclasses.replace(earlier, item_ids=[])
-    fixed = len(encoded.prefix_ids) + len(encoded.suffix_ids)
+    encoded = dataclasses.replace(earlier, item_ids=[], windows=None)
     if mode in ("generative", "cross-encoder") and template is not None and template.name != RAW:
         parts = _template_ids(loaded.tokenizer, template, request.instruction)
-        items = _tokenize(loaded.tokenizer, list(map(template.item, chunk.items)))
-        encoded.item_ids = _fit_items(items, request, loaded, fixed, chunk.offset, lead_ids=parts.empty_item)
+        items = _tokenize_items(loaded.tokenizer, chunk.items, request, loaded, template.item)[1]
+        _set_items(encoded, items, request, loaded, chunk.offset, lead_ids=parts.empty_item)
     else:
-        encoded.item_ids = _fit_items(_item_ids(request, loaded, chunk), request, loaded, fixed, chunk.offset)
+        _set_items(encoded, _item_ids(request, loaded, chunk), request, loaded, chunk.offset)
     return encoded
 
 
@@ -331,7 +369,7 @@ def _encode_raw(request: ScoreRequest, loaded: LoadedModel, chunk: _Chunk) -> En
         _check_vocab([request.mis_delimiter_token_id], loaded.vocab_size, "mis_delimiter_token_id")
     prefix, suffix = ([], query) if request.item_first else (query, [])
     encoded = EncodedRequest("generative", prefix, [], suffix, [], read_first=False)
-    encoded.item_ids = _fit_items(items, request, loaded, len(prefix) + len(suffix), chunk.offset)
+    _set_items(encoded, items, request, loaded, chunk.offset)
     return encoded
 
 
@@ -346,7 +384,7 @@ def _encode_pair(request: ScoreRequest, loaded: LoadedModel, chunk: _Chunk) -> E
         encoded.prefix_types = layout.before_types + [layout.first_type] * len(query) + layout.between_types
         encoded.item_type = layout.second_type
         encoded.suffix_types = list(layout.after_types)
-    encoded.item_ids = _fit_items(items, request, loaded, len(prefix) + len(layout.after), chunk.offset)
+    _set_items(encoded, items, request, loaded, chunk.offset)
     return encoded
 
 
@@ -354,20 +392,20 @@ def _encode_single(request: ScoreRequest, loaded: LoadedModel, mode: str, chunk:
     """Bi-encoder / late interaction: the query and each item as their own sequences, with special tokens."""
     layout = special_layout(loaded.tokenizer, pair=False)
     fixed = len(layout.before) + len(layout.after)
-    query = _fit(_query_ids(request, loaded), loaded.max_length - fixed, request.truncation, "query")
+    query = fit(_query_ids(request, loaded), loaded.max_length - fixed, request.truncation, "query")
     encoded = EncodedRequest(mode, list(layout.before), [], list(layout.after), [],
                              read_first=loaded.pooling == "cls", query_ids=layout.before + query + layout.after)
     if "token_type_ids" in loaded.tokenizer.model_input_names:
         encoded.prefix_types = list(layout.before_types)
         encoded.item_type = layout.first_type
         encoded.suffix_types = list(layout.after_types)
-    encoded.item_ids = _fit_items(_item_ids(request, loaded, chunk), request, loaded, fixed, chunk.offset)
+    _set_items(encoded, _item_ids(request, loaded, chunk), request, loaded, chunk.offset)
     return encoded
 
 
 def _query_ids(request: ScoreRequest, loaded: LoadedModel) -> list[int]:
-    if isinstance(request.query, str):
-        return _tokenize(loaded.tokenizer, [request.query])[0]
+    if isinstance(request.query, str):  # more than the model's length is never kept: a bounded slice does
+        return _tokenize_bounded(loaded.tokenizer, [request.query], loaded.max_length, request.truncation)[1][0]
     _check_vocab(request.query, loaded.vocab_size, "query")
     return list(request.query)
 
@@ -377,52 +415,59 @@ def _item_ids(request: ScoreRequest, loaded: LoadedModel, chunk: _Chunk) -> list
         for index, item in enumerate(chunk.items, chunk.offset):
             _check_vocab(item, loaded.vocab_size, f"items[{index}]")
         return [list(item) for item in chunk.items]
-    return _tokenize(loaded.tokenizer, list(chunk.items))
+    return _tokenize_items(loaded.tokenizer, chunk.items, request, loaded)[1]
 
 
-def _fit_items(items: list[list[int]], request: ScoreRequest, loaded: LoadedModel, fixed: int, offset: int = 0,
-               lead_ids: list[int] | None = None) -> list[list[int]]:
-    """Cut each item to what the model length (and ``max_tokens_per_item``) leaves after prefix and suffix.
+def _tokenize_items(tokenizer: Any, docs: Any, request: ScoreRequest, loaded: LoadedModel,
+                    wrap: Callable[[str], str] | None = None,
+                    extra: Sequence[str] = ()) -> tuple[list[list[int]], list[list[int]]]:
+    """Token ids of ``extra`` texts and of each document (through ``wrap``, a template's item), in one call.
 
-    ``lead_ids``: the template's item text without a document (e.g. ``<Document>: ``); an item's tokens that match
-    it are the template's, not the document's: ``max_tokens_per_item`` counts the document's tokens only, and a
-    cut never removes them.
+    A document far longer than the tokens that can be kept (``kept_tokens``) is tokenized from a bounded slice of
+    the side truncation keeps, so a multi-MB text costs what its kept part costs; a slice that yields fewer than
+    the kept tokens and a margin (e.g. mostly whitespace) is grown and tokenized again, up to the whole text.
     """
-    room = loaded.max_length - fixed
-    if room < 1:
-        raise InvalidRequest("query", f"the prompt around each item takes {fixed} tokens, which leaves no room for "
-                             f"an item within the model's limit of {loaded.max_length} tokens")
-    per_item = request.max_tokens_per_item
-    fitted = []
-    for index, item in enumerate(items, offset):
-        if len(item) <= (room if per_item is None else min(room, per_item)):
-            fitted.append(item)  # fits even counting the template's tokens: no need to find them
-            continue
-        lead = _common_prefix(item, lead_ids) if lead_ids else 0
-        limit = room if per_item is None else min(room, lead + per_item)
-        fitted.append(_fit(item, limit, request.truncation, f"items[{index}]", lead))
-    return fitted
+    return _tokenize_bounded(tokenizer, docs, kept_tokens(request, loaded.max_length), request.truncation, wrap,
+                             extra)
 
 
-def _fit(ids: list[int], limit: int, policy: str, field: str, lead: int = 0) -> list[int]:
-    """``ids`` cut to ``limit`` tokens at the end, or at the start keeping its ``lead`` template tokens."""
-    if len(ids) <= limit:
-        return ids
-    if policy == "none" or limit <= lead:
-        raise InvalidRequest(field, f"has {len(ids) - lead} tokens; the limit is {max(limit - lead, 0)} "
-                             f"(truncation={policy!r})")
-    if policy == "end":
-        return ids[:limit]
-    return ids[:lead] + ids[len(ids) - (limit - lead):]
+def _tokenize_bounded(tokenizer: Any, texts: Any, kept: int | None, policy: str,
+                      wrap: Callable[[str], str] | None = None,
+                      extra: Sequence[str] = ()) -> tuple[list[list[int]], list[list[int]]]:
+    """``_tokenize_items`` with the kept tokens (None: all) and the side truncation keeps given."""
+    wrap = wrap or (lambda text: text)
+    need = None if kept is None else kept + TOKEN_MARGIN
+    sliced = [text if need is None else bounded(text, need * CHARS_PER_TOKEN, policy) for text in texts]
+    ids = _tokenize(tokenizer, [*extra, *map(wrap, sliced)])
+    lead, items = ids[:len(extra)], ids[len(extra):]
+    for index, text in enumerate(texts):
+        chars = None if need is None else need * CHARS_PER_TOKEN
+        while need is not None and len(sliced[index]) < len(text) and len(items[index]) < need:
+            chars *= SLICE_GROWTH
+            sliced[index] = bounded(text, chars, policy)
+            items[index] = _tokenize(tokenizer, [wrap(sliced[index])])[0]
+    return lead, items
 
 
-def _common_prefix(ids: list[int], other: list[int]) -> int:
-    count = 0
-    for left, right in zip(ids, other):
-        if left != right:
-            break
-        count += 1
-    return count
+def _refuse_huge_texts(request: ScoreRequest, loaded: LoadedModel, mode: str) -> None:
+    """Refuse a query or instruction text that cannot fit the model, from a bounded slice of it: the prompt around
+    every item holds it whole, so without this a multi-MB query would be tokenized whole before being refused.
+    A bi-encoder's query is a sequence of its own, cut like an item (``_query_ids``)."""
+    limit = loaded.max_length
+    fields = ("instruction",) if mode in ("bi-encoder", "late-interaction") else ("query", "instruction")
+    for field in fields:
+        text = getattr(request, field)
+        if isinstance(text, str) and len(text) > (limit + TOKEN_MARGIN) * CHARS_PER_TOKEN:
+            if len(_tokenize_bounded(loaded.tokenizer, [text], limit, "end")[1][0]) > limit:
+                raise InvalidRequest(field, f"has more than {limit} tokens, the model's limit for a whole "
+                                            "sequence")
+
+
+def _set_items(encoded: EncodedRequest, items: list[list[int]], request: ScoreRequest, loaded: LoadedModel,
+               offset: int, lead_ids: list[int] | None = None) -> None:
+    """``encoded.item_ids`` (and ``windows``): the items fitted after the encoded prefix and suffix."""
+    fixed = len(encoded.prefix_ids) + len(encoded.suffix_ids)
+    encoded.item_ids, encoded.windows = fit_items(items, request, loaded.max_length, fixed, offset, lead_ids)
 
 
 def _check_vocab(ids: list[int], vocab_size: int, field: str) -> None:

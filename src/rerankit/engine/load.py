@@ -10,7 +10,9 @@ from typing import Any, Iterator, Literal
 
 import torch
 
+from rerankit.engine.checkpoint import read_encoder_weights
 from rerankit.errors import InvalidRequest, ModelLoadError
+from rerankit.hub import hub_cached
 
 ModelKind = Literal["causal-lm", "sequence-classifier", "encoder"]
 Pooling = Literal["mean", "cls", "lasttoken"]
@@ -83,45 +85,77 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 
 def load_model(model: str, *, device: str | torch.device | None = None,
-               dtype: str | torch.dtype | None = None) -> LoadedModel:
-    """Load a model folder (offline) or a hub id; ``ModelLoadError`` for a missing path or an unsupported model."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, \
-        AutoTokenizer
+               dtype: str | torch.dtype | None = None, weights: bool = True,
+               packed_only: bool = False) -> LoadedModel:
+    """Load a model folder (offline) or a hub id; ``ModelLoadError`` for a missing path or an unsupported model.
+
+    A hub id is read from the local cache when it is there (no network call); one that is not fails at once when
+    the hub cannot be reached. ``weights=False`` loads the config and tokenizer only (``model`` is None): enough
+    to encode requests (``rerankit render``). ``packed_only``: the caller runs the packed encoder only, so an
+    encoder folder the packed encoder runs is read as plain tensors (``engine.checkpoint``), not built as a
+    transformers model.
+    """
+    from transformers import AutoConfig, AutoTokenizer
 
     folder = Path(model).expanduser()
     local = folder.exists()
     if not local and (model.startswith((".", "/", "~")) or model.count("/") > 1):
         raise ModelLoadError(f"no model folder at {model!r}")
     source = str(folder) if local else model
+    offline = local or hub_cached(model)
     try:
-        config = AutoConfig.from_pretrained(source, local_files_only=local)
+        config = AutoConfig.from_pretrained(source, local_files_only=offline)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read the config of {model!r}: {exc}") from exc
     kind = _model_kind(config, folder if local else None)
     if kind == "causal-lm" and getattr(config, "final_logit_softcapping", None) is not None:
         raise ModelLoadError(f"{model!r} soft-caps its logits, which the label-logprob head does not support")
-    auto_class = {"causal-lm": AutoModelForCausalLM, "sequence-classifier": AutoModelForSequenceClassification,
-                  "encoder": AutoModel}[kind]
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    network = None
+    if weights and packed_only and local and kind == "encoder" and _packed_encoder_runs(config, torch_device):
+        network = read_encoder_weights(folder, config, torch_device, torch_dtype)
     try:
         with _quiet_transformers():
-            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local)
-            network = auto_class.from_pretrained(source, dtype=torch_dtype, local_files_only=local)
+            tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=offline)
+            if weights and network is None:
+                network = _auto_class(kind).from_pretrained(source, dtype=torch_dtype, local_files_only=offline)
+                network = network.to(torch_device).eval()
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load {model!r}: {exc}") from exc
-    network = network.to(torch_device).eval()
     pooling, normalize = _sentence_transformers_pooling(folder) if local else (None, False)
     decoder = _is_decoder(config)
-    rows = [network.get_input_embeddings().num_embeddings]
-    if kind == "causal-lm":
-        rows.append(network.get_output_embeddings().weight.shape[0])
+    if network is None:
+        rows = [getattr(config, "vocab_size", None) or len(tokenizer)]
+    elif isinstance(network, torch.nn.Module):
+        rows = [network.get_input_embeddings().num_embeddings]
+        if kind == "causal-lm":
+            rows.append(network.get_output_embeddings().weight.shape[0])
+    else:
+        rows = [network.base_model.embeddings.word_embeddings.weight.shape[0]]
     return LoadedModel(
         name=model, model=network, tokenizer=tokenizer, config=config, kind=kind, is_decoder=decoder,
         pooling=pooling or ("lasttoken" if decoder else "mean"), normalize_embeddings=normalize,
         max_length=_max_length(config, tokenizer, folder if local else None), vocab_size=min(rows),
         device=torch_device, dtype=torch_dtype,
     )
+
+
+def _auto_class(kind: ModelKind) -> Any:
+    """The transformers Auto class of a checkpoint kind (imported here: it pulls in the modelling stack)."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    return {"causal-lm": AutoModelForCausalLM, "sequence-classifier": AutoModelForSequenceClassification,
+            "encoder": AutoModel}[kind]
+
+
+def _packed_encoder_runs(config: Any, device: torch.device) -> bool:
+    """Whether ``make_runner`` will run this encoder config packed on ``device`` (its kernels' head-size limit)."""
+    from rerankit.engine.models.encoder import unsupported_reason
+    from rerankit.kernels import takes_head_dim
+
+    head_dim = config.hidden_size // config.num_attention_heads
+    return unsupported_reason(config) is None and (device.type != "cuda" or takes_head_dim(head_dim))
 
 
 @contextmanager

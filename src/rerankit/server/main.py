@@ -10,10 +10,11 @@ API_KEY_ENV = "RERANKIT_API_KEY"
 
 def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000, device: str | None = None,
           dtype: str | None = None, prefix_cache_bytes: int | None = None, api_key: str | None = None,
-          log_level: str = "info", **settings: Any) -> None:
+          log_level: str = "info", engine_options: dict[str, Any] | None = None, **settings: Any) -> None:
     """Serve ``model`` (path or hub id; None: the packaged MiniLM) until interrupted.
 
-    ``device``, ``dtype`` and ``prefix_cache_bytes`` go to the embedded engine (None: its defaults).
+    ``device``, ``dtype``, ``prefix_cache_bytes`` and ``engine_options`` (e.g. the default ``mode``, ``template``,
+    ``instruction``) go to the embedded engine (None: its defaults).
     ``api_key`` falls back to the ``RERANKIT_API_KEY`` environment variable. ``settings`` are
     ``ServerConfig`` fields (``max_batch_items``, ``batch_window_ms``, ``batching``, ``max_queue_requests``...);
     a setting passed as None keeps its default.
@@ -31,9 +32,9 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
 
     given = {name: value for name, value in settings.items() if value is not None}
     config = ServerConfig(**{"freeze_gc": True, **given, "api_key": api_key or os.environ.get(API_KEY_ENV) or None})
-    engine_options = {name: value for name, value in (("device", device), ("dtype", dtype),
-                                                       ("prefix_cache_bytes", prefix_cache_bytes)) if value is not None}
-    backend = make_backend(model, **engine_options)
+    options = {name: value for name, value in (("device", device), ("dtype", dtype),
+                                                ("prefix_cache_bytes", prefix_cache_bytes)) if value is not None}
+    backend = make_backend(model, **options, **(engine_options or {}))
     try:
         uvicorn.run(create_app(backend, config), host=host, port=port, log_level=log_level,
                     timeout_graceful_shutdown=5)

@@ -80,14 +80,18 @@ def decode_response(body: Any, request: ScoreRequest, model: str | None = None) 
 def parse_request(body: Any) -> ScoreRequest:
     """A rerank body as a ``ScoreRequest``; ``max_tokens_per_doc`` cuts each document's end.
 
-    ``max_chunks_per_doc`` (Cohere v1: score a long document's chunks, keep the best) is accepted, and a long
-    document is cut at the model's limit instead (truncation ``end``). ``priority`` is ignored (one queue).
+    ``max_chunks_per_doc`` (Cohere v1: score a long document's chunks, keep the best) scores a document longer than
+    the model takes in at most that many windows and keeps the best (``long_documents="max"``). ``priority`` is
+    ignored (one queue).
     """
     wire = parse_wire(RerankBody, body)
-    return build_request({"items": "documents", "max_tokens_per_item": "max_tokens_per_doc"},
+    chunks = {} if wire.max_chunks_per_doc is None else {
+        "long_documents": "max", "long_document_max_windows": wire.max_chunks_per_doc}
+    return build_request({"items": "documents", "max_tokens_per_item": "max_tokens_per_doc",
+                          "long_document_max_windows": "max_chunks_per_doc"},
                          query=single_text(wire.query, "query"), items=document_texts(wire.documents,
                                                                                       wire.rank_fields),
-                         top_n=wire.top_n, max_tokens_per_item=wire.max_tokens_per_doc)
+                         top_n=wire.top_n, max_tokens_per_item=wire.max_tokens_per_doc, **chunks)
 
 
 def document_texts(documents: Any, rank_fields: list[str] | None) -> list[str]:

@@ -50,7 +50,11 @@ _REASONS = {
     "mis_delimiter_token_id": "multi-item scoring is a server setting there",
     "max_tokens_per_item": "it has no per-item token limit",
     "label_token_ids": "it scores with the model's own head",
+    "long_documents": "scoring a long item in windows is done by rerankit's engine (serve the model with "
+                      "rerankit serve, or send Cohere v1's max_chunks_per_doc to it)",
 }
+# What no peer's wire carries: windows of a long item are scored and aggregated by rerankit's engine only.
+_EVERY_ROUTE: dict[str, tuple[Any, ...]] = {"long_documents": ("truncate",)}
 # The one value (rerankit's default) that a route scoring with the model's own head takes for these fields.
 _OWN_HEAD: dict[str, tuple[Any, ...]] = {
     "template": (None,), "label_token_ids": (None,), "labels": (None,), "apply_softmax": (True,),
@@ -110,6 +114,7 @@ def refuse(request: ScoreRequest, endpoint: str, **allowed: tuple[Any, ...]) -> 
     """Raise ``InvalidRequest`` for the first field, in the schema's order, whose value is not allowed."""
     # The schema's order, not the caller's: a request breaking two limits gets the same error on every route.
     order = list(ScoreRequest.model_fields)
+    allowed = {**_EVERY_ROUTE, **allowed}
     for field, values in sorted(allowed.items(), key=lambda limit: order.index(limit[0])):
         value = getattr(request, field)
         if value not in values:
