@@ -7,10 +7,12 @@ The sync and async paths share every decision (``_Attempts``, ``_failure``); onl
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -19,24 +21,42 @@ import httpx
 from rerankit.errors import InvalidRequest, RemoteError
 from rerankit.remote.dialects import read_error
 from rerankit.remote.dialects.common import param_first
+from rerankit.remote.deadline import Deadline, Window, held_to, held_transport
+
+
+# A call's default bound: room for one slow try (the default read timeout) and a failover to another endpoint;
+# past two minutes a caller (a search request, a RAG step) is better served by an error than by more waiting.
+DEFAULT_DEADLINE = 120.0
+# Rerank replies are ~100 bytes an item; 64 MiB holds 1,000 items with a 4,096-float hidden state each.
+DEFAULT_MAX_RESPONSE_BYTES = 64 * 2**20
+# Each failure in a row of an endpoint doubles its cool-down, up to this many times the first.
+_MAX_COOLDOWN_FACTOR = 8
 
 
 @dataclass(frozen=True)
 class Timeout:
-    """Seconds to open a connection and to wait for the server's next bytes."""
+    """Seconds to open a connection (``connect``), and for one try's whole answer, connection included (``read``)."""
 
     connect: float = 5.0
     read: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("connect", "read"):
+            if not getattr(self, name) > 0:
+                raise InvalidRequest(f"timeout.{name}", f"must be > 0 seconds, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
 class ClientConfig:
     """How the transport retries, waits and limits itself.
 
-    Retries go to connect errors, read timeouts, broken responses, 429 and 5xx, never to other 4xx.
+    ``deadline`` bounds a whole call (every try, wait and endpoint; None: only each try's ``timeout``).
+    Retries go to connect errors, timeouts, broken responses, 429 and 5xx, never to other 4xx.
     The n-th retry waits ``backoff_base * 2**(n-1)`` seconds with jitter (or the server's ``Retry-After``),
-    at most ``backoff_max``; a retry that fails over to a live endpoint not yet tried does not wait.
-    An endpoint that refuses connections sits out ``dead_cooldown`` seconds.
+    at most ``backoff_max``; a retry that fails over to a live endpoint not yet tried does not wait, and a retry
+    whose wait would outlast the deadline is not made.
+    An endpoint that refuses connections or times out sits out ``dead_cooldown`` seconds, doubled each time it
+    fails again on its return (up to 8x). A reply longer than ``max_response_bytes`` (decoded) is refused.
     """
 
     timeout: Timeout = field(default_factory=Timeout)
@@ -45,13 +65,18 @@ class ClientConfig:
     backoff_max: float = 10.0
     max_concurrency: int = 8
     dead_cooldown: float = 30.0
+    deadline: float | None = DEFAULT_DEADLINE
+    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
 
     def __post_init__(self) -> None:
         for name in ("max_retries", "backoff_base", "backoff_max", "dead_cooldown"):
             if getattr(self, name) < 0:
                 raise InvalidRequest(name, f"must be >= 0, got {getattr(self, name)}")
-        if self.max_concurrency < 1:
-            raise InvalidRequest("max_concurrency", f"must be >= 1, got {self.max_concurrency}")
+        for name in ("max_concurrency", "max_response_bytes"):
+            if getattr(self, name) < 1:
+                raise InvalidRequest(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.deadline is not None and not self.deadline > 0:
+            raise InvalidRequest("deadline", f"must be > 0 seconds or None, got {self.deadline}")
 
     def backoff(self, retry: int, retry_after: float | None) -> float:
         """Seconds to wait before retry number ``retry`` (1-based)."""
@@ -61,7 +86,7 @@ class ClientConfig:
 
 
 class Endpoints:
-    """Base URLs taken in turn (round-robin); one that refuses connections goes last for a cool-down."""
+    """Base URLs taken in turn (round-robin); one that refuses connections or times out goes last for a cool-down."""
 
     def __init__(self, urls: Sequence[str], cooldown: float, clock: Callable[[], float] = time.monotonic) -> None:
         if not urls:
@@ -70,6 +95,7 @@ class Endpoints:
         self._cooldown = cooldown
         self._clock = clock
         self._dead_until: dict[str, float] = {}
+        self._strikes: dict[str, int] = {}
         self._turn = 0
         self._lock = threading.Lock()
 
@@ -84,12 +110,25 @@ class Endpoints:
         return live[start:] + live[:start] + cooling
 
     def is_live(self, url: str) -> bool:
-        """False while ``url`` cools down after refusing a connection."""
+        """False while ``url`` cools down after refusing a connection or timing out."""
         return self._dead_until.get(url, 0.0) <= self._clock()
 
     def mark_dead(self, url: str) -> None:
-        """Send ``url`` to the back of the line for the cool-down."""
-        self._dead_until[url] = self._clock() + self._cooldown
+        """Send ``url`` to the back of the line; each failure in a row doubles the cool-down (up to 8x)."""
+        with self._lock:
+            # Tries already in flight when it was set aside fail too: they are the same failure, not a new one.
+            if not self.is_live(url):
+                return
+            strikes = self._strikes.get(url, 0) + 1
+            self._strikes[url] = strikes
+            factor = min(2 ** (strikes - 1), _MAX_COOLDOWN_FACTOR)
+            self._dead_until[url] = self._clock() + self._cooldown * factor
+
+    def mark_live(self, url: str) -> None:
+        """``url`` answered: its next failure starts from the first cool-down again."""
+        if url in self._strikes:
+            with self._lock:
+                self._strikes.pop(url, None)
 
 
 @dataclass(frozen=True)
@@ -102,6 +141,7 @@ class _Failure:
     endpoint_down: bool = False
     retry_after: float | None = None
     body: str | None = None
+    expired: bool = False
 
 
 # Transport errors after which the same request may well succeed: the server was busy, restarting or slow.
@@ -109,71 +149,157 @@ _RETRYABLE_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemotePro
 _CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
 
 
-def _failure_of_exception(exc: httpx.TransportError) -> _Failure:
+def _failure_of_exception(exc: Exception, window: Window) -> _Failure:
+    """The failure of a try that raised ``exc`` (an httpx error, or ``TimeoutError`` when its window ended)."""
+    # Waiting for a free connection of our own pool says nothing about the server.
+    timed_out = isinstance(exc, (httpx.TimeoutException, TimeoutError)) and not isinstance(exc, httpx.PoolTimeout)
+    if timed_out and window.over():
+        # The try had its time (or all the call had left) and got no complete answer: set the endpoint aside.
+        return _Failure(message=f"no complete answer within {window.seconds:.3g} s", retryable=True,
+                        endpoint_down=True, expired=window.by_deadline)
     return _Failure(message=f"{type(exc).__name__}: {exc}", retryable=isinstance(exc, _RETRYABLE_ERRORS),
-                    endpoint_down=isinstance(exc, _CONNECT_ERRORS))
+                    endpoint_down=isinstance(exc, _CONNECT_ERRORS) or timed_out)
 
 
-def _failure_of_response(response: httpx.Response) -> _Failure | None:
+@dataclass(frozen=True)
+class _Answer:
+    """A reply read in full: status, headers and the (decoded) body bytes."""
+
+    status: int
+    headers: httpx.Headers
+    data: bytes
+    encoding: str
+    url: str
+
+    @property
+    def text(self) -> str:
+        return self.data.decode(self.encoding, errors="replace")
+
+    def json(self) -> Any:
+        """The parsed body; ``NaN`` and ``Infinity`` parse to floats, for the dialects' decoders to refuse."""
+        return json.loads(self.data)
+
+
+class _Body:
+    """A reply's body as it streams in, refused as soon as it outgrows the cap (never held whole in memory)."""
+
+    def __init__(self, response: httpx.Response, cap: int) -> None:
+        self._response = response
+        self._cap = cap
+        self._data = bytearray()
+        length = response.headers.get("content-length", "")
+        if length.isdigit() and int(length) > cap:
+            raise self._too_large(f"announces {int(length):,} bytes")
+
+    def add(self, chunk: bytes) -> None:
+        """Take the next decoded chunk."""
+        self._data += chunk
+        if len(self._data) > self._cap:
+            raise self._too_large(f"passed {len(self._data):,} bytes")
+
+    def answer(self) -> _Answer:
+        """The whole reply."""
+        response = self._response
+        return _Answer(response.status_code, response.headers, bytes(self._data), response.encoding or "utf-8",
+                       str(response.url))
+
+    def _too_large(self, what: str) -> RemoteError:
+        return RemoteError(f"reply from {self._response.url} {what}, over max_response_bytes={self._cap:,}",
+                           url=str(self._response.url))
+
+
+def _failure_of_answer(answer: _Answer) -> _Failure | None:
     """None for a success; else the server's message, retryable for 429 and 5xx."""
-    if response.is_success:
+    if 200 <= answer.status < 300:
         return None
     try:
-        message, param = read_error(response.json())
-    except ValueError:
+        message, param = read_error(answer.json())
+    except (ValueError, RecursionError):
         message, param = None, None
-    text = response.text[:2000]
-    message = param_first(message, param) if message is not None else text[:300] or response.reason_phrase
-    status = response.status_code
+    text = answer.text[:2000]
+    reason = httpx.codes.get_reason_phrase(answer.status)
+    message = param_first(message, param) if message is not None else text[:300] or reason
+    status = answer.status
     return _Failure(message=message, retryable=status == 429 or status >= 500, status=status,
-                    retry_after=_retry_after(response), body=text)
+                    retry_after=_retry_after(answer.headers), body=text)
 
 
-def _retry_after(response: httpx.Response) -> float | None:
+def _retry_after(headers: httpx.Headers) -> float | None:
     """``Retry-After`` in seconds (the HTTP-date form is left to the backoff)."""
     try:
-        seconds = float(response.headers.get("retry-after", ""))
+        seconds = float(headers.get("retry-after", ""))
     except ValueError:
         return None
     return seconds if seconds >= 0 else None
 
 
-def _json(response: httpx.Response, url: str) -> Any:
+def _json(answer: _Answer) -> Any:
     try:
-        return response.json()
-    except ValueError:
-        raise RemoteError("response is not JSON", response.status_code, url, response.text[:2000]) from None
+        return answer.json()
+    except (ValueError, RecursionError):
+        raise RemoteError("response is not JSON", answer.status, answer.url, answer.text[:2000]) from None
+
+
+def _expired(deadline: Deadline, tries: int, tried: Sequence[str], last: str | None) -> RemoteError:
+    """The error of a call whose deadline passed: the deadline, the endpoints tried and the last failure."""
+    where = ", ".join(tried) or "no endpoint reached"
+    message = f"deadline of {deadline.seconds:g} s passed after {tries} tries ({where})"
+    return RemoteError(message + (f"; last: {last}" if last else ""), url=tried[-1] if tried else None)
 
 
 class _Attempts:
-    """The tries of one request: which endpoint is next, and how long to wait before it."""
+    """The tries of one request: which endpoint is next, its time window, and how long to wait before it."""
 
-    def __init__(self, endpoints: Endpoints, config: ClientConfig) -> None:
+    def __init__(self, endpoints: Endpoints, config: ClientConfig, deadline: Deadline, path: str) -> None:
         self._endpoints = endpoints
         self._config = config
+        self._deadline = deadline
+        self._path = path
         self._order = endpoints.order()
+        self._tried: list[str] = []
         self.tries = 0
 
     @property
     def url(self) -> str:
-        """The base URL of the current try."""
-        return self._order[self.tries % len(self._order)]
+        """The full URL of the current try."""
+        return self._order[self.tries % len(self._order)] + self._path
 
-    def after(self, failure: _Failure, path: str) -> float:
+    def window(self) -> Window:
+        """The current try's window; a ``RemoteError`` once the deadline has passed."""
+        if self._deadline.left() <= 0:
+            raise self.expired()
+        return Window.open(self._deadline, self._config.timeout.read)
+
+    def expired(self, failure: _Failure | None = None) -> RemoteError:
+        """The error for a deadline that passed (during ``failure``, if any)."""
+        return _expired(self._deadline, self.tries, self._tried, failure.message if failure else None)
+
+    def succeeded(self) -> None:
+        """The current try's endpoint answered."""
+        self._endpoints.mark_live(self._order[self.tries % len(self._order)])
+
+    def after(self, failure: _Failure) -> float:
         """Seconds to wait before the next try; raises ``RemoteError`` when there is none."""
         failed_url = self.url
+        base_url = self._order[self.tries % len(self._order)]
+        if failed_url not in self._tried:
+            self._tried.append(failed_url)
         if failure.endpoint_down:
-            self._endpoints.mark_dead(failed_url)
+            self._endpoints.mark_dead(base_url)
         self.tries += 1
+        if failure.expired:
+            raise self.expired(failure)
         if not failure.retryable or self.tries > self._config.max_retries:
-            where = failed_url + path
             if failure.status is not None:
-                raise RemoteError(failure.message, failure.status, where, failure.body)
-            raise RemoteError(f"{failure.message} ({where}, {self.tries} tries)", url=where)
+                raise RemoteError(failure.message, failure.status, failed_url, failure.body)
+            raise RemoteError(f"{failure.message} ({failed_url}, {self.tries} tries)", url=failed_url)
         # Fail over at once to a live endpoint not yet tried; once all have failed, back off.
-        if self.tries < len(self._order) and self._endpoints.is_live(self.url):
+        if self.tries < len(self._order) and self._endpoints.is_live(self._order[self.tries]):
             return 0.0
-        return self._config.backoff(self.tries, failure.retry_after)
+        wait = self._config.backoff(self.tries, failure.retry_after)
+        if wait >= self._deadline.left():
+            raise self.expired(failure)
+        return wait
 
 
 @dataclass(frozen=True)
@@ -184,11 +310,11 @@ class Reply:
     body: Any = None
 
 
-def _reply(response: httpx.Response) -> Reply:
+def _reply(answer: _Answer) -> Reply:
     try:
-        return Reply(response.status_code, response.json())
-    except ValueError:
-        return Reply(response.status_code)
+        return Reply(answer.status, answer.json())
+    except (ValueError, RecursionError):
+        return Reply(answer.status)
 
 
 @dataclass
@@ -203,6 +329,7 @@ class _LoopClient:
 class Transport:
     """Posts JSON bodies to a set of endpoints, sync or async, with retries, failover and a concurrency limit.
 
+    Every call is bounded by a ``Deadline`` (the config's unless given), each try by ``timeout.read``.
     ``transport``: an httpx transport for both clients (``httpx.MockTransport`` in tests).
     """
 
@@ -218,17 +345,20 @@ class Transport:
         self._executor: ThreadPoolExecutor | None = None
         self._loop_client: _LoopClient | None = None
 
-    def _client_options(self) -> dict[str, Any]:
-        timeout = self.config.timeout
+    def deadline(self) -> Deadline:
+        """A fresh deadline for one call, per the config."""
+        return Deadline(self.config.deadline)
+
+    def _limits(self) -> httpx.Limits:
         limit = self.config.max_concurrency
-        return {"headers": self._headers, "timeout": httpx.Timeout(timeout.read, connect=timeout.connect),
-                "limits": httpx.Limits(max_connections=limit, max_keepalive_connections=limit)}
+        return httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
 
     def _sync_client(self) -> httpx.Client:
         with self._lock:
             if self._client is None:
                 transport = self._transport if isinstance(self._transport, httpx.BaseTransport) else None
-                self._client = httpx.Client(transport=transport, **self._client_options())
+                self._client = httpx.Client(transport=transport or held_transport(self._limits()),
+                                            headers=self._headers)
             return self._client
 
     def _async_client(self) -> _LoopClient:
@@ -237,60 +367,109 @@ class Transport:
             if self._loop_client is None or self._loop_client.loop is not loop:
                 # A client made under an earlier (now finished) loop cannot be reused or closed from this one.
                 transport = self._transport if isinstance(self._transport, httpx.AsyncBaseTransport) else None
-                self._loop_client = _LoopClient(loop, httpx.AsyncClient(transport=transport, **self._client_options()),
-                                                asyncio.Semaphore(self.config.max_concurrency))
+                client = httpx.AsyncClient(transport=transport, headers=self._headers, limits=self._limits())
+                self._loop_client = _LoopClient(loop, client, asyncio.Semaphore(self.config.max_concurrency))
             return self._loop_client
 
-    def post(self, path: str, body: Any) -> Any:
-        """POST ``body`` to ``path`` of an endpoint, retrying per the config; the JSON answer."""
-        attempts = _Attempts(self.endpoints, self.config)
+    def _request(self, client: httpx.Client | httpx.AsyncClient, method: str, url: str, body: Any,
+                 window: Window) -> httpx.Request:
+        left = window.left()
+        timeout = httpx.Timeout(left, connect=min(self.config.timeout.connect, left))
+        return client.build_request(method, url, json=body, timeout=timeout)
+
+    def _exchange(self, method: str, url: str, body: Any, window: Window) -> _Answer:
+        """One sync request, its body streamed under the size cap, all within ``window``."""
         client = self._sync_client()
-        while True:
-            url = attempts.url + path
+        with held_to(window):
+            response = client.send(self._request(client, method, url, body, window), stream=True)
             try:
-                with self._slots:
-                    response = client.post(url, json=body)
-                failure = _failure_of_response(response)
-            except httpx.TransportError as exc:
-                failure = _failure_of_exception(exc)
-            if failure is None:
-                return _json(response, url)
-            time.sleep(attempts.after(failure, path))
+                reader = _Body(response, self.config.max_response_bytes)
+                for chunk in response.iter_bytes():
+                    reader.add(chunk)
+            finally:
+                response.close()
+        return reader.answer()
 
-    async def apost(self, path: str, body: Any) -> Any:
+    async def _aexchange(self, method: str, url: str, body: Any, window: Window) -> _Answer:
+        """Async twin of ``_exchange``."""
+        client = self._async_client().client
+        async with asyncio.timeout(window.left()):
+            response = await client.send(self._request(client, method, url, body, window), stream=True)
+            try:
+                reader = _Body(response, self.config.max_response_bytes)
+                async for chunk in response.aiter_bytes():
+                    reader.add(chunk)
+            finally:
+                await response.aclose()
+        return reader.answer()
+
+    def post(self, path: str, body: Any, deadline: Deadline | None = None) -> Any:
+        """POST ``body`` to ``path`` of an endpoint, retrying per the config within ``deadline``; the JSON answer."""
+        attempts = _Attempts(self.endpoints, self.config, deadline or self.deadline(), path)
+        while True:
+            window = attempts.window()
+            if not self._slots.acquire(timeout=window.left()):
+                raise attempts.expired()
+            try:
+                failure = _failure_of_answer(answer := self._exchange("POST", attempts.url, body, window))
+            except httpx.TransportError as exc:
+                failure = _failure_of_exception(exc, window)
+            finally:
+                self._slots.release()
+            if failure is None:
+                attempts.succeeded()
+                return _json(answer)
+            time.sleep(attempts.after(failure))
+
+    async def apost(self, path: str, body: Any, deadline: Deadline | None = None) -> Any:
         """Async twin of ``post``."""
-        attempts = _Attempts(self.endpoints, self.config)
-        state = self._async_client()
+        attempts = _Attempts(self.endpoints, self.config, deadline or self.deadline(), path)
+        slots = self._async_client().slots
         while True:
-            url = attempts.url + path
+            window = attempts.window()
             try:
-                async with state.slots:
-                    response = await state.client.post(url, json=body)
-                failure = _failure_of_response(response)
-            except httpx.TransportError as exc:
-                failure = _failure_of_exception(exc)
+                async with asyncio.timeout(window.left()):
+                    await slots.acquire()
+            except TimeoutError:
+                raise attempts.expired() from None
+            try:
+                failure = _failure_of_answer(answer := await self._aexchange("POST", attempts.url, body, window))
+            except (httpx.TransportError, TimeoutError) as exc:
+                failure = _failure_of_exception(exc, window)
+            finally:
+                slots.release()
             if failure is None:
-                return _json(response, url)
-            await asyncio.sleep(attempts.after(failure, path))
+                attempts.succeeded()
+                return _json(answer)
+            await asyncio.sleep(attempts.after(failure))
 
-    def post_all(self, path: str, bodies: Sequence[Any]) -> list[Any]:
-        """POST every body, up to ``max_concurrency`` at a time on threads; answers in the bodies' order."""
+    def post_all(self, path: str, bodies: Sequence[Any], deadline: Deadline | None = None) -> list[Any]:
+        """POST every body, up to ``max_concurrency`` at a time on threads, all within one deadline.
+
+        Answers come in the bodies' order; the first failure ends the call.
+        """
+        deadline = deadline or self.deadline()
         if len(bodies) == 1:
-            return [self.post(path, bodies[0])]
+            return [self.post(path, bodies[0], deadline)]
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self.config.max_concurrency, thread_name_prefix="rerankit-http")
             executor = self._executor
-        futures = [executor.submit(self.post, path, body) for body in bodies]
+        futures = [executor.submit(self.post, path, body, deadline) for body in bodies]
         try:
-            return [future.result() for future in futures]
+            # Each post ends by the deadline once it runs; this bounds the wait for a free worker thread too.
+            return [future.result(timeout=deadline.wait_limit()) for future in futures]
+        except FutureTimeout:
+            unanswered = sum(not future.done() for future in futures)
+            raise _expired(deadline, 0, [], f"{unanswered} of {len(bodies)} requests to {path} unanswered") from None
         finally:
             for future in futures:
                 future.cancel()
 
-    async def apost_all(self, path: str, bodies: Sequence[Any]) -> list[Any]:
+    async def apost_all(self, path: str, bodies: Sequence[Any], deadline: Deadline | None = None) -> list[Any]:
         """Async twin of ``post_all``: one task per body; the first failure cancels the rest."""
-        tasks = [asyncio.ensure_future(self.apost(path, body)) for body in bodies]
+        deadline = deadline or self.deadline()
+        tasks = [asyncio.ensure_future(self.apost(path, body, deadline)) for body in bodies]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -299,19 +478,30 @@ class Transport:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
-    def get(self, base_url: str, path: str) -> Reply:
-        """One GET (no retries), for discovery."""
+    def get(self, base_url: str, path: str, deadline: Deadline | None = None) -> Reply:
+        """One GET (no retries), for discovery; ``Reply(None)`` when unreachable, a ``RemoteError`` past the deadline."""
+        deadline = deadline or self.deadline()
+        window = Window.open(deadline, self.config.timeout.read)
         try:
-            return _reply(self._sync_client().get(base_url + path))
-        except httpx.TransportError:
-            return Reply(None)
+            return _reply(self._exchange("GET", base_url + path, None, window))
+        except httpx.TransportError as exc:
+            return self._unreachable(exc, deadline, window, base_url + path)
 
-    async def aget(self, base_url: str, path: str) -> Reply:
+    async def aget(self, base_url: str, path: str, deadline: Deadline | None = None) -> Reply:
         """Async twin of ``get``."""
+        deadline = deadline or self.deadline()
+        window = Window.open(deadline, self.config.timeout.read)
         try:
-            return _reply(await self._async_client().client.get(base_url + path))
-        except httpx.TransportError:
-            return Reply(None)
+            return _reply(await self._aexchange("GET", base_url + path, None, window))
+        except (httpx.TransportError, TimeoutError) as exc:
+            return self._unreachable(exc, deadline, window, base_url + path)
+
+    @staticmethod
+    def _unreachable(exc: Exception, deadline: Deadline, window: Window, url: str) -> Reply:
+        failure = _failure_of_exception(exc, window)
+        if failure.expired:
+            raise _expired(deadline, 1, [url], failure.message)
+        return Reply(None)
 
     def close(self) -> None:
         """Close the connection pools and the worker threads."""
