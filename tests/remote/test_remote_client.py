@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-from rerankit.remote.client import ClientConfig, Endpoints
+from rerankit.remote.client import ClientConfig
 from rerankit.remote.deadline import Deadline, Window
+from rerankit.remote.endpoints import Endpoints
 
 
 class Clock:

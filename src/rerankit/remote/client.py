@@ -7,14 +7,12 @@ The sync and async paths share every decision (``_Attempts``, ``_failure``); onl
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import httpx
 
@@ -22,6 +20,8 @@ from rerankit.errors import InvalidRequest, RemoteError
 from rerankit.remote.dialects import read_error
 from rerankit.remote.dialects.common import param_first
 from rerankit.remote.deadline import Deadline, Window, held_to, held_transport
+from rerankit.remote.endpoints import Endpoints
+from rerankit.remote.reply import Answer, CappedBody, Reply, parse_json, probe_reply
 
 
 # A call's default bound: room for one slow try (the default read timeout) and a failover to another endpoint;
@@ -29,8 +29,9 @@ from rerankit.remote.deadline import Deadline, Window, held_to, held_transport
 DEFAULT_DEADLINE = 120.0
 # Rerank replies are ~100 bytes an item; 64 MiB holds 1,000 items with a 4,096-float hidden state each.
 DEFAULT_MAX_RESPONSE_BYTES = 64 * 2**20
-# Each failure in a row of an endpoint doubles its cool-down, up to this many times the first.
-_MAX_COOLDOWN_FACTOR = 8
+# How long past the deadline a split call waits for its requests' own errors: those of the requests that were
+# sending, not waiting for a slot, name the endpoints tried and what went wrong there.
+_GRACE = 0.25
 
 
 @dataclass(frozen=True)
@@ -85,52 +86,6 @@ class ClientConfig:
         return min(self.backoff_max, self.backoff_base * 2 ** (retry - 1)) * random.uniform(0.5, 1.0)
 
 
-class Endpoints:
-    """Base URLs taken in turn (round-robin); one that refuses connections or times out goes last for a cool-down."""
-
-    def __init__(self, urls: Sequence[str], cooldown: float, clock: Callable[[], float] = time.monotonic) -> None:
-        if not urls:
-            raise InvalidRequest("urls", "give at least one server URL")
-        self.urls = [url.rstrip("/") for url in urls]
-        self._cooldown = cooldown
-        self._clock = clock
-        self._dead_until: dict[str, float] = {}
-        self._strikes: dict[str, int] = {}
-        self._turn = 0
-        self._lock = threading.Lock()
-
-    def order(self) -> list[str]:
-        """Every URL: the live ones, starting with the next in turn, then those cooling down."""
-        live = [url for url in self.urls if self.is_live(url)]
-        cooling = [url for url in self.urls if url not in live]
-        with self._lock:
-            turn = self._turn
-            self._turn += 1
-        start = turn % len(live) if live else 0
-        return live[start:] + live[:start] + cooling
-
-    def is_live(self, url: str) -> bool:
-        """False while ``url`` cools down after refusing a connection or timing out."""
-        return self._dead_until.get(url, 0.0) <= self._clock()
-
-    def mark_dead(self, url: str) -> None:
-        """Send ``url`` to the back of the line; each failure in a row doubles the cool-down (up to 8x)."""
-        with self._lock:
-            # Tries already in flight when it was set aside fail too: they are the same failure, not a new one.
-            if not self.is_live(url):
-                return
-            strikes = self._strikes.get(url, 0) + 1
-            self._strikes[url] = strikes
-            factor = min(2 ** (strikes - 1), _MAX_COOLDOWN_FACTOR)
-            self._dead_until[url] = self._clock() + self._cooldown * factor
-
-    def mark_live(self, url: str) -> None:
-        """``url`` answered: its next failure starts from the first cool-down again."""
-        if url in self._strikes:
-            with self._lock:
-                self._strikes.pop(url, None)
-
-
 @dataclass(frozen=True)
 class _Failure:
     """Why one try failed, and whether another is worth it."""
@@ -161,54 +116,7 @@ def _failure_of_exception(exc: Exception, window: Window) -> _Failure:
                     endpoint_down=isinstance(exc, _CONNECT_ERRORS) or timed_out)
 
 
-@dataclass(frozen=True)
-class _Answer:
-    """A reply read in full: status, headers and the (decoded) body bytes."""
-
-    status: int
-    headers: httpx.Headers
-    data: bytes
-    encoding: str
-    url: str
-
-    @property
-    def text(self) -> str:
-        return self.data.decode(self.encoding, errors="replace")
-
-    def json(self) -> Any:
-        """The parsed body; ``NaN`` and ``Infinity`` parse to floats, for the dialects' decoders to refuse."""
-        return json.loads(self.data)
-
-
-class _Body:
-    """A reply's body as it streams in, refused as soon as it outgrows the cap (never held whole in memory)."""
-
-    def __init__(self, response: httpx.Response, cap: int) -> None:
-        self._response = response
-        self._cap = cap
-        self._data = bytearray()
-        length = response.headers.get("content-length", "")
-        if length.isdigit() and int(length) > cap:
-            raise self._too_large(f"announces {int(length):,} bytes")
-
-    def add(self, chunk: bytes) -> None:
-        """Take the next decoded chunk."""
-        self._data += chunk
-        if len(self._data) > self._cap:
-            raise self._too_large(f"passed {len(self._data):,} bytes")
-
-    def answer(self) -> _Answer:
-        """The whole reply."""
-        response = self._response
-        return _Answer(response.status_code, response.headers, bytes(self._data), response.encoding or "utf-8",
-                       str(response.url))
-
-    def _too_large(self, what: str) -> RemoteError:
-        return RemoteError(f"reply from {self._response.url} {what}, over max_response_bytes={self._cap:,}",
-                           url=str(self._response.url))
-
-
-def _failure_of_answer(answer: _Answer) -> _Failure | None:
+def _failure_of_answer(answer: Answer) -> _Failure | None:
     """None for a success; else the server's message, retryable for 429 and 5xx."""
     if 200 <= answer.status < 300:
         return None
@@ -233,18 +141,19 @@ def _retry_after(headers: httpx.Headers) -> float | None:
     return seconds if seconds >= 0 else None
 
 
-def _json(answer: _Answer) -> Any:
-    try:
-        return answer.json()
-    except (ValueError, RecursionError):
-        raise RemoteError("response is not JSON", answer.status, answer.url, answer.text[:2000]) from None
-
-
 def _expired(deadline: Deadline, tries: int, tried: Sequence[str], last: str | None) -> RemoteError:
     """The error of a call whose deadline passed: the deadline, the endpoints tried and the last failure."""
     where = ", ".join(tried) or "no endpoint reached"
     message = f"deadline of {deadline.seconds:g} s passed after {tries} tries ({where})"
     return RemoteError(message + (f"; last: {last}" if last else ""), url=tried[-1] if tried else None)
+
+
+def _first_error(jobs: Sequence[Future[Any] | asyncio.Future[Any]]) -> BaseException | None:
+    """The error of the first failed job in the bodies' order (of requests failing together, the one sent first)."""
+    for job in jobs:
+        if job.done() and not job.cancelled() and job.exception() is not None:
+            return job.exception()
+    return None
 
 
 class _Attempts:
@@ -260,9 +169,14 @@ class _Attempts:
         self.tries = 0
 
     @property
+    def endpoint(self) -> str:
+        """The base URL of the current try."""
+        return self._order[self.tries % len(self._order)]
+
+    @property
     def url(self) -> str:
         """The full URL of the current try."""
-        return self._order[self.tries % len(self._order)] + self._path
+        return self.endpoint + self._path
 
     def window(self) -> Window:
         """The current try's window; a ``RemoteError`` once the deadline has passed."""
@@ -270,25 +184,24 @@ class _Attempts:
             raise self.expired()
         return Window.open(self._deadline, self._config.timeout.read)
 
-    def expired(self, failure: _Failure | None = None) -> RemoteError:
-        """The error for a deadline that passed (during ``failure``, if any)."""
-        return _expired(self._deadline, self.tries, self._tried, failure.message if failure else None)
+    def expired(self, last: str | None = None) -> RemoteError:
+        """The error for a deadline that passed (during ``last``, what was going on, if known)."""
+        return _expired(self._deadline, self.tries, self._tried, last)
 
     def succeeded(self) -> None:
         """The current try's endpoint answered."""
-        self._endpoints.mark_live(self._order[self.tries % len(self._order)])
+        self._endpoints.mark_live(self.endpoint)
 
     def after(self, failure: _Failure) -> float:
         """Seconds to wait before the next try; raises ``RemoteError`` when there is none."""
         failed_url = self.url
-        base_url = self._order[self.tries % len(self._order)]
         if failed_url not in self._tried:
             self._tried.append(failed_url)
         if failure.endpoint_down:
-            self._endpoints.mark_dead(base_url)
+            self._endpoints.mark_dead(self.endpoint)
         self.tries += 1
         if failure.expired:
-            raise self.expired(failure)
+            raise self.expired(failure.message)
         if not failure.retryable or self.tries > self._config.max_retries:
             if failure.status is not None:
                 raise RemoteError(failure.message, failure.status, failed_url, failure.body)
@@ -298,23 +211,8 @@ class _Attempts:
             return 0.0
         wait = self._config.backoff(self.tries, failure.retry_after)
         if wait >= self._deadline.left():
-            raise self.expired(failure)
+            raise self.expired(failure.message)
         return wait
-
-
-@dataclass(frozen=True)
-class Reply:
-    """A discovery probe's answer: HTTP status (None when unreachable) and JSON body (None when not JSON)."""
-
-    status: int | None
-    body: Any = None
-
-
-def _reply(answer: _Answer) -> Reply:
-    try:
-        return Reply(answer.status, answer.json())
-    except (ValueError, RecursionError):
-        return Reply(answer.status)
 
 
 @dataclass
@@ -344,6 +242,10 @@ class Transport:
         self._client: httpx.Client | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._loop_client: _LoopClient | None = None
+
+    @property
+    def _no_slot(self) -> str:
+        return f"waiting for one of the max_concurrency={self.config.max_concurrency} request slots"
 
     def deadline(self) -> Deadline:
         """A fresh deadline for one call, per the config."""
@@ -377,26 +279,26 @@ class Transport:
         timeout = httpx.Timeout(left, connect=min(self.config.timeout.connect, left))
         return client.build_request(method, url, json=body, timeout=timeout)
 
-    def _exchange(self, method: str, url: str, body: Any, window: Window) -> _Answer:
+    def _exchange(self, method: str, url: str, body: Any, window: Window) -> Answer:
         """One sync request, its body streamed under the size cap, all within ``window``."""
         client = self._sync_client()
         with held_to(window):
             response = client.send(self._request(client, method, url, body, window), stream=True)
             try:
-                reader = _Body(response, self.config.max_response_bytes)
+                reader = CappedBody(response, self.config.max_response_bytes)
                 for chunk in response.iter_bytes():
                     reader.add(chunk)
             finally:
                 response.close()
         return reader.answer()
 
-    async def _aexchange(self, method: str, url: str, body: Any, window: Window) -> _Answer:
+    async def _aexchange(self, method: str, url: str, body: Any, window: Window) -> Answer:
         """Async twin of ``_exchange``."""
         client = self._async_client().client
         async with asyncio.timeout(window.left()):
             response = await client.send(self._request(client, method, url, body, window), stream=True)
             try:
-                reader = _Body(response, self.config.max_response_bytes)
+                reader = CappedBody(response, self.config.max_response_bytes)
                 async for chunk in response.aiter_bytes():
                     reader.add(chunk)
             finally:
@@ -409,7 +311,7 @@ class Transport:
         while True:
             window = attempts.window()
             if not self._slots.acquire(timeout=window.left()):
-                raise attempts.expired()
+                raise attempts.expired(self._no_slot)
             try:
                 failure = _failure_of_answer(answer := self._exchange("POST", attempts.url, body, window))
             except httpx.TransportError as exc:
@@ -418,7 +320,7 @@ class Transport:
                 self._slots.release()
             if failure is None:
                 attempts.succeeded()
-                return _json(answer)
+                return parse_json(answer)
             time.sleep(attempts.after(failure))
 
     async def apost(self, path: str, body: Any, deadline: Deadline | None = None) -> Any:
@@ -431,7 +333,7 @@ class Transport:
                 async with asyncio.timeout(window.left()):
                     await slots.acquire()
             except TimeoutError:
-                raise attempts.expired() from None
+                raise attempts.expired(self._no_slot) from None
             try:
                 failure = _failure_of_answer(answer := await self._aexchange("POST", attempts.url, body, window))
             except (httpx.TransportError, TimeoutError) as exc:
@@ -440,7 +342,7 @@ class Transport:
                 slots.release()
             if failure is None:
                 attempts.succeeded()
-                return _json(answer)
+                return parse_json(answer)
             await asyncio.sleep(attempts.after(failure))
 
     def post_all(self, path: str, bodies: Sequence[Any], deadline: Deadline | None = None) -> list[Any]:
@@ -456,34 +358,44 @@ class Transport:
                 self._executor = ThreadPoolExecutor(self.config.max_concurrency, thread_name_prefix="rerankit-http")
             executor = self._executor
         futures = [executor.submit(self.post, path, body, deadline) for body in bodies]
-        try:
-            # Each post ends by the deadline once it runs; this bounds the wait for a free worker thread too.
-            return [future.result(timeout=deadline.wait_limit()) for future in futures]
-        except FutureTimeout:
-            unanswered = sum(not future.done() for future in futures)
-            raise _expired(deadline, 0, [], f"{unanswered} of {len(bodies)} requests to {path} unanswered") from None
-        finally:
-            for future in futures:
-                future.cancel()
+        # Each post ends by the deadline once a thread runs it, with an error naming what it tried; the grace lets
+        # that error through, and the bound still holds when every thread is busy with other calls.
+        limit = deadline.wait_limit()
+        _, pending = wait(futures, None if limit is None else limit + _GRACE, return_when=FIRST_EXCEPTION)
+        if pending and deadline.left() <= 0:
+            wait(pending, _GRACE)
+        error = _first_error(futures)
+        for future in futures:
+            future.cancel()
+        if error is not None:
+            raise error
+        if pending:
+            raise _expired(deadline, 0, [], f"{len(pending)} of {len(bodies)} requests to {path} found no free thread")
+        return [future.result() for future in futures]
 
     async def apost_all(self, path: str, bodies: Sequence[Any], deadline: Deadline | None = None) -> list[Any]:
         """Async twin of ``post_all``: one task per body; the first failure cancels the rest."""
         deadline = deadline or self.deadline()
         tasks = [asyncio.ensure_future(self.apost(path, body, deadline)) for body in bodies]
         try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
+            _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            if pending and deadline.left() <= 0:
+                await asyncio.wait(pending, timeout=_GRACE)
+        finally:
+            error = _first_error(tasks)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        if error is not None:
+            raise error
+        return [task.result() for task in tasks]
 
     def get(self, base_url: str, path: str, deadline: Deadline | None = None) -> Reply:
         """One GET (no retries), for discovery; ``Reply(None)`` when unreachable, a ``RemoteError`` past the deadline."""
         deadline = deadline or self.deadline()
         window = Window.open(deadline, self.config.timeout.read)
         try:
-            return _reply(self._exchange("GET", base_url + path, None, window))
+            return probe_reply(self._exchange("GET", base_url + path, None, window))
         except httpx.TransportError as exc:
             return self._unreachable(exc, deadline, window, base_url + path)
 
@@ -492,7 +404,7 @@ class Transport:
         deadline = deadline or self.deadline()
         window = Window.open(deadline, self.config.timeout.read)
         try:
-            return _reply(await self._aexchange("GET", base_url + path, None, window))
+            return probe_reply(await self._aexchange("GET", base_url + path, None, window))
         except (httpx.TransportError, TimeoutError) as exc:
             return self._unreachable(exc, deadline, window, base_url + path)
 
