@@ -17,7 +17,7 @@ import time
 from collections import deque
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-SLOW_SECONDS = 0.6
+SLOW_SECONDS = 1.0
 # A dripping server sends one byte this often: far inside any read timeout, so only a deadline ends the reply.
 DRIP_SECONDS = 0.05
 HUGE_BYTES = 64 * 2**20

