@@ -3,7 +3,7 @@
 Each POST takes the next fault of the server's script (then its ``default``, "ok" unless told): a reset or a close
 in the middle of the body, a slow or never-ending reply, bytes dripped one at a time, a wrong or oversized body,
 an HTTP status with a vLLM error body (and ``Retry-After``). "ok" answers ``/generative_scoring`` with
-score = item number / 1000.
+score = item number / 1000 ("drip-ok": the same answer, a byte at a time).
 """
 
 from __future__ import annotations
@@ -39,11 +39,14 @@ class FaultServer(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
 
-    def __init__(self, script=(), delays=(0.0, 0.0), default: str = "ok") -> None:
+    def __init__(self, script=(), delays=(0.0, 0.0), default: str = "ok", drip_seconds: float = DRIP_SECONDS,
+                 huge_bytes: int = HUGE_BYTES) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
         self.script = deque(script)
         self.delays = delays
         self.default = default
+        self.drip_seconds = drip_seconds
+        self.huge_bytes = huge_bytes
         self.hits = 0
         self.in_flight = 0
         self.max_in_flight = 0
@@ -120,7 +123,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if fault == "slow":
             time.sleep(SLOW_SECONDS)
-        elif fault not in ("ok", "nan", "inf", "dup", "missing"):
+        elif fault not in ("ok", "drip-ok", "nan", "inf", "dup", "missing"):
             status, _, retry_after = fault.partition(":")
             error = {"error": {"message": f"fault {status}", "type": "Fault", "param": None, "code": int(status)}}
             self._send_json(int(status), error, {"Retry-After": retry_after} if retry_after else {})
@@ -134,22 +137,29 @@ class _Handler(BaseHTTPRequestHandler):
             data[-1]["index"] = 0
         elif fault == "missing":
             data.pop()
-        self._send_json(200, {"id": "x", "object": "list", "created": 0, "model": "fault-model", "data": data,
-                              "usage": {"prompt_tokens": len(data), "total_tokens": len(data)}})
+        payload = {"id": "x", "object": "list", "created": 0, "model": "fault-model", "data": data,
+                   "usage": {"prompt_tokens": len(data), "total_tokens": len(data)}}
+        if fault == "drip-ok":
+            raw = json.dumps(payload, separators=(",", ":")).encode()
+            self._send_head(200, {"Content-Length": str(len(raw))})
+            self._drip(raw)
+            return
+        self._send_json(200, payload)
 
     def _drip(self, raw: bytes) -> None:
         for byte in raw:
-            if self.server.stopping.wait(DRIP_SECONDS):
+            if self.server.stopping.wait(self.server.drip_seconds):
                 break
             self.wfile.write(bytes([byte]))
         self.close_connection = True
 
     def _send_huge(self, announced: bool) -> None:
-        """A body of ``HUGE_BYTES`` (valid JSON), with its length announced or delimited by closing."""
-        self._send_head(200, {"Content-Length": str(HUGE_BYTES)} if announced else {"Connection": "close"})
+        """A body of ``huge_bytes`` (spaces), with its length announced or delimited by closing."""
+        size = self.server.huge_bytes
+        self._send_head(200, {"Content-Length": str(size)} if announced else {"Connection": "close"})
         self.close_connection = True
         chunk = b" " * 2**16
-        for _ in range(HUGE_BYTES // len(chunk)):
+        for _ in range(size // len(chunk)):
             self.wfile.write(chunk)
             with self.server.lock:
                 self.server.sent += len(chunk)
