@@ -183,3 +183,13 @@ def test_the_langchain_adapter_passes_the_deadline_to_its_backend(servers):
         compressor.compress_documents([Document(page_content=text) for text in items(3)], "q")
     assert time.monotonic() - started < 0.5 + SLACK
 
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+async def test_waiting_for_a_request_slot_does_not_count_against_a_try(servers, use_async):
+    server = servers(delays=(0.1, 0.1))
+    # Ten requests one at a time take ~1 s: past each try's 0.6 s, well within the deadline.
+    response, _ = await timed_score(server.url, use_async, count=10, timeout=TRY, deadline=10.0,
+                                    max_items_per_request=1, max_concurrency=1)
+    assert response.scores == expected_scores(10)
+    assert server.hits == 10

@@ -1,7 +1,8 @@
 """The remote backend's transport: pooled httpx clients, retries with backoff, a concurrency limit and
-several endpoints with failover. It moves JSON bodies; what they mean is the dialects' business.
+several endpoints with failover, all within one deadline per call. It moves JSON bodies, read under a size cap;
+what they mean is the dialects' business.
 
-The sync and async paths share every decision (``_Attempts``, ``_failure``); only the I/O differs.
+The sync and async paths share every decision (``_Attempts``, ``_failure_of_*``); only the I/O differs.
 """
 
 from __future__ import annotations
@@ -307,12 +308,14 @@ class Transport:
 
     def post(self, path: str, body: Any, deadline: Deadline | None = None) -> Any:
         """POST ``body`` to ``path`` of an endpoint, retrying per the config within ``deadline``; the JSON answer."""
-        attempts = _Attempts(self.endpoints, self.config, deadline or self.deadline(), path)
+        deadline = deadline or self.deadline()
+        attempts = _Attempts(self.endpoints, self.config, deadline, path)
         while True:
-            window = attempts.window()
-            if not self._slots.acquire(timeout=window.left()):
+            # The try's time starts once it has a slot: queueing behind our own requests is no fault of the server.
+            if not self._slots.acquire(timeout=deadline.wait_limit()):
                 raise attempts.expired(self._no_slot)
             try:
+                window = attempts.window()
                 failure = _failure_of_answer(answer := self._exchange("POST", attempts.url, body, window))
             except httpx.TransportError as exc:
                 failure = _failure_of_exception(exc, window)
@@ -325,16 +328,17 @@ class Transport:
 
     async def apost(self, path: str, body: Any, deadline: Deadline | None = None) -> Any:
         """Async twin of ``post``."""
-        attempts = _Attempts(self.endpoints, self.config, deadline or self.deadline(), path)
+        deadline = deadline or self.deadline()
+        attempts = _Attempts(self.endpoints, self.config, deadline, path)
         slots = self._async_client().slots
         while True:
-            window = attempts.window()
             try:
-                async with asyncio.timeout(window.left()):
+                async with asyncio.timeout(deadline.wait_limit()):
                     await slots.acquire()
             except TimeoutError:
                 raise attempts.expired(self._no_slot) from None
             try:
+                window = attempts.window()
                 failure = _failure_of_answer(answer := await self._aexchange("POST", attempts.url, body, window))
             except (httpx.TransportError, TimeoutError) as exc:
                 failure = _failure_of_exception(exc, window)

@@ -79,8 +79,8 @@ def _held(timeout: float | None) -> float | None:
     ends_at = _WINDOW_ENDS.get()
     if ends_at is None:
         return timeout
-    left = max(ends_at - time.monotonic(), _LEAST_WAIT)
-    return left if timeout is None else min(timeout, left)
+    left = ends_at - time.monotonic()
+    return max(left if timeout is None else min(timeout, left), _LEAST_WAIT)
 
 
 class _HeldStream(httpcore.NetworkStream):
