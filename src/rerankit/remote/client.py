@@ -20,7 +20,7 @@ import httpx
 from rerankit.errors import InvalidRequest, RemoteError
 from rerankit.remote.dialects import read_error
 from rerankit.remote.dialects.common import param_first
-from rerankit.remote.deadline import Deadline, Window, held_to, held_transport
+from rerankit.remote.deadline import Deadline, Window, held_to, hold_sockets
 from rerankit.remote.endpoints import Endpoints
 from rerankit.remote.reply import Answer, CappedBody, Reply, parse_json, probe_reply
 
@@ -260,8 +260,8 @@ class Transport:
         with self._lock:
             if self._client is None:
                 transport = self._transport if isinstance(self._transport, httpx.BaseTransport) else None
-                self._client = httpx.Client(transport=transport or held_transport(self._limits()),
-                                            headers=self._headers)
+                self._client = hold_sockets(httpx.Client(transport=transport, headers=self._headers,
+                                                         limits=self._limits()))
             return self._client
 
     def _async_client(self) -> _LoopClient:

@@ -67,7 +67,7 @@ class Window:
 
 @contextmanager
 def held_to(window: Window) -> Iterator[None]:
-    """Sync socket operations made inside end with ``window`` (through ``held_transport``)."""
+    """Sync socket operations made inside end with ``window`` (in a client passed through ``hold_sockets``)."""
     token = _WINDOW_ENDS.set(window.ends_at)
     try:
         yield
@@ -124,11 +124,13 @@ class _HeldBackend(httpcore.NetworkBackend):
         self._backend.sleep(seconds)
 
 
-def held_transport(limits: httpx.Limits) -> httpx.HTTPTransport:
-    """httpx's default sync transport, its socket operations held to the window of the try in progress."""
-    transport = httpx.HTTPTransport(limits=limits)
-    # httpx exposes no hook for the network backend: its httpcore pool (``_pool``, httpx 0.18 to 0.28) takes
-    # its sockets from ``_network_backend``. tests/remote/test_remote_deadlines.py fails if that ever moves.
-    pool = transport._pool
-    pool._network_backend = _HeldBackend(pool._network_backend)
-    return transport
+def hold_sockets(client: httpx.Client) -> httpx.Client:
+    """``client``, the socket operations of its transports (direct and through proxies) held to the try's window."""
+    # httpx has no hook for the network backend: each of its transports keeps an httpcore pool (``_pool``, httpx 0.18
+    # to 0.28) that takes its sockets from ``_network_backend``. A transport without one (a mock) is left as it is;
+    # tests/remote/test_remote_deadlines.py fails if httpx moves them.
+    for transport in (client._transport, *client._mounts.values()):
+        pool = getattr(transport, "_pool", None)
+        if pool is not None:
+            pool._network_backend = _HeldBackend(pool._network_backend)
+    return client
