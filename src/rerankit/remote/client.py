@@ -106,9 +106,10 @@ _CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
 
 
 def _failure_of_exception(exc: Exception, window: Window) -> _Failure:
-    """The failure of a try that raised ``exc`` (an httpx error, or ``TimeoutError`` when its window ended)."""
+    """The failure of a try that raised ``exc`` (an httpx error, or ``asyncio.TimeoutError`` when its window ended)."""
     # Waiting for a free connection of our own pool says nothing about the server.
-    timed_out = isinstance(exc, (httpx.TimeoutException, TimeoutError)) and not isinstance(exc, httpx.PoolTimeout)
+    timed_out = (isinstance(exc, (httpx.TimeoutException, asyncio.TimeoutError))
+                 and not isinstance(exc, httpx.PoolTimeout))
     if timed_out and window.over():
         # The try had its time (or all the call had left) and got no complete answer: set the endpoint aside.
         return _Failure(message=f"no complete answer within {window.seconds:.3g} s", retryable=True,
@@ -295,15 +296,18 @@ class Transport:
 
     async def _aexchange(self, method: str, url: str, body: Any, window: Window) -> Answer:
         """Async twin of ``_exchange``."""
+        # wait_for, not asyncio.timeout: Python 3.10 has only the former.
+        return await asyncio.wait_for(self._aread(method, url, body, window), window.left())
+
+    async def _aread(self, method: str, url: str, body: Any, window: Window) -> Answer:
         client = self._async_client().client
-        async with asyncio.timeout(window.left()):
-            response = await client.send(self._request(client, method, url, body, window), stream=True)
-            try:
-                reader = CappedBody(response, self.config.max_response_bytes)
-                async for chunk in response.aiter_bytes():
-                    reader.add(chunk)
-            finally:
-                await response.aclose()
+        response = await client.send(self._request(client, method, url, body, window), stream=True)
+        try:
+            reader = CappedBody(response, self.config.max_response_bytes)
+            async for chunk in response.aiter_bytes():
+                reader.add(chunk)
+        finally:
+            await response.aclose()
         return reader.answer()
 
     def post(self, path: str, body: Any, deadline: Deadline | None = None) -> Any:
@@ -333,14 +337,13 @@ class Transport:
         slots = self._async_client().slots
         while True:
             try:
-                async with asyncio.timeout(deadline.wait_limit()):
-                    await slots.acquire()
-            except TimeoutError:
+                await asyncio.wait_for(slots.acquire(), deadline.wait_limit())
+            except asyncio.TimeoutError:
                 raise attempts.expired(self._no_slot) from None
             try:
                 window = attempts.window()
                 failure = _failure_of_answer(answer := await self._aexchange("POST", attempts.url, body, window))
-            except (httpx.TransportError, TimeoutError) as exc:
+            except (httpx.TransportError, asyncio.TimeoutError) as exc:
                 failure = _failure_of_exception(exc, window)
             finally:
                 slots.release()
@@ -395,7 +398,7 @@ class Transport:
         return [task.result() for task in tasks]
 
     def get(self, base_url: str, path: str, deadline: Deadline | None = None) -> Reply:
-        """One GET (no retries), for discovery; ``Reply(None)`` when unreachable, a ``RemoteError`` past the deadline."""
+        """One GET (no retries), for discovery: ``Reply(None)`` when unreachable, ``RemoteError`` past the deadline."""
         deadline = deadline or self.deadline()
         window = Window.open(deadline, self.config.timeout.read)
         try:
@@ -409,7 +412,7 @@ class Transport:
         window = Window.open(deadline, self.config.timeout.read)
         try:
             return probe_reply(await self._aexchange("GET", base_url + path, None, window))
-        except (httpx.TransportError, TimeoutError) as exc:
+        except (httpx.TransportError, asyncio.TimeoutError) as exc:
             return self._unreachable(exc, deadline, window, base_url + path)
 
     @staticmethod

@@ -1,7 +1,7 @@
 """Time limits of a remote call: the call's deadline, each try's window, and the sync client held to them.
 
 httpx's timeouts bound each socket operation, so a server sending a byte a second never trips a 2 s read
-timeout. The async client is held to a window by ``asyncio.timeout``; the sync client by cutting every socket
+timeout. The async client is held to a window by ``asyncio.wait_for``; the sync client by cutting every socket
 operation's timeout to what is left of the window, in the httpcore network backend below.
 """
 
