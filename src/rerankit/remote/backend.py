@@ -6,12 +6,13 @@ requests of at most ``max_items_per_request`` items, sent concurrently, and reas
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Sequence
 
 import httpx
 
 from rerankit.errors import InvalidRequest
-from rerankit.remote.client import ClientConfig, Timeout, Transport
+from rerankit.remote.client import DEFAULT_DEADLINE, DEFAULT_MAX_RESPONSE_BYTES, ClientConfig, Timeout, Transport
 from rerankit.remote.dialects import Dialect, get_dialect
 from rerankit.remote.discover import Discovery, adiscover, discover
 from rerankit.schema import ScoreRequest, ScoreResponse, Usage
@@ -25,13 +26,15 @@ class RemoteBackend:
     ``served_model``: the server's model, sent as the body's ``model`` where the dialect has one (Cohere requires
     it); when None, the first model of the server's ``/v1/models`` (none sent if it lists none).
     ``path``: post there instead of the dialect's default route (e.g. ``/v1/rerank`` for Jina).
-    ``timeout``: a ``Timeout`` or the read timeout in seconds. Other options: see ``ClientConfig``.
+    ``deadline``: seconds a whole call may take, every try and endpoint included (None: no bound).
+    ``timeout``: a ``Timeout``, or the seconds one try may take. Other options: see ``ClientConfig``.
     """
 
     def __init__(self, urls: str | Sequence[str], *, dialect: str | None = None, served_model: str | None = None,
                  api_key: str | None = None, path: str | None = None, timeout: Timeout | float = Timeout(),
                  max_retries: int = 3, backoff_base: float = 0.25, backoff_max: float = 10.0,
                  max_items_per_request: int | None = None, max_concurrency: int = 8, dead_cooldown: float = 30.0,
+                 deadline: float | None = DEFAULT_DEADLINE, max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
                  transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None) -> None:
         url_list = [urls] if isinstance(urls, str) else list(urls)
         for url in url_list:
@@ -44,7 +47,8 @@ class RemoteBackend:
         if not isinstance(timeout, Timeout):
             timeout = Timeout(connect=min(Timeout.connect, float(timeout)), read=float(timeout))
         config = ClientConfig(timeout=timeout, max_retries=max_retries, backoff_base=backoff_base,
-                              backoff_max=backoff_max, max_concurrency=max_concurrency, dead_cooldown=dead_cooldown)
+                              backoff_max=backoff_max, max_concurrency=max_concurrency, dead_cooldown=dead_cooldown,
+                              deadline=deadline, max_response_bytes=max_response_bytes)
         self._dialect = get_dialect(dialect) if dialect is not None else None
         self._path = path
         self._model = served_model
@@ -59,20 +63,22 @@ class RemoteBackend:
         return self._model or self._served_model or self.transport.endpoints.urls[0]
 
     def score(self, request: ScoreRequest) -> ScoreResponse:
-        """Score on the server; one result per item, in input order."""
+        """Score on the server within the deadline; one result per item, in input order."""
+        deadline = self.transport.deadline()
         if self._discovery is None and (self._dialect is None or self._model_unknown(request)):
-            self._learn(discover(self.transport.get, self.transport.endpoints.order(),
+            self._learn(discover(partial(self.transport.get, deadline=deadline), self.transport.endpoints.order(),
                                  model_only=self._dialect is not None))
         dialect, path, chunks, bodies = self._encode(request)
-        return self._decode(dialect, chunks, self.transport.post_all(path, bodies))
+        return self._decode(dialect, chunks, self.transport.post_all(path, bodies, deadline))
 
     async def ascore(self, request: ScoreRequest) -> ScoreResponse:
         """Async twin of ``score``."""
+        deadline = self.transport.deadline()
         if self._discovery is None and (self._dialect is None or self._model_unknown(request)):
-            self._learn(await adiscover(self.transport.aget, self.transport.endpoints.order(),
-                                        model_only=self._dialect is not None))
+            get = partial(self.transport.aget, deadline=deadline)
+            self._learn(await adiscover(get, self.transport.endpoints.order(), model_only=self._dialect is not None))
         dialect, path, chunks, bodies = self._encode(request)
-        return self._decode(dialect, chunks, await self.transport.apost_all(path, bodies))
+        return self._decode(dialect, chunks, await self.transport.apost_all(path, bodies, deadline))
 
     def close(self) -> None:
         """Close the connection pools."""

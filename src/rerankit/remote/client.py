@@ -1,7 +1,8 @@
 """The remote backend's transport: pooled httpx clients, retries with backoff, a concurrency limit and
-several endpoints with failover. It moves JSON bodies; what they mean is the dialects' business.
+several endpoints with failover, all within one deadline per call. It moves JSON bodies, read under a size cap;
+what they mean is the dialects' business.
 
-The sync and async paths share every decision (``_Attempts``, ``_failure``); only the I/O differs.
+The sync and async paths share every decision (``_Attempts``, ``_failure_of_*``); only the I/O differs.
 """
 
 from __future__ import annotations
@@ -10,33 +11,54 @@ import asyncio
 import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import httpx
 
 from rerankit.errors import InvalidRequest, RemoteError
 from rerankit.remote.dialects import read_error
 from rerankit.remote.dialects.common import param_first
+from rerankit.remote.deadline import Deadline, Window, held_to, hold_sockets
+from rerankit.remote.endpoints import Endpoints
+from rerankit.remote.reply import Answer, CappedBody, Reply, parse_json, probe_reply
+
+
+# A call's default bound: room for one slow try (the default read timeout) and a failover to another endpoint;
+# past two minutes a caller (a search request, a RAG step) is better served by an error than by more waiting.
+DEFAULT_DEADLINE = 120.0
+# Rerank replies are ~100 bytes an item; 64 MiB holds 1,000 items with a 4,096-float hidden state each.
+DEFAULT_MAX_RESPONSE_BYTES = 64 * 2**20
+# How long past the deadline a split call waits for its requests' own errors: those of the requests that were
+# sending, not waiting for a slot, name the endpoints tried and what went wrong there.
+_GRACE = 0.25
 
 
 @dataclass(frozen=True)
 class Timeout:
-    """Seconds to open a connection and to wait for the server's next bytes."""
+    """Seconds to open a connection (``connect``), and for one try's whole answer, connection included (``read``)."""
 
     connect: float = 5.0
     read: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("connect", "read"):
+            if not getattr(self, name) > 0:
+                raise InvalidRequest(f"timeout.{name}", f"must be > 0 seconds, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
 class ClientConfig:
     """How the transport retries, waits and limits itself.
 
-    Retries go to connect errors, read timeouts, broken responses, 429 and 5xx, never to other 4xx.
+    ``deadline`` bounds a whole call (every try, wait and endpoint; None: only each try's ``timeout``).
+    Retries go to connect errors, timeouts, broken responses, 429 and 5xx, never to other 4xx.
     The n-th retry waits ``backoff_base * 2**(n-1)`` seconds with jitter (or the server's ``Retry-After``),
-    at most ``backoff_max``; a retry that fails over to a live endpoint not yet tried does not wait.
-    An endpoint that refuses connections sits out ``dead_cooldown`` seconds.
+    at most ``backoff_max``; a retry that fails over to a live endpoint not yet tried does not wait, and a retry
+    whose wait would outlast the deadline is not made.
+    An endpoint that refuses connections or times out sits out ``dead_cooldown`` seconds, doubled each time it
+    fails again on its return (up to 8x). A reply longer than ``max_response_bytes`` (decoded) is refused.
     """
 
     timeout: Timeout = field(default_factory=Timeout)
@@ -45,51 +67,24 @@ class ClientConfig:
     backoff_max: float = 10.0
     max_concurrency: int = 8
     dead_cooldown: float = 30.0
+    deadline: float | None = DEFAULT_DEADLINE
+    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
 
     def __post_init__(self) -> None:
         for name in ("max_retries", "backoff_base", "backoff_max", "dead_cooldown"):
             if getattr(self, name) < 0:
                 raise InvalidRequest(name, f"must be >= 0, got {getattr(self, name)}")
-        if self.max_concurrency < 1:
-            raise InvalidRequest("max_concurrency", f"must be >= 1, got {self.max_concurrency}")
+        for name in ("max_concurrency", "max_response_bytes"):
+            if getattr(self, name) < 1:
+                raise InvalidRequest(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.deadline is not None and not self.deadline > 0:
+            raise InvalidRequest("deadline", f"must be > 0 seconds or None, got {self.deadline}")
 
     def backoff(self, retry: int, retry_after: float | None) -> float:
         """Seconds to wait before retry number ``retry`` (1-based)."""
         if retry_after is not None:
             return min(retry_after, self.backoff_max)
         return min(self.backoff_max, self.backoff_base * 2 ** (retry - 1)) * random.uniform(0.5, 1.0)
-
-
-class Endpoints:
-    """Base URLs taken in turn (round-robin); one that refuses connections goes last for a cool-down."""
-
-    def __init__(self, urls: Sequence[str], cooldown: float, clock: Callable[[], float] = time.monotonic) -> None:
-        if not urls:
-            raise InvalidRequest("urls", "give at least one server URL")
-        self.urls = [url.rstrip("/") for url in urls]
-        self._cooldown = cooldown
-        self._clock = clock
-        self._dead_until: dict[str, float] = {}
-        self._turn = 0
-        self._lock = threading.Lock()
-
-    def order(self) -> list[str]:
-        """Every URL: the live ones, starting with the next in turn, then those cooling down."""
-        live = [url for url in self.urls if self.is_live(url)]
-        cooling = [url for url in self.urls if url not in live]
-        with self._lock:
-            turn = self._turn
-            self._turn += 1
-        start = turn % len(live) if live else 0
-        return live[start:] + live[:start] + cooling
-
-    def is_live(self, url: str) -> bool:
-        """False while ``url`` cools down after refusing a connection."""
-        return self._dead_until.get(url, 0.0) <= self._clock()
-
-    def mark_dead(self, url: str) -> None:
-        """Send ``url`` to the back of the line for the cool-down."""
-        self._dead_until[url] = self._clock() + self._cooldown
 
 
 @dataclass(frozen=True)
@@ -102,6 +97,7 @@ class _Failure:
     endpoint_down: bool = False
     retry_after: float | None = None
     body: str | None = None
+    expired: bool = False
 
 
 # Transport errors after which the same request may well succeed: the server was busy, restarting or slow.
@@ -109,86 +105,116 @@ _RETRYABLE_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemotePro
 _CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
 
 
-def _failure_of_exception(exc: httpx.TransportError) -> _Failure:
+def _failure_of_exception(exc: Exception, window: Window) -> _Failure:
+    """The failure of a try that raised ``exc`` (an httpx error, or ``asyncio.TimeoutError`` when its window ended)."""
+    # Waiting for a free connection of our own pool says nothing about the server.
+    timed_out = (isinstance(exc, (httpx.TimeoutException, asyncio.TimeoutError))
+                 and not isinstance(exc, httpx.PoolTimeout))
+    if timed_out and window.over():
+        # The try had its time (or all the call had left) and got no complete answer: set the endpoint aside.
+        return _Failure(message=f"no complete answer within {window.seconds:.3g} s", retryable=True,
+                        endpoint_down=True, expired=window.by_deadline)
     return _Failure(message=f"{type(exc).__name__}: {exc}", retryable=isinstance(exc, _RETRYABLE_ERRORS),
-                    endpoint_down=isinstance(exc, _CONNECT_ERRORS))
+                    endpoint_down=isinstance(exc, _CONNECT_ERRORS) or timed_out)
 
 
-def _failure_of_response(response: httpx.Response) -> _Failure | None:
+def _failure_of_answer(answer: Answer) -> _Failure | None:
     """None for a success; else the server's message, retryable for 429 and 5xx."""
-    if response.is_success:
+    if 200 <= answer.status < 300:
         return None
     try:
-        message, param = read_error(response.json())
-    except ValueError:
+        message, param = read_error(answer.json())
+    except (ValueError, RecursionError):
         message, param = None, None
-    text = response.text[:2000]
-    message = param_first(message, param) if message is not None else text[:300] or response.reason_phrase
-    status = response.status_code
+    text = answer.text[:2000]
+    reason = httpx.codes.get_reason_phrase(answer.status)
+    message = param_first(message, param) if message is not None else text[:300] or reason
+    status = answer.status
     return _Failure(message=message, retryable=status == 429 or status >= 500, status=status,
-                    retry_after=_retry_after(response), body=text)
+                    retry_after=_retry_after(answer.headers), body=text)
 
 
-def _retry_after(response: httpx.Response) -> float | None:
+def _retry_after(headers: httpx.Headers) -> float | None:
     """``Retry-After`` in seconds (the HTTP-date form is left to the backoff)."""
     try:
-        seconds = float(response.headers.get("retry-after", ""))
+        seconds = float(headers.get("retry-after", ""))
     except ValueError:
         return None
     return seconds if seconds >= 0 else None
 
 
-def _json(response: httpx.Response, url: str) -> Any:
-    try:
-        return response.json()
-    except ValueError:
-        raise RemoteError("response is not JSON", response.status_code, url, response.text[:2000]) from None
+def _expired(deadline: Deadline, tries: int, tried: Sequence[str], last: str | None) -> RemoteError:
+    """The error of a call whose deadline passed: the deadline, the endpoints tried and the last failure."""
+    where = ", ".join(tried) or "no endpoint reached"
+    message = f"deadline of {deadline.seconds:g} s passed after {tries} tries ({where})"
+    return RemoteError(message + (f"; last: {last}" if last else ""), url=tried[-1] if tried else None)
+
+
+def _first_error(jobs: Sequence[Future[Any] | asyncio.Future[Any]]) -> BaseException | None:
+    """The error of the first failed job in the bodies' order (of requests failing together, the one sent first)."""
+    for job in jobs:
+        if job.done() and not job.cancelled() and job.exception() is not None:
+            return job.exception()
+    return None
 
 
 class _Attempts:
-    """The tries of one request: which endpoint is next, and how long to wait before it."""
+    """The tries of one request: which endpoint is next, its time window, and how long to wait before it."""
 
-    def __init__(self, endpoints: Endpoints, config: ClientConfig) -> None:
+    def __init__(self, endpoints: Endpoints, config: ClientConfig, deadline: Deadline, path: str) -> None:
         self._endpoints = endpoints
         self._config = config
+        self._deadline = deadline
+        self._path = path
         self._order = endpoints.order()
+        self._tried: list[str] = []
         self.tries = 0
 
     @property
-    def url(self) -> str:
+    def endpoint(self) -> str:
         """The base URL of the current try."""
         return self._order[self.tries % len(self._order)]
 
-    def after(self, failure: _Failure, path: str) -> float:
+    @property
+    def url(self) -> str:
+        """The full URL of the current try."""
+        return self.endpoint + self._path
+
+    def window(self) -> Window:
+        """The current try's window; a ``RemoteError`` once the deadline has passed."""
+        if self._deadline.left() <= 0:
+            raise self.expired()
+        return Window.open(self._deadline, self._config.timeout.read)
+
+    def expired(self, last: str | None = None) -> RemoteError:
+        """The error for a deadline that passed (during ``last``, what was going on, if known)."""
+        return _expired(self._deadline, self.tries, self._tried, last)
+
+    def succeeded(self) -> None:
+        """The current try's endpoint answered."""
+        self._endpoints.mark_live(self.endpoint)
+
+    def after(self, failure: _Failure) -> float:
         """Seconds to wait before the next try; raises ``RemoteError`` when there is none."""
         failed_url = self.url
+        if failed_url not in self._tried:
+            self._tried.append(failed_url)
         if failure.endpoint_down:
-            self._endpoints.mark_dead(failed_url)
+            self._endpoints.mark_dead(self.endpoint)
         self.tries += 1
+        if failure.expired:
+            raise self.expired(failure.message)
         if not failure.retryable or self.tries > self._config.max_retries:
-            where = failed_url + path
             if failure.status is not None:
-                raise RemoteError(failure.message, failure.status, where, failure.body)
-            raise RemoteError(f"{failure.message} ({where}, {self.tries} tries)", url=where)
+                raise RemoteError(failure.message, failure.status, failed_url, failure.body)
+            raise RemoteError(f"{failure.message} ({failed_url}, {self.tries} tries)", url=failed_url)
         # Fail over at once to a live endpoint not yet tried; once all have failed, back off.
-        if self.tries < len(self._order) and self._endpoints.is_live(self.url):
+        if self.tries < len(self._order) and self._endpoints.is_live(self._order[self.tries]):
             return 0.0
-        return self._config.backoff(self.tries, failure.retry_after)
-
-
-@dataclass(frozen=True)
-class Reply:
-    """A discovery probe's answer: HTTP status (None when unreachable) and JSON body (None when not JSON)."""
-
-    status: int | None
-    body: Any = None
-
-
-def _reply(response: httpx.Response) -> Reply:
-    try:
-        return Reply(response.status_code, response.json())
-    except ValueError:
-        return Reply(response.status_code)
+        wait = self._config.backoff(self.tries, failure.retry_after)
+        if wait >= self._deadline.left():
+            raise self.expired(failure.message)
+        return wait
 
 
 @dataclass
@@ -203,6 +229,7 @@ class _LoopClient:
 class Transport:
     """Posts JSON bodies to a set of endpoints, sync or async, with retries, failover and a concurrency limit.
 
+    Every call is bounded by a ``Deadline`` (the config's unless given), each try by ``timeout.read``.
     ``transport``: an httpx transport for both clients (``httpx.MockTransport`` in tests).
     """
 
@@ -218,17 +245,24 @@ class Transport:
         self._executor: ThreadPoolExecutor | None = None
         self._loop_client: _LoopClient | None = None
 
-    def _client_options(self) -> dict[str, Any]:
-        timeout = self.config.timeout
+    @property
+    def _no_slot(self) -> str:
+        return f"waiting for one of the max_concurrency={self.config.max_concurrency} request slots"
+
+    def deadline(self) -> Deadline:
+        """A fresh deadline for one call, per the config."""
+        return Deadline(self.config.deadline)
+
+    def _limits(self) -> httpx.Limits:
         limit = self.config.max_concurrency
-        return {"headers": self._headers, "timeout": httpx.Timeout(timeout.read, connect=timeout.connect),
-                "limits": httpx.Limits(max_connections=limit, max_keepalive_connections=limit)}
+        return httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
 
     def _sync_client(self) -> httpx.Client:
         with self._lock:
             if self._client is None:
                 transport = self._transport if isinstance(self._transport, httpx.BaseTransport) else None
-                self._client = httpx.Client(transport=transport, **self._client_options())
+                self._client = hold_sockets(httpx.Client(transport=transport, headers=self._headers,
+                                                         limits=self._limits()))
             return self._client
 
     def _async_client(self) -> _LoopClient:
@@ -237,81 +271,156 @@ class Transport:
             if self._loop_client is None or self._loop_client.loop is not loop:
                 # A client made under an earlier (now finished) loop cannot be reused or closed from this one.
                 transport = self._transport if isinstance(self._transport, httpx.AsyncBaseTransport) else None
-                self._loop_client = _LoopClient(loop, httpx.AsyncClient(transport=transport, **self._client_options()),
-                                                asyncio.Semaphore(self.config.max_concurrency))
+                client = httpx.AsyncClient(transport=transport, headers=self._headers, limits=self._limits())
+                self._loop_client = _LoopClient(loop, client, asyncio.Semaphore(self.config.max_concurrency))
             return self._loop_client
 
-    def post(self, path: str, body: Any) -> Any:
-        """POST ``body`` to ``path`` of an endpoint, retrying per the config; the JSON answer."""
-        attempts = _Attempts(self.endpoints, self.config)
+    def _request(self, client: httpx.Client | httpx.AsyncClient, method: str, url: str, body: Any,
+                 window: Window) -> httpx.Request:
+        left = window.left()
+        timeout = httpx.Timeout(left, connect=min(self.config.timeout.connect, left))
+        return client.build_request(method, url, json=body, timeout=timeout)
+
+    def _exchange(self, method: str, url: str, body: Any, window: Window) -> Answer:
+        """One sync request, its body streamed under the size cap, all within ``window``."""
         client = self._sync_client()
-        while True:
-            url = attempts.url + path
+        with held_to(window):
+            response = client.send(self._request(client, method, url, body, window), stream=True)
             try:
-                with self._slots:
-                    response = client.post(url, json=body)
-                failure = _failure_of_response(response)
-            except httpx.TransportError as exc:
-                failure = _failure_of_exception(exc)
-            if failure is None:
-                return _json(response, url)
-            time.sleep(attempts.after(failure, path))
+                reader = CappedBody(response, self.config.max_response_bytes)
+                for chunk in response.iter_bytes():
+                    reader.add(chunk)
+            finally:
+                response.close()
+        return reader.answer()
 
-    async def apost(self, path: str, body: Any) -> Any:
+    async def _aexchange(self, method: str, url: str, body: Any, window: Window) -> Answer:
+        """Async twin of ``_exchange``."""
+        # wait_for, not asyncio.timeout: Python 3.10 has only the former.
+        return await asyncio.wait_for(self._aread(method, url, body, window), window.left())
+
+    async def _aread(self, method: str, url: str, body: Any, window: Window) -> Answer:
+        client = self._async_client().client
+        response = await client.send(self._request(client, method, url, body, window), stream=True)
+        try:
+            reader = CappedBody(response, self.config.max_response_bytes)
+            async for chunk in response.aiter_bytes():
+                reader.add(chunk)
+        finally:
+            await response.aclose()
+        return reader.answer()
+
+    def post(self, path: str, body: Any, deadline: Deadline | None = None) -> Any:
+        """POST ``body`` to ``path`` of an endpoint, retrying per the config within ``deadline``; the JSON answer."""
+        deadline = deadline or self.deadline()
+        attempts = _Attempts(self.endpoints, self.config, deadline, path)
+        while True:
+            # The try's time starts once it has a slot: queueing behind our own requests is no fault of the server.
+            if not self._slots.acquire(timeout=deadline.wait_limit()):
+                raise attempts.expired(self._no_slot)
+            try:
+                window = attempts.window()
+                failure = _failure_of_answer(answer := self._exchange("POST", attempts.url, body, window))
+            except httpx.TransportError as exc:
+                failure = _failure_of_exception(exc, window)
+            finally:
+                self._slots.release()
+            if failure is None:
+                attempts.succeeded()
+                return parse_json(answer)
+            time.sleep(attempts.after(failure))
+
+    async def apost(self, path: str, body: Any, deadline: Deadline | None = None) -> Any:
         """Async twin of ``post``."""
-        attempts = _Attempts(self.endpoints, self.config)
-        state = self._async_client()
+        deadline = deadline or self.deadline()
+        attempts = _Attempts(self.endpoints, self.config, deadline, path)
+        slots = self._async_client().slots
         while True:
-            url = attempts.url + path
             try:
-                async with state.slots:
-                    response = await state.client.post(url, json=body)
-                failure = _failure_of_response(response)
-            except httpx.TransportError as exc:
-                failure = _failure_of_exception(exc)
+                await asyncio.wait_for(slots.acquire(), deadline.wait_limit())
+            except asyncio.TimeoutError:
+                raise attempts.expired(self._no_slot) from None
+            try:
+                window = attempts.window()
+                failure = _failure_of_answer(answer := await self._aexchange("POST", attempts.url, body, window))
+            except (httpx.TransportError, asyncio.TimeoutError) as exc:
+                failure = _failure_of_exception(exc, window)
+            finally:
+                slots.release()
             if failure is None:
-                return _json(response, url)
-            await asyncio.sleep(attempts.after(failure, path))
+                attempts.succeeded()
+                return parse_json(answer)
+            await asyncio.sleep(attempts.after(failure))
 
-    def post_all(self, path: str, bodies: Sequence[Any]) -> list[Any]:
-        """POST every body, up to ``max_concurrency`` at a time on threads; answers in the bodies' order."""
+    def post_all(self, path: str, bodies: Sequence[Any], deadline: Deadline | None = None) -> list[Any]:
+        """POST every body, up to ``max_concurrency`` at a time on threads, all within one deadline.
+
+        Answers come in the bodies' order; the first failure ends the call.
+        """
+        deadline = deadline or self.deadline()
         if len(bodies) == 1:
-            return [self.post(path, bodies[0])]
+            return [self.post(path, bodies[0], deadline)]
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self.config.max_concurrency, thread_name_prefix="rerankit-http")
             executor = self._executor
-        futures = [executor.submit(self.post, path, body) for body in bodies]
-        try:
-            return [future.result() for future in futures]
-        finally:
-            for future in futures:
-                future.cancel()
+        futures = [executor.submit(self.post, path, body, deadline) for body in bodies]
+        # Each post ends by the deadline once a thread runs it, with an error naming what it tried; the grace lets
+        # that error through, and the bound still holds when every thread is busy with other calls.
+        limit = deadline.wait_limit()
+        _, pending = wait(futures, None if limit is None else limit + _GRACE, return_when=FIRST_EXCEPTION)
+        if pending and deadline.left() <= 0:
+            wait(pending, _GRACE)
+        error = _first_error(futures)
+        for future in futures:
+            future.cancel()
+        if error is not None:
+            raise error
+        if pending:
+            raise _expired(deadline, 0, [], f"{len(pending)} of {len(bodies)} requests to {path} found no free thread")
+        return [future.result() for future in futures]
 
-    async def apost_all(self, path: str, bodies: Sequence[Any]) -> list[Any]:
+    async def apost_all(self, path: str, bodies: Sequence[Any], deadline: Deadline | None = None) -> list[Any]:
         """Async twin of ``post_all``: one task per body; the first failure cancels the rest."""
-        tasks = [asyncio.ensure_future(self.apost(path, body)) for body in bodies]
+        deadline = deadline or self.deadline()
+        tasks = [asyncio.ensure_future(self.apost(path, body, deadline)) for body in bodies]
         try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
+            _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            if pending and deadline.left() <= 0:
+                await asyncio.wait(pending, timeout=_GRACE)
+        finally:
+            error = _first_error(tasks)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        if error is not None:
+            raise error
+        return [task.result() for task in tasks]
 
-    def get(self, base_url: str, path: str) -> Reply:
-        """One GET (no retries), for discovery."""
+    def get(self, base_url: str, path: str, deadline: Deadline | None = None) -> Reply:
+        """One GET (no retries), for discovery: ``Reply(None)`` when unreachable, ``RemoteError`` past the deadline."""
+        deadline = deadline or self.deadline()
+        window = Window.open(deadline, self.config.timeout.read)
         try:
-            return _reply(self._sync_client().get(base_url + path))
-        except httpx.TransportError:
-            return Reply(None)
+            return probe_reply(self._exchange("GET", base_url + path, None, window))
+        except httpx.TransportError as exc:
+            return self._unreachable(exc, deadline, window, base_url + path)
 
-    async def aget(self, base_url: str, path: str) -> Reply:
+    async def aget(self, base_url: str, path: str, deadline: Deadline | None = None) -> Reply:
         """Async twin of ``get``."""
+        deadline = deadline or self.deadline()
+        window = Window.open(deadline, self.config.timeout.read)
         try:
-            return _reply(await self._async_client().client.get(base_url + path))
-        except httpx.TransportError:
-            return Reply(None)
+            return probe_reply(await self._aexchange("GET", base_url + path, None, window))
+        except (httpx.TransportError, asyncio.TimeoutError) as exc:
+            return self._unreachable(exc, deadline, window, base_url + path)
+
+    @staticmethod
+    def _unreachable(exc: Exception, deadline: Deadline, window: Window, url: str) -> Reply:
+        failure = _failure_of_exception(exc, window)
+        if failure.expired:
+            raise _expired(deadline, 1, [url], failure.message)
+        return Reply(None)
 
     def close(self) -> None:
         """Close the connection pools and the worker threads."""

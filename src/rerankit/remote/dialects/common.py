@@ -186,9 +186,14 @@ def in_input_order(entries: Iterable[Any], score_field: str, count: int, dialect
 
 
 def scored(index: Any, score: Any) -> ScoreResult:
-    """A ``ScoreResult`` from wire values, refusing a non-number score."""
+    """A ``ScoreResult`` from wire values, refusing a non-integer index and a score that is not a finite number."""
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise TypeError(f"index {index!r} is not an integer")
     if isinstance(score, bool) or not isinstance(score, (int, float)):
         raise TypeError(f"score of item {index} is {score!r}, not a number")
+    # JSON NaN and Infinity parse to floats, and a huge integer overflows one: none of them ranks anything.
+    if isinstance(score, int) and abs(score) > 2**1023 or not math.isfinite(score):
+        raise ValueError(f"score of item {index} is {score!r:.40}, not a finite number")
     return ScoreResult(index=index, score=float(score))
 
 
