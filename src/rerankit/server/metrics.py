@@ -50,6 +50,9 @@ class Metrics:
         self.prompt_tokens: dict[str, int] = defaultdict(int)
         self.latency: dict[str, Histogram] = {}
         self.batches = 0
+        self.cancelled = 0
+        self.held_calls = 0
+        self.stopped_calls = 0
         self.batch_requests = Histogram(BATCH_SIZE_BUCKETS)
         self.batch_items = Histogram(tuple(size * 8 for size in BATCH_SIZE_BUCKETS))
 
@@ -66,6 +69,10 @@ class Metrics:
         self.batches += 1
         self.batch_requests.observe(requests)
         self.batch_items.observe(items)
+
+    def observe_cancelled(self) -> None:
+        """Count one request whose caller went away before it was answered (not a status: nobody read one)."""
+        self.cancelled += 1
 
     def render(self) -> str:
         """The metrics page, Prometheus text format."""
@@ -88,6 +95,13 @@ class Metrics:
                   "# HELP rerankit_batches_total Batches sent to the engine (one call each with score_batch).",
                   "# TYPE rerankit_batches_total counter",
                   f"rerankit_batches_total {self.batches}",
+                  "# HELP rerankit_cancelled_total Requests dropped because their client went away.",
+                  "# TYPE rerankit_cancelled_total counter", f"rerankit_cancelled_total {self.cancelled}",
+                  "# HELP rerankit_batches_held_total Engine calls held back (batch window) for more requests.",
+                  "# TYPE rerankit_batches_held_total counter", f"rerankit_batches_held_total {self.held_calls}",
+                  "# HELP rerankit_batches_stopped_total Engine calls stopped early: every caller had gone.",
+                  "# TYPE rerankit_batches_stopped_total counter",
+                  f"rerankit_batches_stopped_total {self.stopped_calls}",
                   "# HELP rerankit_batch_requests Requests in one batch.",
                   "# TYPE rerankit_batch_requests histogram"]
         lines += self.batch_requests.lines("rerankit_batch_requests")

@@ -12,15 +12,18 @@ Errors found before the body is parsed (auth, size, JSON) are in the path's firs
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive
 
-from rerankit.errors import InvalidRequest, Overloaded, RerankitError, Unauthorized
+from rerankit.errors import Cancelled, InvalidRequest, Overloaded, RerankitError, ShuttingDown, Unauthorized
 from rerankit.remote.dialects import Dialect, get_dialect
 from rerankit.server.batcher import Batcher
 from rerankit.server.limits import ServerConfig, bound_request, check_api_key, check_body_size
@@ -45,7 +48,7 @@ def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
     dialects = [get_dialect(name) for name in ROUTES[path]]
     metrics = batcher.metrics
 
-    async def endpoint(request: Request) -> JSONResponse:
+    async def endpoint(request: Request) -> Response:
         started = time.perf_counter()
         dialect, status, items, tokens = dialects[0], 500, 0, 0
         try:
@@ -54,10 +57,13 @@ def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
             dialect = dialect_for(dialects, body)
             score_request = dialect.parse_request(body)
             score_request = bound_request(config, score_request)
-            response = await batcher.submit(score_request)
+            response = await unless_disconnected(request.receive, batcher.submit(score_request))
             payload = dialect.encode_response(response, score_request, model_name, dialect.documents_requested(body))
             status, items, tokens = 200, len(response.results), response.usage.prompt_tokens
             return JSONResponse(payload)
+        except (Cancelled, ClientDisconnect):  # the client left (mid-body, or while queued): nobody reads an answer
+            status = Cancelled.status_code
+            return Response(status_code=status)
         except RerankitError as exc:
             status = exc.status_code
             return error_response(dialect, exc, config)
@@ -65,9 +71,42 @@ def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
             log.exception("scoring request on %s failed", path)
             return JSONResponse(dialect.error_body(500, "internal server error"), status_code=500)
         finally:
-            metrics.observe_request(path, status, time.perf_counter() - started, items, tokens)
+            if status == Cancelled.status_code:
+                metrics.observe_cancelled()
+            else:
+                metrics.observe_request(path, status, time.perf_counter() - started, items, tokens)
 
     return endpoint
+
+
+T = TypeVar("T")
+
+
+async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
+    """``work``'s result, unless the client disconnects first: then ``work`` is cancelled (its chunks leave the
+    queue) and ``Cancelled`` is raised. Call once the body has been read: the next ``receive()`` then returns only
+    when the connection closes (uvicorn's ``http.disconnect``)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler was cancelled itself: the work goes too
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise Cancelled("the client disconnected before its answer was ready")
+    return task.result()
+
+
+async def _disconnect(receive: Receive) -> None:
+    """Returns when the client disconnects; never, on a transport that answers ``receive()`` after the body with
+    anything but ``http.disconnect`` (it cannot tell, so the request is not cancelled)."""
+    if (await receive())["type"] != "http.disconnect":
+        await asyncio.Event().wait()
 
 
 def dialect_for(dialects: list[Dialect], body: Any) -> Dialect:
@@ -132,9 +171,9 @@ def error_response(dialect: Dialect, error: RerankitError, config: ServerConfig)
 
 
 def error_headers(error: RerankitError, config: ServerConfig) -> dict[str, str]:
-    """The headers an error's status calls for: 429 tells when to retry, 401 how to log in."""
+    """The headers an error's status calls for: 429 and 503 tell when to retry, 401 how to log in."""
     headers = {}
-    if isinstance(error, Overloaded):
+    if isinstance(error, (Overloaded, ShuttingDown)):
         headers["Retry-After"] = str(config.retry_after_s)
     if isinstance(error, Unauthorized):
         headers["WWW-Authenticate"] = "Bearer"
