@@ -35,6 +35,8 @@ __all__ = ["Batcher", "estimate_tokens", "score_each", "warm_up_shapes"]
 
 log = logging.getLogger("rerankit.server")
 
+WARM_UP_ITEM_OVERHEAD = 8  # tokens of a warm-up pair that are not its item's words: query, template, specials
+
 
 class Batcher:
     """Queue + dispatcher: ``await submit(request)`` resolves when the engine calls holding its chunks end."""
@@ -231,13 +233,15 @@ def score_each(backend: Backend, requests: list[ScoreRequest],
 
 
 def warm_up_shapes(config: ServerConfig, chunk_tokens: int) -> list[tuple[int, int]]:
-    """The (items, words per item) of the synthetic requests that warm the engine up: one per power of two of
-    tokens from 256 up to the call budget, so that every token bucket a call of this batcher can reach (a chunk
-    alone, or a full call) is compiled, and captured where it replays from a CUDA graph, before the server says it
-    is ready. Items of ~64 tokens (48 words and the query), as many as the tokens allow and the item budget takes."""
-    shapes, tokens = [(1, 48)], 256
+    """The (items, words per item) of the synthetic requests that warm the engine up: one of about ``t`` tokens for
+    each power of two ``t`` from 256 up to the call budget (the tokens of a chunk alone up to those of a full call),
+    so that every token bucket a call of this batcher can reach is compiled, and captured where it replays from a
+    CUDA graph, before the server says it is ready. Items of ~64 tokens (``WARM_UP_ITEM_OVERHEAD`` of them the
+    query and template), as many as the item budget takes; longer items past it."""
+    shapes, tokens = [], 256
     while tokens <= max(chunk_tokens, power_of_two_floor(config.max_batch_tokens)):
-        shapes.append((max(1, min(config.max_batch_items, tokens // 64)), 48))
+        items = max(1, min(config.max_batch_items, tokens // 64))
+        shapes.append((items, max(1, tokens // items - WARM_UP_ITEM_OVERHEAD)))
         tokens *= 2
     return shapes
 

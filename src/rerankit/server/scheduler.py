@@ -78,7 +78,7 @@ class Submission:
         self.waiting: deque[Chunk] = deque(chunks)
         self.whole = len(chunks) == 1
         self.running = 0  # chunks in an engine call now
-        self.served = 0  # the fairness key: the queue's virtual time at arrival, plus the tokens handed out since
+        self.served = 0  # the fairness key: where it started in the queue, plus the tokens handed out since
         self.arrival = next(self._arrivals)
         self.results: list[ScoreResult | None] = [None] * len(request.items)
         self.usage = Usage()
@@ -140,9 +140,7 @@ class FairQueue:
 
     def __init__(self) -> None:
         self._submissions: list[Submission] = []
-        # Virtual time: the fairness key of the last chunk taken. A newcomer starts at it rather than at 0, so that a
-        # steady stream of new small requests cannot starve a large one that has already been served some.
-        self._virtual = 0
+        self._virtual = 0  # the fairness key reached: that of the last chunk taken, after it
 
     def __len__(self) -> int:
         return len(self._submissions)
@@ -153,6 +151,9 @@ class FairQueue:
         return sum(len(submission.waiting) for submission in self._submissions)
 
     def add(self, submission: Submission) -> None:
+        """Queue a submission. It starts at the key the queue has reached (level with a large request that has just
+        had a chunk, and after it, being newer), not at 0: new requests then take turns with a large one that has
+        already been served some, instead of starving it."""
         submission.served = self._virtual
         self._submissions.append(submission)
 
@@ -184,8 +185,8 @@ class FairQueue:
             size = chunk.end - chunk.start
             if pieces and (items + size > max_items or tokens + chunk.tokens > max_tokens):
                 continue  # a smaller chunk further on may still fit
-            self._virtual = max(self._virtual, submission.served)
             pieces.append(submission.take())
+            self._virtual = max(self._virtual, submission.served)
             items, tokens = items + size, tokens + chunk.tokens
             if max_requests is not None and len(pieces) >= max_requests:
                 break
