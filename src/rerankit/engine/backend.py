@@ -192,10 +192,13 @@ class EmbeddedBackend:
         """Score synthetic requests, one per (items, words per item) of ``shapes`` (default: 1 and 20 items of 80
         words), so that real calls do not pay for what a first call of each size costs: compiling the per-layer
         steps on a GPU (about 10 s for the Qwen3-0.6B shape) and capturing the CUDA graphs of those sizes. Returns
-        the seconds it took. A generative model with no known template is warmed up with raw label ids;
-        ``rerankit serve`` calls this, with the shapes its scheduler forms, before it answers."""
+        the seconds it took. On the CPU, where no size costs more the first time, only the default shapes run. A
+        generative model with no known template is warmed up with raw label ids; ``rerankit serve`` calls this, with
+        the shapes its scheduler forms, before it answers."""
         begun = time.perf_counter()
-        for count, words in shapes or [(1, 80), (20, 80)]:
+        if not shapes or self._model().device.type != "cuda":  # on the CPU nothing is compiled or captured per shape
+            shapes = [(1, 80), (20, 80)]
+        for count, words in shapes:
             request = ScoreRequest(query="warm up", items=[" ".join(["warm up"] * (words // 2 or 1))] * count)
             try:
                 self.score(request)
