@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -138,8 +139,9 @@ async def test_a_small_request_behind_a_large_one_waits_for_one_chunk_of_it():
 
 
 async def test_closed_loop_clients_keep_every_engine_call_full():
-    """The collapse of issue 25: callers answered by one call come back a moment later; the next call waits for
-    them (up to the window) instead of going at once with the first one back, alone or nearly alone."""
+    """The collapse of issue 25: callers answered by one call come back a few ms apart; the next call waits for
+    them (up to the window) instead of going at once with the first one back (the old batcher's calls here: 12,
+    then 3 each)."""
     backend = RecordingBackend()
     batcher = await started(backend, batch_window_ms=60_000)
     clients = 12
@@ -147,7 +149,7 @@ async def test_closed_loop_clients_keep_every_engine_call_full():
     async def client(number: int) -> None:
         for round_ in range(4):
             await batcher.submit(ScoreRequest(query=f"c{number}", items=["d"] * 3))
-            await asyncio.sleep(0)  # the caller's own work before it sends again
+            await asyncio.sleep(0.002 * (number % 4))  # the caller's own work before it sends again
 
     await asyncio.wait_for(asyncio.gather(*(client(number) for number in range(clients))), 10)
     await batcher.stop()
@@ -232,9 +234,25 @@ async def test_warm_up_covers_every_token_bucket_a_call_can_reach():
     config = ServerConfig(max_batch_tokens=16384, max_chunk_tokens=4096, max_batch_items=64)
     batcher = Batcher(backend, config)
     await batcher.warm_up()
-    assert backend.shapes == warm_up_shapes(config, batcher.chunk_tokens)
+    assert backend.shapes == warm_up_shapes(config, batcher.max_chunk_tokens)
     # about a power of two of tokens each, from 256 up to the call budget; 64 items at most (the item budget)
     assert [items * (words + WARM_UP_ITEM_OVERHEAD) for items, words in backend.shapes] == [256, 512, 1024, 2048,
                                                                                          4096, 8192, 16384]
     assert max(items for items, _ in backend.shapes) == 64
     await batcher.stop()
+
+
+async def test_chunks_shrink_to_a_fraction_of_a_second_of_a_slow_engine():
+    class Slow(RecordingBackend):
+        def _record(self, requests):
+            time.sleep(0.05)  # ~1,000 estimated tokens in >= 0.05 s: at most ~20k tokens/s
+            super()._record(requests)
+
+    backend = Slow()
+    batcher = await started(backend)
+    assert batcher.chunk_tokens == 8192  # the most, before the engine's speed is known
+    await batcher.submit(ScoreRequest(query=[1], items=[[2] * 99] * 10))
+    assert batcher.chunk_tokens in (256, 512)  # 0.05 s of ~20k tokens/s or less, a power of two, 256 at least
+    response = await batcher.submit(ScoreRequest(query=[1], items=[[2] * 99] * 12))
+    await batcher.stop()
+    assert len(backend.requests[-1].items) < 12 and len(response.results) == 12

@@ -35,6 +35,12 @@ __all__ = ["Batcher", "estimate_tokens", "score_each", "warm_up_shapes"]
 
 log = logging.getLogger("rerankit.server")
 
+# A chunk is sized to about this much engine time, from the throughput the engine has shown: on an H100 that is the
+# whole ``max_chunk_tokens``; on a CPU a few hundred tokens, so that a request arriving behind a large one waits for
+# a fraction of a second, not for seconds of its chunk. Powers of two from MIN_CHUNK_TOKENS: a bounded set of sizes.
+CHUNK_TARGET_S = 0.05
+MIN_CHUNK_TOKENS = 256
+RATE_DECAY = 0.8  # the throughput figure is the best recent one: small calls (launch-bound) do not drag it down
 WARM_UP_ITEM_OVERHEAD = 8  # tokens of a warm-up pair that are not its item's words: query, template, specials
 
 
@@ -59,9 +65,19 @@ class Batcher:
         self._draining = False
         self._abort = False  # read by the engine thread: drop the running call at its next micro-batch
         # Budgets bucketed to powers of two, so that the calls the queue forms come in a bounded set of sizes.
-        self.chunk_tokens = power_of_two_floor(min(config.max_chunk_tokens, config.max_batch_tokens))
+        self.max_chunk_tokens = power_of_two_floor(min(config.max_chunk_tokens, config.max_batch_tokens))
+        self._tokens_per_s: float | None = None  # the engine's recent best, from the calls' estimated tokens
         self.item_cap = getattr(backend, "max_length", None)  # the model's longest input, where the backend says
         self._takes_should_stop = _accepts(getattr(backend, "score_batch", None), "should_stop")
+
+    @property
+    def chunk_tokens(self) -> int:
+        """The token budget of the chunks new requests are cut into: ``CHUNK_TARGET_S`` of engine time, a power of
+        two from ``MIN_CHUNK_TOKENS`` up to ``max_chunk_tokens`` (the most, before the engine's speed is known)."""
+        if self._tokens_per_s is None:
+            return self.max_chunk_tokens
+        fitting = power_of_two_floor(int(self._tokens_per_s * CHUNK_TARGET_S))
+        return min(self.max_chunk_tokens, max(MIN_CHUNK_TOKENS, fitting))
 
     @property
     def queue_depth(self) -> int:
@@ -75,7 +91,7 @@ class Batcher:
         warm_up = getattr(self.backend, "warm_up", None)
         if warm_up is None:
             return
-        shapes = warm_up_shapes(self.config, self.chunk_tokens)
+        shapes = warm_up_shapes(self.config, self.max_chunk_tokens)
         call = (lambda: warm_up(shapes=shapes)) if _accepts(warm_up, "shapes") else warm_up
         log.info("warming up the engine over %d call shapes (compiling, capturing CUDA graphs)...", len(shapes))
         try:
@@ -177,9 +193,11 @@ class Batcher:
             return self._abort or all(piece.submission.gone for piece in pieces)
 
         loop = asyncio.get_running_loop()
+        begun = loop.time()
         try:
             outcomes = await loop.run_in_executor(self._engine_thread, score_each, self.backend, requests,
                                                   should_stop if self._takes_should_stop else None)
+            self._observe_speed(sum(piece.chunk.tokens for piece in pieces), loop.time() - begun)
         except Cancelled as stopped:
             outcomes = [stopped] * len(pieces)
         finally:
@@ -192,6 +210,10 @@ class Batcher:
                 self._queue.remove(piece.submission)
         if len(pieces) and all(isinstance(outcome, Cancelled) for outcome in outcomes):
             self.metrics.stopped_calls += 1
+
+    def _observe_speed(self, tokens: int, seconds: float) -> None:
+        rate = tokens / max(seconds, 1e-6)
+        self._tokens_per_s = rate if self._tokens_per_s is None else max(rate, self._tokens_per_s * RATE_DECAY)
 
     def _fail_everything(self, error: Exception) -> None:
         self._queue.drain()
