@@ -256,3 +256,12 @@ async def test_chunks_shrink_to_a_fraction_of_a_second_of_a_slow_engine():
     response = await batcher.submit(ScoreRequest(query=[1], items=[[2] * 99] * 12))
     await batcher.stop()
     assert len(backend.requests[-1].items) < 12 and len(response.results) == 12
+
+
+async def test_a_lone_large_request_runs_its_chunks_back_to_back_without_waiting_for_company():
+    backend = RecordingBackend()
+    batcher = await started(backend, max_batch_items=2, batch_window_ms=60_000)  # a held call would time out
+    response = await asyncio.wait_for(batcher.submit(ScoreRequest(query="big", items=["a"] * 10)), 10)
+    await batcher.stop()
+    assert len(response.results) == 10 and len(backend.calls) == 5
+    assert batcher.metrics.held_calls == 0

@@ -87,7 +87,8 @@ async def test_a_draining_server_answers_new_work_with_a_json_503_and_retry_afte
 def test_the_engine_stops_between_micro_batches_when_asked(ce):
     backend, budget = ce, ce.max_batch_tokens
     backend.max_batch_tokens = 64  # a micro-batch of a few pairs
-    request = ScoreRequest(query="a query of a few words", items=[f"document number {n} about things" for n in range(40)])
+    request = ScoreRequest(query="a query of a few words",
+                           items=[f"document number {n} about things" for n in range(40)])
     asked = []
 
     def stop_after_two() -> bool:

@@ -51,7 +51,7 @@ class Batcher:
         self.backend = backend
         self.config = config
         self._queue = FairQueue()
-        self.metrics = Metrics(queue_depth=lambda: len(self._queue))
+        self.metrics = Metrics(queue_depth=lambda: len(self._queue), queue_chunks=lambda: self._queue.chunks)
         self._arrived = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -60,7 +60,7 @@ class Batcher:
         self._dispatcher: asyncio.Task | None = None
         self._live: set[Submission] = set()  # submitted and not answered yet, queued or running
         self._last_end = -math.inf  # loop time the last engine call ended
-        self._last_requests = 0  # requests that call answered
+        self._last_requests = 0  # requests the last call answered
         self._arrivals_since_end = 0
         self._draining = False
         self._abort = False  # read by the engine thread: drop the running call at its next micro-batch
@@ -203,11 +203,16 @@ class Batcher:
         finally:
             self._arrivals_since_end = 0
             self._last_end = loop.time()
-            self._last_requests = len({piece.submission for piece in pieces})
+        answered = 0
         for piece, outcome in zip(pieces, outcomes):
+            pending = not piece.submission.gone
             piece.submission.deliver(piece.chunk, outcome)
+            answered += pending and piece.submission.gone
             if isinstance(outcome, BaseException):
                 self._queue.remove(piece.submission)
+        # Only callers answered now may send again soon: a call of a large request's chunk answers nobody, and the
+        # next call waits for no one (it would only idle the engine for the window).
+        self._last_requests = answered
         if len(pieces) and all(isinstance(outcome, Cancelled) for outcome in outcomes):
             self.metrics.stopped_calls += 1
 

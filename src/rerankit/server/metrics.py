@@ -43,8 +43,9 @@ class Histogram:
 class Metrics:
     """Requests, items, tokens, latency per route; batches sent to the engine; queue depth."""
 
-    def __init__(self, queue_depth: Callable[[], int]) -> None:
+    def __init__(self, queue_depth: Callable[[], int], queue_chunks: Callable[[], int] = lambda: 0) -> None:
         self.queue_depth = queue_depth
+        self.queue_chunks = queue_chunks
         self.requests: dict[tuple[str, int], int] = defaultdict(int)
         self.items: dict[str, int] = defaultdict(int)
         self.prompt_tokens: dict[str, int] = defaultdict(int)
@@ -90,8 +91,11 @@ class Metrics:
                   "# TYPE rerankit_request_duration_seconds histogram"]
         for route, histogram in sorted(self.latency.items()):
             lines += histogram.lines("rerankit_request_duration_seconds", f'route="{route}"')
-        lines += ["# HELP rerankit_queue_depth Requests waiting for the engine.", "# TYPE rerankit_queue_depth gauge",
+        lines += ["# HELP rerankit_queue_depth Requests with chunks waiting for the engine.",
+                  "# TYPE rerankit_queue_depth gauge",
                   f"rerankit_queue_depth {self.queue_depth()}",
+                  "# HELP rerankit_queue_chunks Chunks of the waiting requests, each at most one engine call's share.",
+                  "# TYPE rerankit_queue_chunks gauge", f"rerankit_queue_chunks {self.queue_chunks()}",
                   "# HELP rerankit_batches_total Batches sent to the engine (one call each with score_batch).",
                   "# TYPE rerankit_batches_total counter",
                   f"rerankit_batches_total {self.batches}",
