@@ -12,20 +12,19 @@ Errors found before the body is parsed (auth, size, JSON) are in the path's firs
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
-from starlette.types import Receive
 
 from rerankit.errors import Cancelled, InvalidRequest, Overloaded, RerankitError, ShuttingDown, Unauthorized
 from rerankit.remote.dialects import Dialect, get_dialect
 from rerankit.server.batcher import Batcher
+from rerankit.server.disconnect import unless_disconnected
 from rerankit.server.limits import ServerConfig, bound_request, check_api_key, check_body_size
 
 log = logging.getLogger("rerankit.server")
@@ -77,36 +76,6 @@ def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
                 metrics.observe_request(path, status, time.perf_counter() - started, items, tokens)
 
     return endpoint
-
-
-T = TypeVar("T")
-
-
-async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
-    """``work``'s result, unless the client disconnects first: then ``work`` is cancelled (its chunks leave the
-    queue) and ``Cancelled`` is raised. Call once the body has been read: the next ``receive()`` then returns only
-    when the connection closes (uvicorn's ``http.disconnect``)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnect(receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # this handler was cancelled itself: the work goes too
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise Cancelled("the client disconnected before its answer was ready")
-    return task.result()
-
-
-async def _disconnect(receive: Receive) -> None:
-    """Returns when the client disconnects; never, on a transport that answers ``receive()`` after the body with
-    anything but ``http.disconnect`` (it cannot tell, so the request is not cancelled)."""
-    if (await receive())["type"] != "http.disconnect":
-        await asyncio.Event().wait()
 
 
 def dialect_for(dialects: list[Dialect], body: Any) -> Dialect:
