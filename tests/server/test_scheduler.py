@@ -253,6 +253,7 @@ async def test_chunks_shrink_to_a_fraction_of_a_second_of_a_slow_engine():
     assert batcher.chunk_tokens == 8192  # the most, before the engine's speed is known
     await batcher.submit(ScoreRequest(query=[1], items=[[2] * 99] * 10))
     assert batcher.chunk_tokens in (256, 512)  # 0.05 s of ~20k tokens/s or less, a power of two, 256 at least
+    assert batcher.call_tokens == 16 * batcher.chunk_tokens  # a call of ~0.8 s, not max_batch_tokens
     response = await batcher.submit(ScoreRequest(query=[1], items=[[2] * 99] * 12))
     await batcher.stop()
     assert len(backend.requests[-1].items) < 12 and len(response.results) == 12

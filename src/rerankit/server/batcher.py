@@ -40,6 +40,10 @@ log = logging.getLogger("rerankit.server")
 # a fraction of a second, not for seconds of its chunk. Powers of two from MIN_CHUNK_TOKENS: a bounded set of sizes.
 CHUNK_TARGET_S = 0.05
 MIN_CHUNK_TOKENS = 256
+# An engine call holds at most this many chunks' worth of tokens (and max_batch_tokens): ~0.8 s of engine time, so
+# that a request arriving behind a full call of other requests' chunks does not wait for seconds of it on a CPU
+# (an H100's calls stay at max_batch_tokens: 16 x 8,192 = 131,072).
+CALL_CHUNKS = 16
 RATE_DECAY = 0.8  # the throughput figure is the best recent one: small calls (launch-bound) do not drag it down
 WARM_UP_ITEM_OVERHEAD = 8  # tokens of a warm-up pair that are not its item's words: query, template, specials
 
@@ -78,6 +82,11 @@ class Batcher:
             return self.max_chunk_tokens
         fitting = power_of_two_floor(int(self._tokens_per_s * CHUNK_TARGET_S))
         return min(self.max_chunk_tokens, max(MIN_CHUNK_TOKENS, fitting))
+
+    @property
+    def call_tokens(self) -> int:
+        """The token budget of one engine call: ``max_batch_tokens``, or ``CALL_CHUNKS`` chunks if that is less."""
+        return min(self.config.max_batch_tokens, CALL_CHUNKS * self.chunk_tokens)
 
     @property
     def queue_depth(self) -> int:
@@ -165,7 +174,7 @@ class Batcher:
                 await self._arrived.wait()
             if self.config.batching:
                 await self._wait_for_company()
-            budget = (self.config.max_batch_items, self.config.max_batch_tokens)
+            budget = (self.config.max_batch_items, self.call_tokens)
             pieces = self._queue.take(*budget, max_requests=None if self.config.batching else 1)
             if pieces:
                 await self._run(pieces)
@@ -176,7 +185,7 @@ class Batcher:
         deadline = self._last_end + self.config.batch_window_ms / 1000
         held = False
         while (loop.time() < deadline and self._arrivals_since_end < self._last_requests
-               and not self._queue.holds_at_least(self.config.max_batch_items, self.config.max_batch_tokens)):
+               and not self._queue.holds_at_least(self.config.max_batch_items, self.call_tokens)):
             held = True
             self._arrived.clear()
             try:
