@@ -42,6 +42,7 @@ PREFETCH_MICRO_BATCHES = 2  # micro-batches planned ahead of the GPU on the plan
 # to its first items (counted in characters, or ids) is encoded in one chunk: one tokenizer call costs ~1 ms more.
 RAMP_CHUNKS = (16,)
 RAMP_PREFIX_SHARE = 8
+WARM_UP_REQUEST_ITEMS = 16  # warm-up's requests in a call of several requests (a server's calls, CUDA graph shapes)
 
 
 @dataclass
@@ -189,24 +190,37 @@ class EmbeddedBackend:
             return self._responses(call, outputs, computed, loaded)
 
     def warm_up(self, shapes: list[tuple[int, int]] | None = None) -> float:
-        """Score synthetic requests, one per (items, words per item) of ``shapes`` (default: 1 and 20 items of 80
+        """Score synthetic calls, for each (items, words per item) of ``shapes`` (default: 1 and 20 items of 80
         words), so that real calls do not pay for what a first call of each size costs: compiling the per-layer
-        steps on a GPU (about 10 s for the Qwen3-0.6B shape) and capturing the CUDA graphs of those sizes. Returns
-        the seconds it took. On the CPU, where no size costs more the first time, only the default shapes run. A
-        generative model with no known template is warmed up with raw label ids; ``rerankit serve`` calls this, with
-        the shapes its scheduler forms, before it answers."""
+        steps on a GPU (about 10 s for the Qwen3-0.6B shape) and capturing the CUDA graphs of those sizes. On CUDA a
+        shape of 32 items or more also runs as requests of 16 items in one call, a server's usual mix (more
+        sequences, the same tokens). On the CPU, where no size costs more the first time, only the default shapes
+        run. Returns the seconds it took. A generative model with no known template is warmed up with raw label
+        ids; ``rerankit serve`` calls this, with the shapes its scheduler forms, before it answers."""
         begun = time.perf_counter()
-        if not shapes or self._model().device.type != "cuda":  # on the CPU nothing is compiled or captured per shape
+        on_gpu = self._model().device.type == "cuda"
+        if not shapes or not on_gpu:  # on the CPU nothing is compiled or captured per shape
             shapes = [(1, 80), (20, 80)]
         for count, words in shapes:
-            request = ScoreRequest(query="warm up", items=[" ".join(["warm up"] * (words // 2 or 1))] * count)
-            try:
-                self.score(request)
-            except InvalidRequest as error:
-                if error.field != "template":
-                    raise
-                self.score(request.model_copy(update={"label_token_ids": [0, 1]}))  # raw scoring
+            text = " ".join(["warm up"] * (words // 2 or 1))
+            splits = [[count]] + ([[WARM_UP_REQUEST_ITEMS] * (count // WARM_UP_REQUEST_ITEMS)]
+                                  if on_gpu and count >= 2 * WARM_UP_REQUEST_ITEMS else [])
+            for sizes in splits:
+                requests = [ScoreRequest(query="warm up", items=[text] * size) for size in sizes]
+                try:
+                    self._warm_call(requests)
+                except InvalidRequest as error:
+                    if error.field != "template":
+                        raise
+                    self._warm_call([request.model_copy(update={"label_token_ids": [0, 1]})  # raw scoring
+                                     for request in requests])
         return time.perf_counter() - begun
+
+    def _warm_call(self, requests: list[ScoreRequest]) -> None:
+        if len(requests) == 1:
+            self.score(requests[0])
+        else:
+            self.score_batch(requests)
 
     def close(self) -> None:
         """Drop the model; later calls raise ``ModelLoadError``."""
