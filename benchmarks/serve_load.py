@@ -6,6 +6,10 @@ Starting its own server (a subprocess, so that the clients do not share its inte
     python benchmarks/serve_load.py --model PATH [--no-batching] --clients 16 --duration 10
 Both ways, side by side, with the speed-up batching gives (runs alternate; the median run of each is shown):
     python benchmarks/serve_load.py --model PATH --compare --repeats 3 --threads 1
+One server, one row (a JSON line) per number of clients, each after a short warm-up:
+    python benchmarks/serve_load.py --model PATH --sweep 16,32,64,128,256 --duration 10
+A fresh server: the first ``--duration`` seconds (15 by default here) after ``/health`` answers, no warm-up:
+    python benchmarks/serve_load.py --model PATH --cold --clients 16
 
 Each request reranks ``--docs`` documents of about ``--doc-words`` words against one query, on ``--route``
 (vLLM ``/rerank`` body by default; ``--label-token-ids`` switches to ``/generative_scoring`` for a CausalLM).
@@ -59,7 +63,7 @@ async def run_load(url: str, route: str, clients: int, duration: float, docs: in
                    label_token_ids: list[int] | None, warmup: int = 4) -> dict:
     """Keep ``clients`` requests in flight for ``duration`` seconds; throughput, latency, errors."""
     latencies: list[float] = []
-    errors = 0
+    errors = rejected = 0
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120) as client:
         rng = random.Random(0)
@@ -69,18 +73,21 @@ async def run_load(url: str, route: str, clients: int, duration: float, docs: in
         deadline = time.perf_counter() + duration
 
         async def one_client(seed: int) -> None:
-            nonlocal errors
+            nonlocal errors, rejected
             client_rng = random.Random(seed)
             while time.perf_counter() < deadline:
                 body = make_body(client_rng, docs, doc_words, label_token_ids)
                 begun = time.perf_counter()
                 try:
                     reply = await client.post(route, json=body)
-                    ok = reply.status_code == 200
+                    status = reply.status_code
                 except httpx.HTTPError:
-                    ok = False
-                if ok:
+                    status = None
+                if status == 200:
                     latencies.append(time.perf_counter() - begun)
+                elif status == 429:  # the queue is full: wait as told, as a client should
+                    rejected += 1
+                    await asyncio.sleep(float(reply.headers.get("retry-after", 1)))
                 else:
                     errors += 1
 
@@ -91,7 +98,7 @@ async def run_load(url: str, route: str, clients: int, duration: float, docs: in
     calls = calls_after - calls_before
     return {
         "clients": clients, "docs_per_request": docs, "seconds": round(elapsed, 2), "requests": len(latencies),
-        "errors": errors, "requests_per_s": round(len(latencies) / elapsed, 2),
+        "errors": errors, "rejected_429": rejected, "requests_per_s": round(len(latencies) / elapsed, 2),
         "items_per_s": round(len(latencies) * docs / elapsed, 1),
         "latency_p50_ms": round(percentile(latencies, 0.50) * 1000, 2),
         "latency_p99_ms": round(percentile(latencies, 0.99) * 1000, 2),
@@ -149,6 +156,20 @@ def median_run(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda run: run["requests_per_s"])[len(runs) // 2]
 
 
+def sweep(args: argparse.Namespace) -> None:
+    """One row per client count of ``args.sweep``, against one server (``--url`` or started), printed as it ends."""
+    server, url = (None, args.url) if args.url else start_server(args, not args.no_batching)
+    try:
+        for clients in args.sweep:
+            row = asyncio.run(run_load(url, args.route, clients, args.duration, args.docs, args.doc_words,
+                                       args.label_token_ids))
+            print(json.dumps({"model": args.model or url, "route": args.route, **row}), flush=True)
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     target = parser.add_mutually_exclusive_group(required=True)
@@ -162,7 +183,12 @@ def main() -> None:
     parser.add_argument("--batch-window-ms", type=float, default=5.0)
     parser.add_argument("--max-batch-items", type=int, default=512)
     parser.add_argument("--clients", type=int, default=16)
-    parser.add_argument("--duration", type=float, default=10.0, help="seconds of load per run")
+    parser.add_argument("--duration", type=float, default=None, help="seconds of load per run (default: 10; 15 "
+                                                                       "with --cold)")
+    parser.add_argument("--sweep", type=lambda text: [int(count) for count in text.split(",")], default=None,
+                        help="comma-separated client counts: one row each against one server")
+    parser.add_argument("--cold", action="store_true",
+                        help="with --model: measure a fresh server from the moment /health answers, no warm-up")
     parser.add_argument("--docs", type=int, default=8, help="documents per request")
     parser.add_argument("--doc-words", type=int, default=40, help="words per document")
     parser.add_argument("--route", default=None, help="default: /rerank, or /generative_scoring with label ids")
@@ -170,11 +196,28 @@ def main() -> None:
                         help="comma-separated label ids: load /generative_scoring instead of /rerank")
     args = parser.parse_args()
     args.route = args.route or ("/generative_scoring" if args.label_token_ids else "/rerank")
+    args.duration = args.duration or (15.0 if args.cold else 10.0)
+    if args.sweep:
+        args.clients = max(args.sweep)  # the started server's queue takes them all
+    if args.cold and not args.model:
+        parser.error("--cold needs --model: it starts its own server")
     if args.model == "default":
         from rerankit.defaults import default_model_path
 
         args.model = default_model_path()
-    if args.url:
+    if args.sweep:
+        sweep(args)
+        return
+    if args.cold:
+        server, url = start_server(args, not args.no_batching)
+        try:
+            report = {"model": args.model, "route": args.route, "cold": True, **asyncio.run(run_load(
+                url, args.route, args.clients, args.duration, args.docs, args.doc_words, args.label_token_ids,
+                warmup=0))}
+        finally:
+            server.terminate()
+            server.wait(30)
+    elif args.url:
         report = asyncio.run(run_load(args.url, args.route, args.clients, args.duration, args.docs, args.doc_words,
                                       args.label_token_ids))
     elif args.compare:

@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the dialect answering a rerank body that shows none (bare query and documents) on the "
                             "paths that speak it (default: vllm-rerank on /rerank and /v1/rerank, cohere on "
                             "/v2/rerank)")
+    serve.add_argument("--max-request-tokens", type=_positive_int,
+                       help="answer 413 to requests of more estimated tokens, after truncation (default: 262144)")
+    serve.add_argument("--drain-seconds", type=_non_negative_float,
+                       help="on SIGTERM/SIGINT, time given to work in progress before it is answered 503 (default: 10)")
     serve.add_argument("--no-batching", dest="batching", action="store_false",
                        help="score one request per engine call (to measure what batching gains)")
     serve.add_argument("--no-warmup", dest="warm_up", action="store_false",
@@ -281,7 +285,8 @@ def run_serve(args: argparse.Namespace) -> int:
           batch_window_ms=args.batch_window_ms, max_items_per_request=args.max_items_per_request,
           max_batch_tokens=args.max_batch_tokens, max_tokens_per_item=args.max_tokens_per_item,
           max_queue_requests=args.max_queue_requests, max_body_bytes=args.max_body_bytes, batching=args.batching,
-          warm_up=args.warm_up, rerank_dialect=args.rerank_dialect)
+          warm_up=args.warm_up, rerank_dialect=args.rerank_dialect, max_request_tokens=args.max_request_tokens,
+          drain_seconds=args.drain_seconds)
     return 0
 
 

@@ -69,3 +69,17 @@ class Overloaded(RerankitError):
 
     status_code = 429
     error_type = "overloaded"
+
+
+class ShuttingDown(RerankitError):
+    """The server is draining for shutdown: it takes no new work and answers what is left with this."""
+
+    status_code = 503
+    error_type = "shutting_down"
+
+
+class Cancelled(RerankitError):
+    """The work was stopped before it finished because every caller waiting for it went away."""
+
+    status_code = 499  # nginx's "client closed request": nobody is left to read it
+    error_type = "cancelled"

@@ -48,10 +48,11 @@ def test_serve_scores_with_the_model_and_takes_the_api_key_from_the_environment(
 
 
 def test_serve_freezes_the_collector_after_warm_up_unless_told_not_to(monkeypatch):
-    import uvicorn
+    from types import SimpleNamespace
 
     import rerankit.reranker
     import rerankit.server.app
+    import rerankit.server.shutdown
     from rerankit.server.main import serve
 
     configs = []
@@ -60,9 +61,22 @@ def test_serve_freezes_the_collector_after_warm_up_unless_told_not_to(monkeypatc
         def close(self):
             pass
 
+    class NotRun:
+        started = True
+
+        def __init__(self, config, batcher, drain_seconds):
+            pass
+
+        def run(self):
+            pass
+
+    def create_app(backend, config):
+        configs.append(config)
+        return SimpleNamespace(state=SimpleNamespace(batcher=None))
+
     monkeypatch.setattr(rerankit.reranker, "make_backend", lambda model, **options: Closing())
-    monkeypatch.setattr(rerankit.server.app, "create_app", lambda backend, config: configs.append(config))
-    monkeypatch.setattr(uvicorn, "run", lambda app, **options: None)
+    monkeypatch.setattr(rerankit.server.app, "create_app", create_app)
+    monkeypatch.setattr(rerankit.server.shutdown, "DrainingServer", NotRun)
     serve("some-model")
     serve("some-model", freeze_gc=False)
     assert [config.freeze_gc for config in configs] == [True, False]

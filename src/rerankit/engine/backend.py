@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +30,7 @@ from rerankit.engine.prefetch import prefetch
 from rerankit.engine.prefix_cache import PREFIX_CACHE_MAX_BYTES
 from rerankit.engine.runner import PackedRunner, Runner, make_runner
 from rerankit.engine.warm_up import warm_up_runner
-from rerankit.errors import InvalidRequest, ModelLoadError, RerankitError
+from rerankit.errors import Cancelled, InvalidRequest, ModelLoadError, RerankitError
 from rerankit.schema import ScoreRequest, ScoreResponse, ScoreResult, Usage
 from rerankit.templates import Template, get_template
 
@@ -43,6 +43,7 @@ PREFETCH_MICRO_BATCHES = 2  # micro-batches planned ahead of the GPU on the plan
 # to its first items (counted in characters, or ids) is encoded in one chunk: one tokenizer call costs ~1 ms more.
 RAMP_CHUNKS = (16,)
 RAMP_PREFIX_SHARE = 8
+WARM_UP_REQUEST_ITEMS = 16  # warm-up's requests in a call of several requests (a server's calls, CUDA graph shapes)
 
 
 @dataclass
@@ -150,6 +151,11 @@ class EmbeddedBackend:
         return self._model().name
 
     @property
+    def max_length(self) -> int:
+        """The longest sequence (query, item and template) the model takes; longer pairs are cut to it."""
+        return self._model().max_length
+
+    @property
     def runner(self) -> str:
         """"packed" or "reference": the runner this backend uses."""
         return "reference" if self._runner.padded else "packed"
@@ -162,8 +168,8 @@ class EmbeddedBackend:
         """``score`` on a worker thread, so the event loop keeps running."""
         return await asyncio.to_thread(self.score, request)
 
-    def score_batch(self, requests: list[ScoreRequest], *,
-                    return_exceptions: bool = False) -> list[ScoreResponse | RerankitError]:
+    def score_batch(self, requests: list[ScoreRequest], *, return_exceptions: bool = False,
+                    should_stop: Callable[[], bool] | None = None) -> list[ScoreResponse | RerankitError]:
         """Score several requests in shared micro-batches; one response per request, in order.
 
         A request that fails its checks (``InvalidRequest``...) raises its ``RerankitError`` and the call returns
@@ -171,6 +177,8 @@ class EmbeddedBackend:
         are scored. An error while the model runs (out of memory) is not any one request's fault and raises for
         the whole call. Requests are encoded and planned as the model runs (on a worker thread with ``overlap``),
         so a bad request late in a long call is found once the requests before it have been planned.
+        ``should_stop`` is asked before each micro-batch; when it says True the call raises ``Cancelled`` (a server
+        stops scoring for callers that have all gone away).
         """
         with self._lock, torch.inference_mode():
             loaded = self._model()
@@ -179,33 +187,50 @@ class EmbeddedBackend:
             if self._overlap:  # plan on a worker thread while this one launches
                 micro_batches = prefetch(micro_batches, PREFETCH_MICRO_BATCHES, name="rerankit-plan")
             try:
-                outputs, computed = self._execute(call, micro_batches, loaded)
+                outputs, computed = self._execute(call, micro_batches, loaded, should_stop)
             finally:  # a failed call stops its planning (and the planning thread) now, not when it is collected
                 micro_batches.close()
             return self._responses(call, outputs, computed, loaded)
 
-    def warm_up(self) -> float:
-        """Score two small synthetic requests (1 and 20 items), then, on a GPU, run every batch shape that traffic
-        commonly forms (``engine.warm_up``: compiling, tuning, capturing the CUDA graphs, which are then frozen), so
-        that no request pays for them. Returns the seconds it took. A generative model with no known template is
-        warmed up with raw label ids; ``rerankit serve`` calls this before it answers."""
+    def warm_up(self, shapes: list[tuple[int, int]] | None = None) -> float:
+        """Score synthetic calls, for each (items, words per item) of ``shapes`` (default: 1 and 20 items of 80
+        words), so that real calls do not pay for what a first call of each size costs; on CUDA a shape of 32 items
+        or more also runs as requests of 16 items in one call, a server's usual mix (more sequences, the same tokens).
+        Then, on a GPU, run every batch shape that traffic commonly forms (``engine.warm_up``: compiling, tuning,
+        capturing the CUDA graphs, which are then frozen), so that no request pays for them. On the CPU, where no
+        size costs more the first time, only the default shapes run. Returns the seconds it took. A generative model
+        with no known template is warmed up with raw label ids; ``rerankit serve`` calls this, with the shapes its
+        scheduler forms, before it answers."""
         begun = time.perf_counter()
-        text = " ".join(["warm up"] * 40)
-        for count in (1, 20):
-            request = ScoreRequest(query="warm up", items=[text] * count)
-            try:
-                self.score(request)
-            except InvalidRequest as error:
-                if error.field != "template":
-                    raise
-                self.score(request.model_copy(update={"label_token_ids": [0, 1]}))  # raw scoring
-        if isinstance(self._runner, PackedRunner) and self._runner.device.type == "cuda":
+        on_gpu = self._model().device.type == "cuda"
+        if not shapes or not on_gpu:  # on the CPU nothing is compiled or captured per shape
+            shapes = [(1, 80), (20, 80)]
+        for count, words in shapes:
+            text = " ".join(["warm up"] * (words // 2 or 1))
+            splits = [[count]] + ([[WARM_UP_REQUEST_ITEMS] * (count // WARM_UP_REQUEST_ITEMS)]
+                                  if on_gpu and count >= 2 * WARM_UP_REQUEST_ITEMS else [])
+            for sizes in splits:
+                requests = [ScoreRequest(query="warm up", items=[text] * size) for size in sizes]
+                try:
+                    self._warm_call(requests)
+                except InvalidRequest as error:
+                    if error.field != "template":
+                        raise
+                    self._warm_call([request.model_copy(update={"label_token_ids": [0, 1]})  # raw scoring
+                                     for request in requests])
+        if isinstance(self._runner, PackedRunner) and on_gpu:
             loaded = self._model()
             with self._lock, torch.inference_mode():
                 warm_up_runner(self._runner, loaded.max_length, causal=loaded.is_decoder,
                                typed="token_type_ids" in loaded.tokenizer.model_input_names,
                                every_token=not heads.reads_only(loaded.default_mode, loaded.pooling))
         return time.perf_counter() - begun
+
+    def _warm_call(self, requests: list[ScoreRequest]) -> None:
+        if len(requests) == 1:
+            self.score(requests[0])
+        else:
+            self.score_batch(requests)
 
     def close(self) -> None:
         """Drop the model; later calls raise ``ModelLoadError``."""
@@ -317,9 +342,10 @@ class EmbeddedBackend:
                 call.errors[position] = error  # its items already planned are dropped from the results
         yield from planner.finish()
 
-    def _execute(self, call: "_Call", micro_batches: Iterator[MicroBatch],
-                 loaded: LoadedModel) -> tuple[list[_SliceOutput], list[int]]:
-        """Run the model and the heads over each micro-batch as it comes; scores stay on the device."""
+    def _execute(self, call: "_Call", micro_batches: Iterator[MicroBatch], loaded: LoadedModel,
+                 should_stop: Callable[[], bool] | None = None) -> tuple[list[_SliceOutput], list[int]]:
+        """Run the model and the heads over each micro-batch as it comes; scores stay on the device. ``should_stop``
+        is asked before each micro-batch (``Cancelled`` when it says True)."""
         head_list: dict[int, heads.Head] = {}
         outputs: list[_SliceOutput] = []
         computed = [0] * len(call.requests)
@@ -327,6 +353,8 @@ class EmbeddedBackend:
         show = self.show_progress if self.show_progress is not None else count > PROGRESS_MIN_ITEMS
         with tqdm(total=count, disable=not show, desc="rerankit", unit="item") as progress:
             for micro in micro_batches:
+                if should_stop is not None and should_stop():
+                    raise Cancelled("the call was stopped before its last micro-batch: its callers had gone")
                 read_states = None
                 for key, start, end in micro.head_slices:
                     head = head_list.get(key)

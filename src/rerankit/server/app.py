@@ -47,6 +47,7 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
 
     app = FastAPI(title="rerankit", version=__version__, lifespan=lifespan,
                   description=f"Reranking with {model_name}: vLLM, SGLang, Cohere and TEI scoring routes.")
+    app.state.batcher = batcher  # serve() drains it on SIGTERM/SIGINT
 
     for path, dialects in ROUTES.items():
         endpoint = scoring_endpoint(path, batcher, config, model_name)

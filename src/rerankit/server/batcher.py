@@ -1,78 +1,110 @@
-"""Batching across requests: one queue in front of the engine, one engine call per batch, in a worker thread.
+"""Batching across requests: a fair queue of request chunks in front of the engine, one engine call at a time, in a
+worker thread. What goes into each call is ``scheduler.FairQueue``'s rule; this module decides when calls go.
 
-Policy. A request that finds the engine idle and the queue empty is sent at once: an idle server never holds
-a request back. Requests that arrive while the engine runs wait in the queue and go together in the next
-call, up to the budget (items, estimated tokens). When the engine frees up, the next call waits until its
-oldest request has been queued ``batch_window_ms`` (or the budget is full): the callers answered by the call
-that just ended send again within a few ms, and so join this call instead of forming a call of their own.
+When. A request that finds the server idle (no engine call ended within the last ``batch_window_ms``) is sent at
+once. While the server is busy, the next call waits for company: until every caller the last call answered has sent
+again, the budget is full, or ``batch_window_ms`` has passed since the last call ended. Counting from the end of the
+last call, not from a request's arrival, is what keeps calls large under load: a request that arrived while the
+engine ran has always "waited out" a window counted from its arrival, so it went at once, alone or nearly alone.
+
+Cancellation. A caller that goes away cancels its ``submit``: its chunks leave the queue, and an engine call whose
+every request has gone stops before its next micro-batch (``should_stop``, where the backend takes it).
+
+Shutdown. ``drain(seconds)`` refuses new work (``ShuttingDown``), lets queued and running work go on for
+``seconds``, then answers everything left with ``ShuttingDown``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
-from collections import deque
+import math
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from typing import Callable
 
 from rerankit.backend import Backend
-from rerankit.errors import Overloaded
+from rerankit.errors import Cancelled, Overloaded, RequestTooLarge, ShuttingDown
 from rerankit.schema import ScoreRequest, ScoreResponse
 from rerankit.server.limits import ServerConfig
 from rerankit.server.metrics import Metrics
+from rerankit.server.scheduler import (FairQueue, Piece, Submission, estimate_tokens, item_tokens, power_of_two_floor,
+                                       split)
+
+__all__ = ["Batcher", "estimate_tokens", "score_each", "warm_up_shapes"]
 
 log = logging.getLogger("rerankit.server")
 
-BYTES_PER_TOKEN = 4  # the server does not tokenize: text items are budgeted at about 4 UTF-8 bytes a token
-
-
-def estimate_tokens(request: ScoreRequest) -> int:
-    """About how many tokens scoring ``request`` feeds the model (exact for token ids), for the batch budget."""
-    def length(part: str | list[int]) -> int:
-        return len(part) if isinstance(part, list) else max(1, len(part.encode()) // BYTES_PER_TOKEN)
-
-    cap = request.max_tokens_per_item
-    query = length(request.query)
-    return sum(query + (length(item) if cap is None else min(cap, length(item))) for item in request.items)
-
-
-@dataclass
-class _Pending:
-    request: ScoreRequest
-    future: asyncio.Future
-    tokens: int
-    arrived: float  # loop time
-    found_idle: bool  # the engine was idle and the queue empty when it arrived
+# A chunk is sized to about this much engine time, from the throughput the engine has shown: on an H100 that is the
+# whole ``max_chunk_tokens``; on a CPU a few hundred tokens, so that a request arriving behind a large one waits for
+# a fraction of a second, not for seconds of its chunk. Powers of two from MIN_CHUNK_TOKENS: a bounded set of sizes.
+CHUNK_TARGET_S = 0.05
+MIN_CHUNK_TOKENS = 256
+# An engine call holds at most this many chunks' worth of tokens (and max_batch_tokens): ~0.8 s of engine time, so
+# that a request arriving behind a full call of other requests' chunks does not wait for seconds of it on a CPU
+# (an H100's calls stay at max_batch_tokens: 16 x 8,192 = 131,072).
+CALL_CHUNKS = 16
+RATE_DECAY = 0.8  # the throughput figure is the best recent one: small calls (launch-bound) do not drag it down
+WARM_UP_ITEM_OVERHEAD = 8  # tokens of a warm-up pair that are not its item's words: query, template, specials
 
 
 class Batcher:
-    """Queue + dispatcher: ``await submit(request)`` resolves when the engine call holding it ends."""
+    """Queue + dispatcher: ``await submit(request)`` resolves when the engine calls holding its chunks end."""
 
     def __init__(self, backend: Backend, config: ServerConfig) -> None:
         self.backend = backend
         self.config = config
-        self._queue: deque[_Pending] = deque()
-        self.metrics = Metrics(queue_depth=lambda: len(self._queue))
+        self._queue = FairQueue()
+        self.metrics = Metrics(queue_depth=lambda: len(self._queue), queue_chunks=lambda: self._queue.chunks)
         self._arrived = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
         # One engine thread: a model runs one call at a time; more threads would only contend for it.
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rerankit-engine")
-        self._running = False
         self._dispatcher: asyncio.Task | None = None
+        self._live: set[Submission] = set()  # submitted and not answered yet, queued or running
+        self._last_end = -math.inf  # loop time the last engine call ended
+        self._last_requests = 0  # requests the last call answered
+        self._arrivals_since_end = 0
+        self._draining = False
+        self._abort = False  # read by the engine thread: drop the running call at its next micro-batch
+        # Budgets bucketed to powers of two, so that the calls the queue forms come in a bounded set of sizes.
+        self.max_chunk_tokens = power_of_two_floor(min(config.max_chunk_tokens, config.max_batch_tokens))
+        self._tokens_per_s: float | None = None  # the engine's recent best, from the calls' estimated tokens
+        self.item_cap = getattr(backend, "max_length", None)  # the model's longest input, where the backend says
+        self._takes_should_stop = _accepts(getattr(backend, "score_batch", None), "should_stop")
+
+    @property
+    def chunk_tokens(self) -> int:
+        """The token budget of the chunks new requests are cut into: ``CHUNK_TARGET_S`` of engine time, a power of
+        two from ``MIN_CHUNK_TOKENS`` up to ``max_chunk_tokens`` (the most, before the engine's speed is known)."""
+        if self._tokens_per_s is None:
+            return self.max_chunk_tokens
+        fitting = power_of_two_floor(int(self._tokens_per_s * CHUNK_TARGET_S))
+        return min(self.max_chunk_tokens, max(MIN_CHUNK_TOKENS, fitting))
+
+    @property
+    def call_tokens(self) -> int:
+        """The token budget of one engine call: ``max_batch_tokens``, or ``CALL_CHUNKS`` chunks if that is less."""
+        return min(self.config.max_batch_tokens, CALL_CHUNKS * self.chunk_tokens)
 
     @property
     def queue_depth(self) -> int:
-        """Requests waiting for an engine call (not counting the one running)."""
+        """Requests with chunks waiting for an engine call (not counting chunks running)."""
         return len(self._queue)
 
     async def warm_up(self) -> None:
-        """Run the backend's ``warm_up()`` (if it has one) on the engine thread; a failure is logged, not raised:
-        the server still starts, and a real request meets the error itself."""
+        """Run the backend's ``warm_up()`` (if it has one) on the engine thread, over every shape of call this batcher
+        can form (``warm_up_shapes``) where it takes them; a failure is logged, not raised: the server still starts,
+        and a real request meets the error itself."""
         warm_up = getattr(self.backend, "warm_up", None)
         if warm_up is None:
             return
-        log.info("warming up the engine (compiling, capturing CUDA graphs)...")
+        shapes = warm_up_shapes(self.config, self.max_chunk_tokens)
+        call = (lambda: warm_up(shapes=shapes)) if _accepts(warm_up, "shapes") else warm_up
+        log.info("warming up the engine over %d call shapes (compiling, capturing CUDA graphs)...", len(shapes))
         try:
-            seconds = await asyncio.get_running_loop().run_in_executor(self._engine_thread, warm_up)
+            seconds = await asyncio.get_running_loop().run_in_executor(self._engine_thread, call)
         except Exception as exc:  # noqa: BLE001 - the server serves on; requests will report the problem
             log.warning("the engine's warm-up failed: %r", exc)
             return
@@ -83,116 +115,179 @@ class Batcher:
         self._dispatcher = asyncio.get_running_loop().create_task(self._dispatch_forever())
 
     async def stop(self) -> None:
-        """Stop the dispatcher; requests still queued fail with ``Overloaded``."""
+        """Stop the dispatcher; whatever is still queued or running is answered ``ShuttingDown``."""
+        self._draining = self._abort = True
         if self._dispatcher is not None:
             self._dispatcher.cancel()
             try:
                 await self._dispatcher
             except asyncio.CancelledError:
                 pass
-        while self._queue:
-            pending = self._queue.popleft()
-            if not pending.future.done():
-                pending.future.set_exception(Overloaded("the server is shutting down"))
+        self._fail_everything(ShuttingDown("the server is shutting down"))
         self._engine_thread.shutdown(wait=True)
 
+    async def drain(self, seconds: float) -> None:
+        """Refuse new work from now on; give queued and running work ``seconds`` to finish, then answer the rest
+        ``ShuttingDown`` (the running engine call stops at its next micro-batch where the backend allows it)."""
+        self._draining = True
+        log.info("draining: %d requests in progress; %.1f s to finish", len(self._live), seconds)
+        try:
+            await asyncio.wait_for(self._idle.wait(), seconds)
+        except asyncio.TimeoutError:
+            self._abort = True
+            self._fail_everything(ShuttingDown(f"the server is shutting down; the work was not done within the "
+                                               f"drain time of {seconds:g} s (drain_seconds)"))
+
     async def submit(self, request: ScoreRequest) -> ScoreResponse:
-        """Queue ``request`` and wait for its response; ``Overloaded`` (429) when the queue is full."""
+        """Queue ``request`` and wait for its response. ``ShuttingDown`` (503) once draining, ``RequestTooLarge``
+        (413) over ``max_request_tokens``, ``Overloaded`` (429) when the queue is full. Cancelling the call (its
+        caller went away) takes its chunks out of the queue."""
+        if self._draining:
+            raise ShuttingDown("the server is shutting down and takes no new requests")
+        tokens = item_tokens(request, self.item_cap)
+        if sum(tokens) > self.config.max_request_tokens:
+            raise RequestTooLarge("items", f"hold about {sum(tokens)} tokens after truncation; the limit is "
+                                  f"{self.config.max_request_tokens} (max_request_tokens)",
+                                  self.config.max_request_tokens)
         if len(self._queue) >= self.config.max_queue_requests:
             raise Overloaded(f"the queue holds {len(self._queue)} requests; the limit is "
                              f"{self.config.max_queue_requests} (max_queue_requests)")
-        loop = asyncio.get_running_loop()
-        pending = _Pending(request, loop.create_future(), estimate_tokens(request), loop.time(),
-                           found_idle=not self._running and not self._queue)
-        self._queue.append(pending)
+        future = asyncio.get_running_loop().create_future()
+        submission = Submission(request, split(tokens, self.chunk_tokens, self.config.max_batch_items), future)
+        self._queue.add(submission)
+        self._live.add(submission)
+        future.add_done_callback(lambda _: self._live.discard(submission))
+        self._idle.clear()
+        self._arrivals_since_end += 1
         self._arrived.set()
-        return await pending.future
+        try:
+            return await future
+        except asyncio.CancelledError:  # counted by the route, which knows why
+            self._queue.remove(submission)
+            raise
 
     async def _dispatch_forever(self) -> None:
         while True:
             while not self._queue:
+                self._idle.set()
                 self._arrived.clear()
                 await self._arrived.wait()
-            oldest = self._queue[0]
-            if self.config.batching and not oldest.found_idle:
-                await self._collect_until(oldest.arrived + self.config.batch_window_ms / 1000)
-            batch = self._take_batch()
-            if batch:
-                self._running = True
-                try:
-                    await self._run(batch)
-                finally:
-                    self._running = False
+            if self.config.batching:
+                await self._wait_for_company()
+            budget = (self.config.max_batch_items, self.call_tokens)
+            pieces = self._queue.take(*budget, max_requests=None if self.config.batching else 1)
+            if pieces:
+                await self._run(pieces)
 
-    async def _collect_until(self, deadline: float) -> None:
-        """Wait for more requests until ``deadline`` (loop time) or until the budget is full."""
+    async def _wait_for_company(self) -> None:
+        """While busy: until the last call's callers have all sent again, the budget is full, or the window ends."""
         loop = asyncio.get_running_loop()
-        while not self._budget_full() and loop.time() < deadline:
+        deadline = self._last_end + self.config.batch_window_ms / 1000
+        held = False
+        while (loop.time() < deadline and self._arrivals_since_end < self._last_requests
+               and not self._queue.holds_at_least(self.config.max_batch_items, self.call_tokens)):
+            held = True
             self._arrived.clear()
             try:
                 await asyncio.wait_for(self._arrived.wait(), deadline - loop.time())
             except asyncio.TimeoutError:
-                return
-
-    def _budget_full(self) -> bool:
-        items = sum(len(pending.request.items) for pending in self._queue)
-        tokens = sum(pending.tokens for pending in self._queue)
-        return items >= self.config.max_batch_items or tokens >= self.config.max_batch_tokens
-
-    def _take_batch(self) -> list[_Pending]:
-        """The queue's head up to the budget; a request over the budget on its own still goes, alone."""
-        batch: list[_Pending] = []
-        items = tokens = 0
-        while self._queue:
-            head = self._queue[0]
-            if head.future.done():  # its caller went away
-                self._queue.popleft()
-                continue
-            fits = (items + len(head.request.items) <= self.config.max_batch_items
-                    and tokens + head.tokens <= self.config.max_batch_tokens)
-            if batch and (not fits or not self.config.batching):
                 break
-            batch.append(self._queue.popleft())
-            items += len(head.request.items)
-            tokens += head.tokens
-        return batch
+        self.metrics.held_calls += held
 
-    async def _run(self, batch: list[_Pending]) -> None:
-        requests = [pending.request for pending in batch]
+    async def _run(self, pieces: list[Piece]) -> None:
+        requests = [piece.request() for piece in pieces]
         self.metrics.observe_batch(len(requests), sum(len(request.items) for request in requests))
+
+        def should_stop() -> bool:  # runs on the engine thread; reads flags the loop's thread sets
+            return self._abort or all(piece.submission.gone for piece in pieces)
+
         loop = asyncio.get_running_loop()
+        begun = loop.time()
         try:
-            outcomes = await loop.run_in_executor(self._engine_thread, score_each, self.backend, requests)
-            for pending, outcome in zip(batch, outcomes):
-                if pending.future.done():
-                    continue
-                if isinstance(outcome, BaseException):
-                    pending.future.set_exception(outcome)
-                else:
-                    pending.future.set_result(outcome)
-        finally:  # stopped mid-call: its callers must not wait forever
-            for pending in batch:
-                if not pending.future.done():
-                    pending.future.set_exception(Overloaded("the server is shutting down"))
+            outcomes = await loop.run_in_executor(self._engine_thread, score_each, self.backend, requests,
+                                                  should_stop if self._takes_should_stop else None)
+            self._observe_speed(sum(piece.chunk.tokens for piece in pieces), loop.time() - begun)
+        except Cancelled as stopped:
+            outcomes = [stopped] * len(pieces)
+        finally:
+            self._arrivals_since_end = 0
+            self._last_end = loop.time()
+        answered = 0
+        for piece, outcome in zip(pieces, outcomes):
+            pending = not piece.submission.gone
+            piece.submission.deliver(piece.chunk, outcome)
+            answered += pending and piece.submission.gone
+            if isinstance(outcome, BaseException):
+                self._queue.remove(piece.submission)
+        # Only callers answered now may send again soon: a call of a large request's chunk answers nobody, and the
+        # next call waits for no one (it would only idle the engine for the window).
+        self._last_requests = answered
+        if len(pieces) and all(isinstance(outcome, Cancelled) for outcome in outcomes):
+            self.metrics.stopped_calls += 1
+
+    def _observe_speed(self, tokens: int, seconds: float) -> None:
+        rate = tokens / max(seconds, 1e-6)
+        self._tokens_per_s = rate if self._tokens_per_s is None else max(rate, self._tokens_per_s * RATE_DECAY)
+
+    def _fail_everything(self, error: Exception) -> None:
+        self._queue.drain()
+        for submission in list(self._live):
+            if not submission.gone:
+                submission.future.set_exception(error)
+        self._idle.set()
 
 
-def score_each(backend: Backend, requests: list[ScoreRequest]) -> list[ScoreResponse | Exception]:
+def score_each(backend: Backend, requests: list[ScoreRequest],
+               should_stop: Callable[[], bool] | None = None) -> list[ScoreResponse | Exception]:
     """Score ``requests`` in one engine call where the backend can (``score_batch``), one by one otherwise.
 
     A request the engine refuses (a token id out of the vocabulary, an item too long) gets its own error back
     and the others their scores. When the merged call fails as a whole (out of memory), each request is
-    scored alone, so that only the requests that fail alone fail.
+    scored alone, so that only the requests that fail alone fail; a ``Cancelled`` call is not retried.
     """
+    options = {} if should_stop is None else {"should_stop": should_stop}
     score_batch = getattr(backend, "score_batch", None)
     if score_batch is not None and len(requests) > 1:
         try:
-            return list(score_batch(requests, return_exceptions=True))
+            return list(score_batch(requests, return_exceptions=True, **options))
+        except Cancelled:
+            raise
         except Exception as exc:  # noqa: BLE001 - retried one by one below, where each request meets its own error
             log.warning("an engine call of %d requests failed (%r); scoring them one by one", len(requests), exc)
     outcomes: list[ScoreResponse | Exception] = []
     for request in requests:
+        if should_stop is not None and should_stop():
+            raise Cancelled("every caller of this engine call went away")
         try:
-            outcomes.append(backend.score(request))
+            outcomes.append(score_batch([request], **options)[0] if score_batch is not None and options
+                            else backend.score(request))
+        except Cancelled:
+            raise
         except Exception as exc:  # noqa: BLE001 - handed to the request's caller, who maps it to a status
             outcomes.append(exc)
     return outcomes
+
+
+def warm_up_shapes(config: ServerConfig, chunk_tokens: int) -> list[tuple[int, int]]:
+    """The (items, words per item) of the synthetic requests that warm the engine up: one of about ``t`` tokens for
+    each power of two ``t`` from 256 up to the call budget (the tokens of a chunk alone up to those of a full call),
+    so that every token bucket a call of this batcher can reach is compiled, and captured where it replays from a
+    CUDA graph, before the server says it is ready. Items of ~64 tokens (``WARM_UP_ITEM_OVERHEAD`` of them the
+    query and template), as many as the item budget takes; longer items past it."""
+    shapes, tokens = [], 256
+    while tokens <= max(chunk_tokens, power_of_two_floor(config.max_batch_tokens)):
+        items = max(1, min(config.max_batch_items, tokens // 64))
+        shapes.append((items, max(1, tokens // items - WARM_UP_ITEM_OVERHEAD)))
+        tokens *= 2
+    return shapes
+
+
+def _accepts(function: Callable | None, name: str) -> bool:
+    """Whether ``function`` takes a keyword ``name`` (other backends may not: it is passed only where taken)."""
+    if function is None:
+        return False
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())

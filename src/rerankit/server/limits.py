@@ -25,6 +25,11 @@ class ServerConfig:
     with the Qwen3-0.6B shape loaded, compiled and captured, 628k objects were tracked and one full collection took
     309 ms, a stall that any request could meet; ``rerankit serve`` sets it, as it owns its process.
     ``rerank_dialect``: the dialect that answers a rerank body which shows none (see ``rerankit.server.routes``).
+
+    Scheduling (``server/scheduler.py``): a request is cut into chunks of at most ``max_chunk_tokens`` estimated
+    tokens, and an engine call takes one chunk of each waiting request, least served first. ``max_request_tokens``
+    bounds one request's estimated tokens after truncation (413 above it). ``drain_seconds``: on SIGTERM/SIGINT the
+    server refuses new work (503) and gives the work in progress this long before answering it 503.
     """
 
     api_key: str | None = None
@@ -37,6 +42,9 @@ class ServerConfig:
     max_batch_tokens: int = 131072
     batch_window_ms: float = 5.0
     batching: bool = True
+    max_request_tokens: int = 262144
+    max_chunk_tokens: int = 8192
+    drain_seconds: float = 10.0
     retry_after_s: int = 1
     warm_up: bool = True
     freeze_gc: bool = False
@@ -44,13 +52,15 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_items_per_request", "max_tokens_per_item", "max_queue_requests",
-                     "max_batch_items", "max_batch_tokens"):
+                     "max_batch_items", "max_batch_tokens", "max_request_tokens", "max_chunk_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.batch_window_ms < 0:
             raise ValueError(f"batch_window_ms must be >= 0, got {self.batch_window_ms}")
         if self.rerank_dialect is not None and self.rerank_dialect not in RERANK_DIALECTS:
             raise ValueError(f"rerank_dialect must be one of {', '.join(RERANK_DIALECTS)}, got {self.rerank_dialect!r}")
+        if self.drain_seconds < 0:
+            raise ValueError(f"drain_seconds must be >= 0, got {self.drain_seconds}")
 
 
 def check_api_key(config: ServerConfig, authorization: str | None) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+import sys
 from typing import Any
 
 API_KEY_ENV = "RERANKIT_API_KEY"
@@ -25,18 +27,25 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
     missing = missing_modules("fastapi", "uvicorn")
     if missing:
         raise RerankitError(f"the server needs {' and '.join(missing)}: pip install 'rerankit[server]'")
-    import uvicorn
-
     from rerankit.server.app import create_app
     from rerankit.server.limits import ServerConfig
+    from rerankit.server.shutdown import GRACE_AFTER_DRAIN_S, STARTUP_FAILURE, DrainingServer, uvicorn
 
     given = {name: value for name, value in settings.items() if value is not None}
     config = ServerConfig(**{"freeze_gc": True, **given, "api_key": api_key or os.environ.get(API_KEY_ENV) or None})
     options = {name: value for name, value in (("device", device), ("dtype", dtype),
                                                 ("prefix_cache_bytes", prefix_cache_bytes)) if value is not None}
     backend = make_backend(model, **options, **(engine_options or {}))
+    app = create_app(backend, config)
+    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=math.ceil(config.drain_seconds)
+                                           + GRACE_AFTER_DRAIN_S),
+                            app.state.batcher, config.drain_seconds)
     try:
-        uvicorn.run(create_app(backend, config), host=host, port=port, log_level=log_level,
-                    timeout_graceful_shutdown=5)
+        server.run()
+    except KeyboardInterrupt:  # uvicorn raises the SIGINT it held once the shutdown is done
+        pass
     finally:
         backend.close()
+    if not server.started:
+        sys.exit(STARTUP_FAILURE)

@@ -43,13 +43,17 @@ class Histogram:
 class Metrics:
     """Requests, items, tokens, latency per route; batches sent to the engine; queue depth."""
 
-    def __init__(self, queue_depth: Callable[[], int]) -> None:
+    def __init__(self, queue_depth: Callable[[], int], queue_chunks: Callable[[], int] = lambda: 0) -> None:
         self.queue_depth = queue_depth
+        self.queue_chunks = queue_chunks
         self.requests: dict[tuple[str, int], int] = defaultdict(int)
         self.items: dict[str, int] = defaultdict(int)
         self.prompt_tokens: dict[str, int] = defaultdict(int)
         self.latency: dict[str, Histogram] = {}
         self.batches = 0
+        self.cancelled = 0
+        self.held_calls = 0
+        self.stopped_calls = 0
         self.batch_requests = Histogram(BATCH_SIZE_BUCKETS)
         self.batch_items = Histogram(tuple(size * 8 for size in BATCH_SIZE_BUCKETS))
 
@@ -67,6 +71,10 @@ class Metrics:
         self.batch_requests.observe(requests)
         self.batch_items.observe(items)
 
+    def observe_cancelled(self) -> None:
+        """Count one request whose caller went away before it was answered (not a status: nobody read one)."""
+        self.cancelled += 1
+
     def render(self) -> str:
         """The metrics page, Prometheus text format."""
         lines = ["# HELP rerankit_requests_total Scoring requests by route and HTTP status.",
@@ -83,11 +91,21 @@ class Metrics:
                   "# TYPE rerankit_request_duration_seconds histogram"]
         for route, histogram in sorted(self.latency.items()):
             lines += histogram.lines("rerankit_request_duration_seconds", f'route="{route}"')
-        lines += ["# HELP rerankit_queue_depth Requests waiting for the engine.", "# TYPE rerankit_queue_depth gauge",
+        lines += ["# HELP rerankit_queue_depth Requests with chunks waiting for the engine.",
+                  "# TYPE rerankit_queue_depth gauge",
                   f"rerankit_queue_depth {self.queue_depth()}",
+                  "# HELP rerankit_queue_chunks Chunks of the waiting requests, each at most one engine call's share.",
+                  "# TYPE rerankit_queue_chunks gauge", f"rerankit_queue_chunks {self.queue_chunks()}",
                   "# HELP rerankit_batches_total Batches sent to the engine (one call each with score_batch).",
                   "# TYPE rerankit_batches_total counter",
                   f"rerankit_batches_total {self.batches}",
+                  "# HELP rerankit_cancelled_total Requests dropped because their client went away.",
+                  "# TYPE rerankit_cancelled_total counter", f"rerankit_cancelled_total {self.cancelled}",
+                  "# HELP rerankit_batches_held_total Engine calls held back (batch window) for more requests.",
+                  "# TYPE rerankit_batches_held_total counter", f"rerankit_batches_held_total {self.held_calls}",
+                  "# HELP rerankit_batches_stopped_total Engine calls stopped early: every caller had gone.",
+                  "# TYPE rerankit_batches_stopped_total counter",
+                  f"rerankit_batches_stopped_total {self.stopped_calls}",
                   "# HELP rerankit_batch_requests Requests in one batch.",
                   "# TYPE rerankit_batch_requests histogram"]
         lines += self.batch_requests.lines("rerankit_batch_requests")

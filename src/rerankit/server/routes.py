@@ -25,11 +25,13 @@ import time
 from typing import Any, Awaitable, Callable, Mapping
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
-from rerankit.errors import InvalidRequest, Overloaded, RerankitError, Unauthorized
+from rerankit.errors import Cancelled, InvalidRequest, Overloaded, RerankitError, ShuttingDown, Unauthorized
 from rerankit.remote.dialects import Dialect, get_dialect
 from rerankit.server.batcher import Batcher
+from rerankit.server.disconnect import unless_disconnected
 from rerankit.server.limits import ServerConfig, bound_request, check_api_key, check_body_size
 
 log = logging.getLogger("rerankit.server")
@@ -55,7 +57,7 @@ def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
     default = next((dialect for dialect in dialects if dialect.name == config.rerank_dialect), dialects[0])
     metrics = batcher.metrics
 
-    async def endpoint(request: Request) -> JSONResponse:
+    async def endpoint(request: Request) -> Response:
         started = time.perf_counter()
         dialect, status, items, tokens = default, 500, 0, 0
         try:
@@ -64,10 +66,13 @@ def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
             dialect = dialect_for(dialects, body, request.headers, default)
             score_request = dialect.parse_request(body)
             score_request = bound_request(config, score_request)
-            response = await batcher.submit(score_request)
+            response = await unless_disconnected(request.receive, batcher.submit(score_request))
             payload = dialect.encode_response(response, score_request, model_name, dialect.echoed_documents(body))
             status, items, tokens = 200, len(response.results), response.usage.prompt_tokens
             return JSONResponse(payload)
+        except (Cancelled, ClientDisconnect):  # the client left (mid-body, or while queued): nobody reads an answer
+            status = Cancelled.status_code
+            return Response(status_code=status)
         except RerankitError as exc:
             status = exc.status_code
             return error_response(dialect, exc, config)
@@ -75,7 +80,10 @@ def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
             log.exception("scoring request on %s failed", path)
             return JSONResponse(dialect.error_body(500, "internal server error"), status_code=500)
         finally:
-            metrics.observe_request(path, status, time.perf_counter() - started, items, tokens)
+            if status == Cancelled.status_code:
+                metrics.observe_cancelled()
+            else:
+                metrics.observe_request(path, status, time.perf_counter() - started, items, tokens)
 
     return endpoint
 
@@ -154,9 +162,9 @@ def error_response(dialect: Dialect, error: RerankitError, config: ServerConfig)
 
 
 def error_headers(error: RerankitError, config: ServerConfig) -> dict[str, str]:
-    """The headers an error's status calls for: 429 tells when to retry, 401 how to log in."""
+    """The headers an error's status calls for: 429 and 503 tell when to retry, 401 how to log in."""
     headers = {}
-    if isinstance(error, Overloaded):
+    if isinstance(error, (Overloaded, ShuttingDown)):
         headers["Retry-After"] = str(config.retry_after_s)
     if isinstance(error, Unauthorized):
         headers["WWW-Authenticate"] = "Bearer"

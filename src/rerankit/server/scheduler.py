@@ -1,0 +1,194 @@
+"""The fair work queue behind the batcher: requests cut into chunks, engine calls filled least-served first.
+
+A request's items are cut into chunks of consecutive items of at most ``chunk_tokens`` estimated tokens (one item
+over it is a chunk of its own). An engine call takes at most one chunk of each waiting request, the requests that
+have had the fewest tokens scored so far first (arrival order breaks ties), until the call's budget of items and
+tokens is full. So a 2-doc request that arrives behind a 1,000-doc one waits for one chunk of it, not for all of
+it, and a lone large request runs as a series of calls of one chunk, each of which a newcomer can join. Each chunk
+goes to the engine as the request's own ``ScoreRequest`` over its slice of items (same query, same options): its
+items still share the request's prefix (MIS) inside the call. Results come back per chunk and are put together in
+input order; the first chunk that fails fails its request, once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from dataclasses import dataclass
+
+from rerankit.schema import ScoreRequest, ScoreResponse, ScoreResult, Usage
+
+BYTES_PER_TOKEN = 4  # the server does not tokenize: text items are budgeted at about 4 UTF-8 bytes a token
+
+
+def item_tokens(request: ScoreRequest, cap: int | None = None) -> list[int]:
+    """About how many tokens each item's pair feeds the model (exact for token ids), after cutting items to
+    the request's ``max_tokens_per_item`` and to ``cap`` (the model's longest input, when known)."""
+    def length(part: str | list[int]) -> int:
+        return len(part) if isinstance(part, list) else max(1, len(part.encode()) // BYTES_PER_TOKEN)
+
+    limits = [limit for limit in (request.max_tokens_per_item, cap) if limit is not None]
+    item_cap = min(limits) if limits else None
+    query = length(request.query)
+    pairs = [query + (length(item) if item_cap is None else min(item_cap, length(item))) for item in request.items]
+    return pairs if cap is None else [min(cap, pair) for pair in pairs]
+
+
+def estimate_tokens(request: ScoreRequest, cap: int | None = None) -> int:
+    """About how many tokens scoring ``request`` feeds the model, for the budgets and the per-request limit."""
+    return sum(item_tokens(request, cap))
+
+
+def power_of_two_floor(value: int) -> int:
+    """The largest power of two not above ``value`` (>= 1): budgets are bucketed so calls take few shapes."""
+    return 1 << (max(1, value).bit_length() - 1)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Items ``start:end`` of a request, about ``tokens`` tokens."""
+
+    start: int
+    end: int
+    tokens: int
+
+
+def split(tokens: list[int], chunk_tokens: int, chunk_items: int) -> list[Chunk]:
+    """Consecutive items in chunks of at most ``chunk_tokens`` tokens and ``chunk_items`` items (at least one)."""
+    chunks: list[Chunk] = []
+    start = total = 0
+    for index, count in enumerate(tokens):
+        if index > start and (total + count > chunk_tokens or index - start >= chunk_items):
+            chunks.append(Chunk(start, index, total))
+            start, total = index, 0
+        total += count
+    chunks.append(Chunk(start, len(tokens), total))
+    return chunks
+
+
+class Submission:
+    """One request in the queue: its chunks still to run, the results of those done, and its caller's future."""
+
+    _arrivals = itertools.count()
+
+    def __init__(self, request: ScoreRequest, chunks: list[Chunk], future: asyncio.Future) -> None:
+        self.request = request
+        self.future = future
+        self.waiting: deque[Chunk] = deque(chunks)
+        self.whole = len(chunks) == 1
+        self.running = 0  # chunks in an engine call now
+        self.served = 0  # the fairness key: where it started in the queue, plus the tokens handed out since
+        self.arrival = next(self._arrivals)
+        self.results: list[ScoreResult | None] = [None] * len(request.items)
+        self.usage = Usage()
+        self.model = ""
+
+    @property
+    def gone(self) -> bool:
+        """Answered, failed or cancelled: nothing of it needs to run any more."""
+        return self.future.done()
+
+    def take(self) -> "Piece":
+        """Hand its next chunk to an engine call."""
+        chunk = self.waiting.popleft()
+        self.running += 1
+        self.served += chunk.tokens
+        return Piece(self, chunk)
+
+    def deliver(self, chunk: Chunk, outcome: ScoreResponse | BaseException) -> None:
+        """Take one chunk's outcome; answer the caller once every chunk is in, or at the first error."""
+        self.running -= 1
+        if self.gone:
+            return
+        if isinstance(outcome, BaseException):
+            self.future.set_exception(outcome)
+            return
+        if self.whole:
+            self.future.set_result(outcome)
+            return
+        for result in outcome.results:
+            self.results[chunk.start + result.index] = result.model_copy(update={"index": chunk.start + result.index})
+        self.usage = Usage(prompt_tokens=self.usage.prompt_tokens + outcome.usage.prompt_tokens,
+                           computed_tokens=self.usage.computed_tokens + outcome.usage.computed_tokens)
+        self.model = outcome.model
+        if not self.waiting and not self.running:
+            results = [result for result in self.results if result is not None]
+            if len(results) != len(self.results):
+                self.future.set_exception(RuntimeError("the engine did not return a score for every item"))
+            else:
+                self.future.set_result(ScoreResponse(results=results, model=self.model, usage=self.usage))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One chunk of one submission in an engine call."""
+
+    submission: Submission
+    chunk: Chunk
+
+    def request(self) -> ScoreRequest:
+        """What the engine scores: the request itself, or its slice of items with the same query and options."""
+        request = self.submission.request
+        if self.submission.whole:
+            return request
+        return request.model_copy(update={"items": request.items[self.chunk.start:self.chunk.end]})
+
+
+class FairQueue:
+    """The requests with chunks still to run, and the rule that fills an engine call from them."""
+
+    def __init__(self) -> None:
+        self._submissions: list[Submission] = []
+        self._virtual = 0  # the fairness key reached: that of the last chunk taken, after it
+
+    def __len__(self) -> int:
+        return len(self._submissions)
+
+    @property
+    def chunks(self) -> int:
+        """Chunks waiting for an engine call."""
+        return sum(len(submission.waiting) for submission in self._submissions)
+
+    def add(self, submission: Submission) -> None:
+        """Queue a submission. It starts at the key the queue has reached (level with a large request that has just
+        had a chunk, and after it, being newer), not at 0: new requests then take turns with a large one that has
+        already been served some, instead of starving it."""
+        submission.served = self._virtual
+        self._submissions.append(submission)
+
+    def remove(self, submission: Submission) -> None:
+        """Drop a submission's waiting chunks (its caller left, or it failed); chunks running finish."""
+        if submission in self._submissions:
+            self._submissions.remove(submission)
+        submission.waiting.clear()
+
+    def drain(self) -> list[Submission]:
+        """Every submission still queued, removed."""
+        taken, self._submissions = self._submissions, []
+        return taken
+
+    def holds_at_least(self, items: int, tokens: int) -> bool:
+        """Whether the next chunks of the waiting requests fill a call of ``items`` items or ``tokens`` tokens."""
+        heads = [submission.waiting[0] for submission in self._submissions if submission.waiting]
+        return (sum(chunk.end - chunk.start for chunk in heads) >= items
+                or sum(chunk.tokens for chunk in heads) >= tokens)
+
+    def take(self, max_items: int, max_tokens: int, max_requests: int | None = None) -> list[Piece]:
+        """The next engine call: one chunk of each request, least served first, while the budget holds (the first
+        chunk always goes, so a chunk over the budget on its own still runs, alone)."""
+        self._submissions = [submission for submission in self._submissions if not submission.gone]
+        pieces: list[Piece] = []
+        items = tokens = 0
+        for submission in sorted(self._submissions, key=lambda entry: (entry.served, entry.arrival)):
+            chunk = submission.waiting[0]
+            size = chunk.end - chunk.start
+            if pieces and (items + size > max_items or tokens + chunk.tokens > max_tokens):
+                continue  # a smaller chunk further on may still fit
+            pieces.append(submission.take())
+            self._virtual = max(self._virtual, submission.served)
+            items, tokens = items + size, tokens + chunk.tokens
+            if max_requests is not None and len(pieces) >= max_requests:
+                break
+        self._submissions = [submission for submission in self._submissions if submission.waiting]
+        return pieces
