@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-tokens-per-item", type=_positive_int, help="refuse items with more tokens")
     serve.add_argument("--max-queue-requests", type=_positive_int, help="answer 429 when this many requests wait")
     serve.add_argument("--max-body-bytes", type=_positive_int, help="answer 413 to larger request bodies")
+    serve.add_argument("--max-connections", type=_positive_int,
+                       help="open connections at most; one more is answered 503 and closed (default: 1024)")
+    serve.add_argument("--header-timeout", type=_positive_float, dest="header_timeout_s",
+                       help="seconds a connection has to send a request's headers, else it is closed (default: 10)")
+    serve.add_argument("--timeout-keep-alive", type=_non_negative_float, dest="keep_alive_timeout_s",
+                       help="seconds an idle keep-alive connection stays open (default: 5)")
     serve.add_argument("--no-batching", dest="batching", action="store_false",
                        help="score one request per engine call (to measure what batching gains)")
     serve.add_argument("--no-warmup", dest="warm_up", action="store_false",
@@ -127,7 +133,8 @@ def run_serve(args: argparse.Namespace) -> int:
           batch_window_ms=args.batch_window_ms, max_items_per_request=args.max_items_per_request,
           max_batch_tokens=args.max_batch_tokens, max_tokens_per_item=args.max_tokens_per_item,
           max_queue_requests=args.max_queue_requests, max_body_bytes=args.max_body_bytes, batching=args.batching,
-          warm_up=args.warm_up)
+          warm_up=args.warm_up, max_connections=args.max_connections, header_timeout_s=args.header_timeout_s,
+          keep_alive_timeout_s=args.keep_alive_timeout_s)
     return 0
 
 
@@ -173,6 +180,13 @@ def _non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
 
 

@@ -21,6 +21,11 @@ class ServerConfig:
     (``gc.freeze()``), so that later full collections skip the model's and the compiler's objects. On the lent H100
     with the Qwen3-0.6B shape loaded, compiled and captured, 628k objects were tracked and one full collection took
     309 ms, a stall that any request could meet; ``rerankit serve`` sets it, as it owns its process.
+
+    Connections (``rerankit serve`` only, ``server/connections.py``): a connection opened while ``max_connections``
+    are open gets one JSON 503; a connection whose request headers are not complete ``header_timeout_s`` after it
+    opened (or after its last response) is closed; an idle keep-alive connection is closed after
+    ``keep_alive_timeout_s``.
     """
 
     api_key: str | None = None
@@ -36,14 +41,20 @@ class ServerConfig:
     retry_after_s: int = 1
     warm_up: bool = True
     freeze_gc: bool = False
+    max_connections: int = 1024
+    header_timeout_s: float = 10.0
+    keep_alive_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_items_per_request", "max_tokens_per_item", "max_queue_requests",
-                     "max_batch_items", "max_batch_tokens"):
+                     "max_batch_items", "max_batch_tokens", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.batch_window_ms < 0:
-            raise ValueError(f"batch_window_ms must be >= 0, got {self.batch_window_ms}")
+        for name in ("batch_window_ms", "keep_alive_timeout_s"):
+            if not getattr(self, name) >= 0:  # also refuses nan
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.header_timeout_s > 0:
+            raise ValueError(f"header_timeout_s must be > 0, got {self.header_timeout_s}")
 
 
 def check_api_key(config: ServerConfig, authorization: str | None) -> None:

@@ -12,6 +12,7 @@ Errors found before the body is parsed (auth, size, JSON) are in the path's firs
 
 from __future__ import annotations
 
+import email.message
 import json
 import logging
 import time
@@ -20,7 +21,7 @@ from typing import Any, Awaitable, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from rerankit.errors import InvalidRequest, Overloaded, RerankitError, Unauthorized
+from rerankit.errors import InvalidRequest, Overloaded, RerankitError, Unauthorized, UnsupportedMediaType
 from rerankit.remote.dialects import Dialect, get_dialect
 from rerankit.server.batcher import Batcher
 from rerankit.server.limits import ServerConfig, bound_request, check_api_key, check_body_size
@@ -77,7 +78,8 @@ def dialect_for(dialects: list[Dialect], body: Any) -> Dialect:
 
 
 async def read_body(request: Request, config: ServerConfig) -> bytes:
-    """The request body, refused (413) as soon as it passes ``max_body_bytes``, declared or streamed."""
+    """The request body: refused (415) unless declared JSON, and (413) as soon as it passes ``max_body_bytes``."""
+    check_json_content_type(request.headers.get("content-type"))
     declared = request.headers.get("content-length", "")
     if declared.isdigit():
         check_body_size(config, int(declared))
@@ -87,6 +89,21 @@ async def read_body(request: Request, config: ServerConfig) -> bytes:
         check_body_size(config, size)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def check_json_content_type(content_type: str | None) -> None:
+    """Raise ``UnsupportedMediaType`` unless ``content_type`` is ``application/json`` or ``application/*+json``.
+
+    A browser posts ``text/plain``, form and typeless bodies cross-site without asking the server first (no CORS
+    preflight); refusing them keeps any web page from scoring on a server without a key. FastAPI (so vLLM) parses
+    the same types as JSON and no others; httpx, requests and the Cohere SDK send ``application/json``.
+    """
+    declared = email.message.Message()
+    declared["content-type"] = content_type or ""
+    subtype = declared.get_content_subtype()
+    if not content_type or declared.get_content_maintype() != "application" or not (
+            subtype == "json" or subtype.endswith("+json")):
+        raise UnsupportedMediaType("Content-Type", f"must be application/json, got {content_type or 'none'!r}")
 
 
 def parse_json(raw: bytes) -> Any:

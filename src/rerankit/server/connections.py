@@ -1,0 +1,114 @@
+"""How ``rerankit serve`` takes connections: a connection limit, a request-header deadline, the uvicorn config.
+
+uvicorn's own ``limit_concurrency`` answers a plain-text 503 and counts a connection at each request, so a
+client's open keep-alive connection can be refused later; uvicorn has a keep-alive timeout but no deadline for a
+request's headers: a client that connects and sends nothing, or drips a header byte a second (slowloris), keeps
+its socket for ever. ``guarded_protocol`` adds both to uvicorn's HTTP protocol (httptools or h11).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import Any
+
+from starlette.responses import JSONResponse
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+from rerankit.remote.dialects import get_dialect
+from rerankit.remote.dialects.common import openai_error
+from rerankit.server.limits import ServerConfig
+from rerankit.server.routes import ROUTES
+
+log = logging.getLogger("rerankit.server")
+
+
+class _ConnectionGuard:
+    """Mixed in before a uvicorn HTTP protocol class; ``guarded_protocol`` sets the two class attributes."""
+
+    max_connections: int
+    header_timeout_s: float
+    over_capacity: Any  # the ASGI app that answers a connection over the limit
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        # Counted once, as the connection opens: a connection let in is never refused later.
+        if len(self.connections) > self.max_connections:  # type: ignore[attr-defined]
+            self.app = self.over_capacity
+        self._header_deadline: asyncio.TimerHandle | None = None
+        self._arm_header_deadline()
+
+    def on_response_complete(self) -> None:
+        # Armed before uvicorn starts a pipelined request that may already be waiting: its cycle then differs.
+        self._arm_header_deadline()
+        super().on_response_complete()  # type: ignore[misc]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def _arm_header_deadline(self) -> None:
+        """Close the connection unless a request's headers are complete within ``header_timeout_s``.
+
+        Both protocols start a new request cycle exactly when a request's headers are complete; unlike the
+        keep-alive timer, bytes that arrive do not push this deadline back.
+        """
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+        waiting_after = self.cycle  # type: ignore[attr-defined]
+        self._header_deadline = self.loop.call_later(  # type: ignore[attr-defined]
+            self.header_timeout_s, self._headers_overdue, waiting_after)
+
+    def _headers_overdue(self, waiting_after: Any) -> None:
+        self._header_deadline = None
+        if self.cycle is waiting_after and not self.transport.is_closing():  # type: ignore[attr-defined]
+            self.transport.close()  # type: ignore[attr-defined]
+
+
+def guarded_protocol(config: ServerConfig, base: type[asyncio.Protocol] = AutoHTTPProtocol) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol ``base`` with ``config``'s connection limit and request-header deadline."""
+    attributes = {"max_connections": config.max_connections, "header_timeout_s": config.header_timeout_s,
+                  "over_capacity": staticmethod(over_capacity_app(config))}
+    return type(f"Guarded{base.__name__}", (_ConnectionGuard, base), attributes)
+
+
+def over_capacity_app(config: ServerConfig) -> Any:
+    """The ASGI app answering a connection over ``max_connections``: one JSON 503 (the route's dialect), then close."""
+    message = f"the server holds its limit of {config.max_connections} connections (max_connections); retry later"
+    headers = {"Retry-After": str(config.retry_after_s), "Connection": "close"}
+
+    async def over_capacity(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        dialects = ROUTES.get(scope.get("path", ""))
+        body = (get_dialect(dialects[0]).error_body(503, message) if dialects
+                else {"error": openai_error(503, message, None, "overloaded")})
+        await JSONResponse(body, status_code=503, headers=headers)(scope, receive, send)
+
+    return over_capacity
+
+
+def uvicorn_config(app: Any, config: ServerConfig, **options: Any) -> Any:
+    """The uvicorn ``Config`` of ``app`` with ``config``'s connection settings; ``options`` go to uvicorn as is."""
+    import uvicorn
+
+    return uvicorn.Config(app, http=guarded_protocol(config), timeout_keep_alive=config.keep_alive_timeout_s,
+                          **options)
+
+
+def logging_server(config: Any) -> Any:
+    """A uvicorn ``Server`` of ``config`` that logs ``ready on <url>`` once its app has started and it listens."""
+    import uvicorn
+
+    class LoggingServer(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)  # the app's start (the warm-up), then listening on ``sockets``
+            listener = (sockets or [server.sockets[0] for server in self.servers])[0]
+            log.info("ready on http://%s", address(self.config.host, listener.getsockname()[1]))
+
+    return LoggingServer(config)
+
+
+def address(host: str, port: int) -> str:
+    """``host:port``, an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
