@@ -15,9 +15,9 @@ from rerankit.server.limits import ServerConfig
 
 
 @contextmanager
-def live_server(app: Any, config: ServerConfig | None = None) -> Iterator[str]:
+def live_server(app: Any, config: ServerConfig | None = None, **options: Any) -> Iterator[str]:
     """Serve the ASGI ``app`` on loopback until the block ends, with ``config``'s connection settings, as
-    ``rerankit serve`` does; yields the base URL."""
+    ``rerankit serve`` does (``options``: ``uvicorn_config``'s); yields the base URL."""
     # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted sockets only then; without it Nagle's
     # algorithm and delayed ACKs add ~40 ms to every response.
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -25,7 +25,7 @@ def live_server(app: Any, config: ServerConfig | None = None) -> Iterator[str]:
     listener.bind(("127.0.0.1", 0))
     port = listener.getsockname()[1]
     server = uvicorn.Server(uvicorn_config(app, config or ServerConfig(), log_level="warning", lifespan="on",
-                                           timeout_graceful_shutdown=2))
+                                           timeout_graceful_shutdown=2, **options))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20

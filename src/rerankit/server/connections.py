@@ -63,7 +63,11 @@ class _ConnectionGuard:
 
     def _headers_overdue(self, waiting_after: Any) -> None:
         self._header_deadline = None
-        if self.cycle is waiting_after and not self.transport.is_closing():  # type: ignore[attr-defined]
+        cycle = self.cycle  # type: ignore[attr-defined]
+        # httptools makes a pipelined request's cycle as its headers arrive, before the previous response ends:
+        # that request may still be running when the deadline armed at that response comes.
+        answering = cycle is not None and not cycle.response_complete
+        if cycle is waiting_after and not answering and not self.transport.is_closing():  # type: ignore[attr-defined]
             self.transport.close()  # type: ignore[attr-defined]
 
 
@@ -88,12 +92,14 @@ def over_capacity_app(config: ServerConfig) -> Any:
     return over_capacity
 
 
-def uvicorn_config(app: Any, config: ServerConfig, **options: Any) -> Any:
-    """The uvicorn ``Config`` of ``app`` with ``config``'s connection settings; ``options`` go to uvicorn as is."""
+def uvicorn_config(app: Any, config: ServerConfig, protocol: type[asyncio.Protocol] = AutoHTTPProtocol,
+                   **options: Any) -> Any:
+    """The uvicorn ``Config`` of ``app`` with ``config``'s connection settings on uvicorn's HTTP ``protocol``
+    (httptools where installed, else h11); ``options`` go to uvicorn as is."""
     import uvicorn
 
-    return uvicorn.Config(app, http=guarded_protocol(config), timeout_keep_alive=config.keep_alive_timeout_s,
-                          **options)
+    return uvicorn.Config(app, http=guarded_protocol(config, protocol),
+                          timeout_keep_alive=config.keep_alive_timeout_s, **options)
 
 
 def logging_server(config: Any) -> Any:
