@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging.config
 import os
 import socket
 import subprocess
@@ -83,6 +84,7 @@ def test_serve_freezes_the_collector_shows_no_progress_and_hands_connection_sett
     monkeypatch.setattr(rerankit.reranker, "make_backend", make_backend)
     monkeypatch.setattr(rerankit.server.app, "create_app", lambda backend, config: configs.append(config))
     monkeypatch.setattr(rerankit.server.connections, "logging_server", Server)
+    monkeypatch.setattr(logging.config, "dictConfig", lambda config: None)  # leaves the session's loggers alone
     serve("some-model", port=0)
     serve("some-model", port=0, freeze_gc=False, keep_alive_timeout_s=2.5, header_timeout_s=3, max_connections=7)
     assert [config.freeze_gc for config in configs] == [True, False]
@@ -103,3 +105,15 @@ def test_listen_names_a_port_in_use_and_a_host_that_does_not_resolve():
             listen("127.0.0.1", port)
     with pytest.raises(RerankitError, match="host 'no-such-host.invalid'"):
         listen("no-such-host.invalid", 0)
+
+
+def test_serve_hands_the_connection_flags_to_the_server(monkeypatch):
+    from rerankit import cli
+
+    given = {}
+    monkeypatch.setattr(cli, "serve", lambda model, **options: given.update(options))
+    assert cli.main(["serve", "--max-connections", "7", "--header-timeout", "3", "--timeout-keep-alive", "0"]) == 0
+    assert (given["max_connections"], given["header_timeout_s"], given["keep_alive_timeout_s"]) == (7, 3, 0)
+    assert cli.main(["serve"]) == 0 and given["max_connections"] is None and given["header_timeout_s"] is None
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--header-timeout", "0"])

@@ -91,12 +91,12 @@ def fuzzed(url):
 
 
 def fuzz(operation, url: str) -> list[int]:
-    """The status codes of a dozen requests that schemathesis builds from ``operation``'s schema."""
+    """The status codes of ten requests that schemathesis builds from ``operation``'s schema."""
     from hypothesis import HealthCheck, Phase, given, settings
 
     codes = []
 
-    @settings(max_examples=12, deadline=None, database=None, derandomize=True, phases=[Phase.generate],
+    @settings(max_examples=10, deadline=None, database=None, derandomize=True, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck))
     @given(case=operation.as_strategy())
     def call(case):
