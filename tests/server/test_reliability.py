@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -161,7 +162,7 @@ async def test_32_concurrent_clients_get_every_item_back_once_with_its_own_score
 
 def test_idle_sockets_and_a_slowloris_are_closed_and_do_not_block_other_clients(ce, protocol):
     with live_server(create_app(ce, CONFIG), CONFIG, protocol=protocol) as url:
-        idle = [connect(url) for _ in range(200)]
+        idle = [connect(url) for _ in range(CONFIG.max_connections + 100)]  # over the limit: the oldest make room
         dripping = connect(url)
         dripping.sendall(b"POST /rerank HTTP/1.1\r\nHost: x\r\n")
         try:
@@ -182,27 +183,36 @@ def test_idle_sockets_and_a_slowloris_are_closed_and_do_not_block_other_clients(
                 sock.close()
 
 
-def test_a_connection_over_the_limit_gets_one_json_503_in_the_routes_dialect(ce, protocol):
+def test_over_the_connection_limit_the_connection_idle_longest_makes_room(ce, protocol):
     config = ServerConfig(max_connections=4, header_timeout_s=30)
     with live_server(create_app(ce, config), config, protocol=protocol) as base:
         held = [connect(base) for _ in range(4)]
         try:
             with httpx.Client(base_url=base, timeout=10) as client:
-                refused = client.post("/v2/rerank", json=BODIES["/v2/rerank"])
-            assert refused.status_code == 503
-            ERROR_MODELS["cohere"].model_validate(refused.json())
-            assert "max_connections" in refused.json()["message"] and refused.headers["retry-after"] == "1"
+                assert client.post("/v2/rerank", json=BODIES["/v2/rerank"]).status_code == 200
+            assert closed_by_server(held[:1], within_s=10) == 1, "the oldest idle connection was kept"
+            assert closed_by_server(held[1:], within_s=0.2) == 0, "a younger idle connection was closed"
         finally:
             for sock in held:
                 sock.close()
-        deadline = time.monotonic() + 10
-        while True:  # until the server has seen the held sockets go
-            with httpx.Client(base_url=base, timeout=10) as client:
-                status = client.post("/v2/rerank", json=BODIES["/v2/rerank"]).status_code
-            if status != 503 or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        assert status == 200
+
+
+def test_over_the_connection_limit_with_every_connection_busy_one_json_503_in_the_routes_dialect(protocol):
+    backend = RecordingBackend(hold_first_call=True)
+    config = ServerConfig(max_connections=1, header_timeout_s=30)
+    with live_server(create_app(backend, config), config, protocol=protocol) as base:
+        with ThreadPoolExecutor(1) as pool:
+            busy = pool.submit(httpx.post, base + "/v2/rerank", json=BODIES["/v2/rerank"], timeout=30)
+            try:
+                assert backend.entered.wait(10), "the first request never reached the engine"
+                refused = httpx.post(base + "/v2/rerank", json=BODIES["/v2/rerank"], timeout=10)
+            finally:
+                backend.gate.set()
+            assert busy.result(timeout=30).status_code == 200
+        assert refused.status_code == 503
+        ERROR_MODELS["cohere"].model_validate(refused.json())
+        assert "max_connections" in refused.json()["message"] and refused.headers["retry-after"] == "1"
+        assert httpx.post(base + "/v2/rerank", json=BODIES["/v2/rerank"], timeout=10).status_code == 200
 
 
 class SlowBackend(RecordingBackend):

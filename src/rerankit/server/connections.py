@@ -1,9 +1,10 @@
 """How ``rerankit serve`` takes connections: a connection limit, a request-header deadline, the uvicorn config.
 
-uvicorn's own ``limit_concurrency`` answers a plain-text 503 and counts a connection at each request, so a
-client's open keep-alive connection can be refused later; uvicorn has a keep-alive timeout but no deadline for a
-request's headers: a client that connects and sends nothing, or drips a header byte a second (slowloris), keeps
-its socket for ever. ``guarded_protocol`` adds both to uvicorn's HTTP protocol (httptools or h11).
+uvicorn's own ``limit_concurrency`` answers a plain-text 503, counts a connection at each request (so a client's
+open keep-alive connection can be refused later) and lets idle sockets lock clients out; uvicorn has a keep-alive
+timeout but no deadline for a request's headers: a client that connects and sends nothing, or drips a header byte
+a second (slowloris), keeps its socket for ever. ``guarded_protocol`` adds both to uvicorn's HTTP protocol
+(httptools or h11).
 """
 
 from __future__ import annotations
@@ -25,19 +26,24 @@ log = logging.getLogger("rerankit.server")
 
 
 class _ConnectionGuard:
-    """Mixed in before a uvicorn HTTP protocol class; ``guarded_protocol`` sets the two class attributes."""
+    """Mixed in before a uvicorn HTTP protocol class; ``guarded_protocol`` sets the class attributes."""
 
     max_connections: int
     header_timeout_s: float
     over_capacity: Any  # the ASGI app that answers a connection over the limit
+    # The server's connections by when they began to wait for a request, oldest first (a dict as an ordered set);
+    # one that has a request running may still be in it, and is dropped when met at the front.
+    waiting: dict[Any, None]
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
-        # Counted once, as the connection opens: a connection let in is never refused later.
-        if len(self.connections) > self.max_connections:  # type: ignore[attr-defined]
-            self.app = self.over_capacity
         self._header_deadline: asyncio.TimerHandle | None = None
         self._arm_header_deadline()
+        # Counted as the connection opens: a connection let in is never refused later. Over the limit, the
+        # connection that has waited longest for a request makes room (idle sockets cannot lock clients out); the
+        # new one is refused only when every other connection has a request running.
+        if len(self.connections) > self.max_connections and not self._close_longest_waiting():  # type: ignore
+            self.app = self.over_capacity
 
     def on_response_complete(self) -> None:
         # Armed before uvicorn starts a pipelined request that may already be waiting: its cycle then differs.
@@ -47,6 +53,7 @@ class _ConnectionGuard:
     def connection_lost(self, exc: Exception | None) -> None:
         if self._header_deadline is not None:
             self._header_deadline.cancel()
+        self.waiting.pop(self, None)
         super().connection_lost(exc)  # type: ignore[misc]
 
     def _arm_header_deadline(self) -> None:
@@ -57,30 +64,49 @@ class _ConnectionGuard:
         """
         if self._header_deadline is not None:
             self._header_deadline.cancel()
-        waiting_after = self.cycle  # type: ignore[attr-defined]
+        self._waiting_after = self.cycle  # type: ignore[attr-defined]
+        self.waiting.pop(self, None)
+        self.waiting[self] = None
         self._header_deadline = self.loop.call_later(  # type: ignore[attr-defined]
-            self.header_timeout_s, self._headers_overdue, waiting_after)
+            self.header_timeout_s, self._headers_overdue)
 
-    def _headers_overdue(self, waiting_after: Any) -> None:
-        self._header_deadline = None
+    def _waiting_for_headers(self) -> bool:
+        """Whether no request runs on this connection and none has come since the deadline was armed."""
         cycle = self.cycle  # type: ignore[attr-defined]
         # httptools makes a pipelined request's cycle as its headers arrive, before the previous response ends:
         # that request may still be running when the deadline armed at that response comes.
         answering = cycle is not None and not cycle.response_complete
-        if cycle is waiting_after and not answering and not self.transport.is_closing():  # type: ignore[attr-defined]
+        return cycle is self._waiting_after and not answering and not self.transport.is_closing()  # type: ignore
+
+    def _headers_overdue(self) -> None:
+        self._header_deadline = None
+        if self._waiting_for_headers():
             self.transport.close()  # type: ignore[attr-defined]
+
+    def _close_longest_waiting(self) -> bool:
+        """Close the other connection that has waited longest for a request; False when none is waiting."""
+        while self.waiting:
+            connection = next(iter(self.waiting))
+            if connection is self:  # the newest: every other one has a request running
+                return False
+            del self.waiting[connection]  # waiting or not: one that waits again is put back at the end
+            if connection._waiting_for_headers():
+                connection.transport.close()
+                return True
+        return False
 
 
 def guarded_protocol(config: ServerConfig, base: type[asyncio.Protocol] = AutoHTTPProtocol) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol ``base`` with ``config``'s connection limit and request-header deadline."""
     attributes = {"max_connections": config.max_connections, "header_timeout_s": config.header_timeout_s,
-                  "over_capacity": staticmethod(over_capacity_app(config))}
+                  "over_capacity": staticmethod(over_capacity_app(config)), "waiting": {}}
     return type(f"Guarded{base.__name__}", (_ConnectionGuard, base), attributes)
 
 
 def over_capacity_app(config: ServerConfig) -> Any:
     """The ASGI app answering a connection over ``max_connections``: one JSON 503 (the route's dialect), then close."""
-    message = f"the server holds its limit of {config.max_connections} connections (max_connections); retry later"
+    message = (f"the server holds its limit of {config.max_connections} connections (max_connections), each with a "
+               "request running; retry later")
     headers = {"Retry-After": str(config.retry_after_s), "Connection": "close"}
 
     async def over_capacity(scope: dict[str, Any], receive: Any, send: Any) -> None:
