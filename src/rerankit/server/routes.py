@@ -7,7 +7,7 @@ every field of the body answers it (when none does, the first dialect's error na
 ``/rerank`` is vLLM's, or TEI's for ``texts``; ``/v1/rerank`` is vLLM's (Jina-compatible), SGLang's for
 ``instruct``/``return_documents``, Cohere-style (Jina, Infinity) for ``return_documents`` with ``model``;
 ``/v2/rerank`` is Cohere's, or vLLM's for its own fields (``truncate_prompt_tokens``, ``instruction``...).
-Errors found before the body is parsed (auth, size, JSON) are in the path's first dialect's format.
+Errors found before the body is parsed (auth, content type, size, JSON) are in the path's first dialect's format.
 """
 
 from __future__ import annotations
