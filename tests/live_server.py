@@ -10,17 +10,22 @@ from typing import Any, Iterator
 
 import uvicorn
 
+from rerankit.server.connections import uvicorn_config
+from rerankit.server.limits import ServerConfig
+
 
 @contextmanager
-def live_server(app: Any) -> Iterator[str]:
-    """Serve the ASGI ``app`` on loopback until the block ends; yields the base URL."""
+def live_server(app: Any, config: ServerConfig | None = None, **options: Any) -> Iterator[str]:
+    """Serve the ASGI ``app`` on loopback until the block ends, with ``config``'s connection settings, as
+    ``rerankit serve`` does (``options``: ``uvicorn_config``'s); yields the base URL."""
     # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted sockets only then; without it Nagle's
     # algorithm and delayed ACKs add ~40 ms to every response.
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
+    server = uvicorn.Server(uvicorn_config(app, config or ServerConfig(), log_level="warning", lifespan="on",
+                                           timeout_graceful_shutdown=2, **options))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20

@@ -108,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="answer 413 to requests of more estimated tokens, after truncation (default: 262144)")
     serve.add_argument("--drain-seconds", type=_non_negative_float,
                        help="on SIGTERM/SIGINT, time given to work in progress before it is answered 503 (default: 10)")
+    serve.add_argument("--max-connections", type=_positive_int,
+                       help="open connections at most; one more is answered 503 and closed (default: 1024)")
+    serve.add_argument("--header-timeout", type=_positive_float, dest="header_timeout_s",
+                       help="seconds a connection has to send a request's headers, else it is closed (default: 10)")
+    serve.add_argument("--timeout-keep-alive", type=_non_negative_float, dest="keep_alive_timeout_s",
+                       help="seconds an idle keep-alive connection stays open (default: 5)")
     serve.add_argument("--no-batching", dest="batching", action="store_false",
                        help="score one request per engine call (to measure what batching gains)")
     serve.add_argument("--no-warmup", dest="warm_up", action="store_false",
@@ -286,7 +292,8 @@ def run_serve(args: argparse.Namespace) -> int:
           max_batch_tokens=args.max_batch_tokens, max_tokens_per_item=args.max_tokens_per_item,
           max_queue_requests=args.max_queue_requests, max_body_bytes=args.max_body_bytes, batching=args.batching,
           warm_up=args.warm_up, rerank_dialect=args.rerank_dialect, max_request_tokens=args.max_request_tokens,
-          drain_seconds=args.drain_seconds)
+          drain_seconds=args.drain_seconds, max_connections=args.max_connections,
+          header_timeout_s=args.header_timeout_s, keep_alive_timeout_s=args.keep_alive_timeout_s)
     return 0
 
 
@@ -336,6 +343,13 @@ def _non_negative_int(text: str) -> int:
 
 def _non_negative_float(text: str) -> float:
     return _number(text, float, 0, float("inf"), "a number >= 0")
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
 
 
 def _port(text: str) -> int:

@@ -37,6 +37,13 @@ class RequestTooLarge(InvalidRequest):
         self.limit = limit
 
 
+class UnsupportedMediaType(InvalidRequest):
+    """A request body that is not declared as JSON (``Content-Type``) where only JSON is taken."""
+
+    status_code = 415
+    error_type = "unsupported_media_type"
+
+
 class Unauthorized(RerankitError):
     """The server has an API key and the request did not carry it."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging.config
 import os
 import socket
 import subprocess
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -20,12 +22,13 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_serve_scores_with_the_model_and_takes_the_api_key_from_the_environment(tiny_bert_cross_encoder):
+def test_serve_scores_logs_its_steps_draws_no_progress_bar_and_takes_the_api_key_from_the_environment(
+        tiny_bert_cross_encoder):
     port = free_port()
     code = (f"from rerankit.server.main import serve; serve({str(tiny_bert_cross_encoder)!r}, port={port}, "
-            "device='cpu', log_level='warning', max_batch_items=64, batch_window_ms=None)")
+            "device='cpu', max_batch_items=512, batch_window_ms=None)")
     env = {**os.environ, "PYTHONPATH": SRC, "RERANKIT_API_KEY": "from-env", "OMP_NUM_THREADS": "1"}
-    server = subprocess.Popen([sys.executable, "-c", code], env=env)
+    server = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -42,12 +45,20 @@ def test_serve_scores_with_the_model_and_takes_the_api_key_from_the_environment(
         reply = httpx.post(url + "/rerank", json=body, headers={"Authorization": "Bearer from-env"}, timeout=30)
         assert reply.status_code == 200, reply.text
         assert sorted(result["index"] for result in reply.json()["results"]) == [0, 1]
+        many = {"query": "capital of France", "documents": [f"d{number}" for number in range(300)]}
+        reply = httpx.post(url + "/rerank", json=many, headers={"Authorization": "Bearer from-env"}, timeout=60)
+        assert reply.status_code == 200, reply.text
     finally:
         server.terminate()
-        server.wait(30)
+        _, log = server.communicate(timeout=30)
+    lines = [line.split(maxsplit=1)[-1] for line in log.splitlines()]
+    assert f"loading {Path(tiny_bert_cross_encoder).name}..." in lines
+    assert any(line.startswith("warming up") for line in lines), log
+    assert f"ready on {url}" in lines
+    assert "item/s" not in log, log  # tqdm's bar: "rerankit: 100%|...| 300/300 [00:01<00:00, 270 item/s]"
 
 
-def test_serve_freezes_the_collector_after_warm_up_unless_told_not_to(monkeypatch):
+def test_serve_freezes_the_collector_shows_no_progress_and_hands_connection_settings_to_uvicorn(monkeypatch):
     from types import SimpleNamespace
 
     import rerankit.reranker
@@ -55,28 +66,62 @@ def test_serve_freezes_the_collector_after_warm_up_unless_told_not_to(monkeypatc
     import rerankit.server.shutdown
     from rerankit.server.main import serve
 
-    configs = []
+    configs, engine_options, servers = [], [], []
 
     class Closing:
         def close(self):
             pass
 
-    class NotRun:
+    class Server:
         started = True
 
-        def __init__(self, config, batcher, drain_seconds):
-            pass
+        def __init__(self, uvicorn_config, batcher, drain_seconds):
+            servers.append(uvicorn_config)
 
-        def run(self):
-            pass
+        def run(self, sockets):
+            assert sockets[0].getsockname()[1] != 0  # bound before the model loaded
+
+    def make_backend(model, **options):
+        engine_options.append(options)
+        return Closing()
 
     def create_app(backend, config):
         configs.append(config)
         return SimpleNamespace(state=SimpleNamespace(batcher=None))
 
-    monkeypatch.setattr(rerankit.reranker, "make_backend", lambda model, **options: Closing())
+    monkeypatch.setattr(rerankit.reranker, "make_backend", make_backend)
     monkeypatch.setattr(rerankit.server.app, "create_app", create_app)
-    monkeypatch.setattr(rerankit.server.shutdown, "DrainingServer", NotRun)
-    serve("some-model")
-    serve("some-model", freeze_gc=False)
+    monkeypatch.setattr(rerankit.server.shutdown, "DrainingServer", Server)
+    monkeypatch.setattr(logging.config, "dictConfig", lambda config: None)  # leaves the session's loggers alone
+    serve("some-model", port=0)
+    serve("some-model", port=0, freeze_gc=False, keep_alive_timeout_s=2.5, header_timeout_s=3, max_connections=7)
     assert [config.freeze_gc for config in configs] == [True, False]
+    assert [options["show_progress"] for options in engine_options] == [False, False]
+    assert servers[1].timeout_keep_alive == 2.5
+    assert (servers[1].http.max_connections, servers[1].http.header_timeout_s) == (7, 3)
+
+
+def test_listen_names_a_port_in_use_and_a_host_that_does_not_resolve():
+    from rerankit.errors import RerankitError
+    from rerankit.server.main import listen
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RerankitError, match=f"^port {port} on 127.0.0.1 is in use$"):
+            listen("127.0.0.1", port)
+    with pytest.raises(RerankitError, match="host 'no-such-host.invalid'"):
+        listen("no-such-host.invalid", 0)
+
+
+def test_serve_hands_the_connection_flags_to_the_server(monkeypatch):
+    from rerankit import cli
+
+    given = {}
+    monkeypatch.setattr(cli, "serve", lambda model, **options: given.update(options))
+    assert cli.main(["serve", "--max-connections", "7", "--header-timeout", "3", "--timeout-keep-alive", "0"]) == 0
+    assert (given["max_connections"], given["header_timeout_s"], given["keep_alive_timeout_s"]) == (7, 3, 0)
+    assert cli.main(["serve"]) == 0 and given["max_connections"] is None and given["header_timeout_s"] is None
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--header-timeout", "0"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import time
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -18,6 +19,7 @@ from starlette.exceptions import HTTPException
 
 from rerankit import __version__
 from rerankit.backend import Backend
+from rerankit.defaults import DEFAULT_MODEL_PACKAGE
 from rerankit.errors import RerankitError
 from rerankit.remote.dialects import get_dialect
 from rerankit.remote.dialects.common import openai_error
@@ -25,12 +27,13 @@ from rerankit.server.batcher import Batcher
 from rerankit.server.limits import ServerConfig, check_api_key
 from rerankit.server.routes import METHODS, ROUTES, error_headers, scoring_endpoint
 
+PACKAGED_MODEL_NAME = "all-MiniLM-L6-v2"
 
 
 def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
     """An app serving ``backend`` under every dialect's routes; the caller keeps ownership of ``backend``."""
     config = config or ServerConfig()
-    model_name = config.served_model_name or backend.model_name
+    model_name = config.served_model_name or public_model_name(backend.model_name)
     batcher = Batcher(backend, config)
     metrics = batcher.metrics
 
@@ -90,6 +93,23 @@ def request_body(dialects: tuple[str, ...]) -> dict[str, Any]:
     schemas = [{**get_dialect(name).request_body.model_json_schema(), "title": f"{name} request"} for name in dialects]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+def public_model_name(model: str | None) -> str:
+    """The name a server publishes for ``model``: a local folder's name, never its path; a hub id or URL as is.
+
+    None is the packaged MiniLM (``make_backend``'s default).
+    """
+    if model is None:
+        return PACKAGED_MODEL_NAME
+    folder = Path(model)
+    if not folder.is_dir():
+        return model
+    folder = folder.resolve()
+    if folder.parent.name == DEFAULT_MODEL_PACKAGE:
+        return PACKAGED_MODEL_NAME
+    # The hub's cache holds a model at models--<org>--<name>/snapshots/<commit>: the hub id names it.
+    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+        return folder.parent.parent.name.removeprefix("models--").replace("--", "/")
+    return folder.name
 
 
 def error_json(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> JSONResponse:

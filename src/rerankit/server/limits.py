@@ -30,6 +30,11 @@ class ServerConfig:
     tokens, and an engine call takes one chunk of each waiting request, least served first. ``max_request_tokens``
     bounds one request's estimated tokens after truncation (413 above it). ``drain_seconds``: on SIGTERM/SIGINT the
     server refuses new work (503) and gives the work in progress this long before answering it 503.
+
+    Connections (``rerankit serve`` only, ``server/connections.py``): a connection opened while ``max_connections``
+    are open gets one JSON 503; a connection whose request headers are not complete ``header_timeout_s`` after it
+    opened (or after its last response) is closed; an idle keep-alive connection is closed after
+    ``keep_alive_timeout_s``.
     """
 
     api_key: str | None = None
@@ -49,18 +54,23 @@ class ServerConfig:
     warm_up: bool = True
     freeze_gc: bool = False
     rerank_dialect: str | None = None
+    max_connections: int = 1024
+    header_timeout_s: float = 10.0
+    keep_alive_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_items_per_request", "max_tokens_per_item", "max_queue_requests",
-                     "max_batch_items", "max_batch_tokens", "max_request_tokens", "max_chunk_tokens"):
+                     "max_batch_items", "max_batch_tokens", "max_request_tokens", "max_chunk_tokens",
+                     "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.batch_window_ms < 0:
-            raise ValueError(f"batch_window_ms must be >= 0, got {self.batch_window_ms}")
+        for name in ("batch_window_ms", "keep_alive_timeout_s", "drain_seconds"):
+            if not getattr(self, name) >= 0:  # also refuses nan
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.header_timeout_s > 0:
+            raise ValueError(f"header_timeout_s must be > 0, got {self.header_timeout_s}")
         if self.rerank_dialect is not None and self.rerank_dialect not in RERANK_DIALECTS:
             raise ValueError(f"rerank_dialect must be one of {', '.join(RERANK_DIALECTS)}, got {self.rerank_dialect!r}")
-        if self.drain_seconds < 0:
-            raise ValueError(f"drain_seconds must be >= 0, got {self.drain_seconds}")
 
 
 def check_api_key(config: ServerConfig, authorization: str | None) -> None:

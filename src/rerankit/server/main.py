@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import copy
+import errno
+import gc
+import logging
+import logging.config
 import math
 import os
+import socket
 import sys
 from typing import Any
 
 API_KEY_ENV = "RERANKIT_API_KEY"
+
+log = logging.getLogger("rerankit.server")
 
 
 def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000, device: str | None = None,
@@ -18,34 +26,96 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
     ``device``, ``dtype``, ``prefix_cache_bytes`` and ``engine_options`` (e.g. the default ``mode``, ``template``,
     ``instruction``) go to the embedded engine (None: its defaults).
     ``api_key`` falls back to the ``RERANKIT_API_KEY`` environment variable. ``settings`` are
-    ``ServerConfig`` fields (``max_batch_items``, ``batch_window_ms``, ``batching``, ``max_queue_requests``...);
-    a setting passed as None keeps its default.
+    ``ServerConfig`` fields (``max_batch_items``, ``batch_window_ms``, ``batching``, ``max_queue_requests``,
+    ``max_connections``, ``header_timeout_s``...); a setting passed as None keeps its default.
+    The port is taken before the model loads: a port in use is a ``RerankitError`` at once.
     """
     from rerankit.errors import RerankitError
-    from rerankit.reranker import make_backend, missing_modules
+    from rerankit.reranker import is_url, make_backend, missing_modules
 
     missing = missing_modules("fastapi", "uvicorn")
     if missing:
         raise RerankitError(f"the server needs {' and '.join(missing)}: pip install 'rerankit[server]'")
-    from rerankit.server.app import create_app
+
+    from rerankit.server.app import create_app, public_model_name
+    from rerankit.server.connections import uvicorn_config
     from rerankit.server.limits import ServerConfig
-    from rerankit.server.shutdown import GRACE_AFTER_DRAIN_S, STARTUP_FAILURE, DrainingServer, uvicorn
+    from rerankit.server.shutdown import GRACE_AFTER_DRAIN_S, STARTUP_FAILURE, DrainingServer
 
     given = {name: value for name, value in settings.items() if value is not None}
     config = ServerConfig(**{"freeze_gc": True, **given, "api_key": api_key or os.environ.get(API_KEY_ENV) or None})
-    options = {name: value for name, value in (("device", device), ("dtype", dtype),
-                                                ("prefix_cache_bytes", prefix_cache_bytes)) if value is not None}
-    backend = make_backend(model, **options, **(engine_options or {}))
-    app = create_app(backend, config)
-    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=math.ceil(config.drain_seconds)
-                                           + GRACE_AFTER_DRAIN_S),
-                            app.state.batcher, config.drain_seconds)
+    engine_options = {**{name: value for name, value in (("device", device), ("dtype", dtype),
+                                                          ("prefix_cache_bytes", prefix_cache_bytes))
+                         if value is not None}, **(engine_options or {})}
+    if not is_url(model):
+        engine_options["show_progress"] = False  # a server's log is no terminal: no progress bars
+    logs = log_config(log_level)
+    logging.config.dictConfig(logs)
+    listener = listen(host, port)
+    raise_open_files_limit(config.max_connections + 256)  # + the model's files, threads and refused connections
     try:
-        server.run()
-    except KeyboardInterrupt:  # uvicorn raises the SIGINT it held once the shutdown is done
-        pass
+        log.info("loading %s...", config.served_model_name or public_model_name(model))
+        backend = make_backend(model, **engine_options)
+        try:
+            app = create_app(backend, config)
+            # uvicorn's own graceful-shutdown timeout outlasts the drain: it never cancels a request itself.
+            server = DrainingServer(uvicorn_config(app, config, host=host, port=port, log_config=logs,
+                                                   log_level=log_level, timeout_graceful_shutdown=math.ceil(
+                                                       config.drain_seconds) + GRACE_AFTER_DRAIN_S),
+                                    app.state.batcher, config.drain_seconds)
+            server.run(sockets=[listener])
+        except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down and raises it again, as uvicorn.run() ignores it
+            pass
+        finally:
+            # What freeze_gc froze is never collected, so the interpreter's exit would find triton's objects alive
+            # and nanobind print ~40 lines of "leaked" warnings.
+            gc.unfreeze()
+            backend.close()
     finally:
-        backend.close()
+        listener.close()
     if not server.started:
         sys.exit(STARTUP_FAILURE)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (not yet listening: clients are refused until the server is ready)."""
+    from rerankit.errors import RerankitError
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise RerankitError(f"host {host!r}: {exc.strerror}") from None
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted sockets only then (else ~40 ms a response).
+    listener = socket.socket(family, kind, proto)
+    # As uvicorn does: a restarted server binds while its old connections sit in TIME_WAIT.
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind(address)
+    except OSError as exc:
+        listener.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise RerankitError(f"port {port} on {host} is in use") from None
+        raise RerankitError(f"cannot listen on port {port} of {host}: {exc.strerror}") from None
+    return listener
+
+
+def raise_open_files_limit(needed: int) -> None:
+    """Lift the soft limit of open files to ``needed`` where the hard limit allows (a connection is a file)."""
+    try:
+        import resource
+    except ImportError:  # Windows: no such limit to lift
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed if hard == resource.RLIM_INFINITY else min(needed, hard),
+                                                    hard))
+
+
+def log_config(level: str) -> dict[str, Any]:
+    """uvicorn's logging config, with rerankit's own lines (loading, ready, failed requests) in the same format."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    logs = copy.deepcopy(LOGGING_CONFIG)
+    logs["loggers"]["rerankit"] = {"handlers": ["default"], "level": level.upper(), "propagate": False}
+    return logs

@@ -14,11 +14,12 @@ fields they do not know and so bodies cannot be told apart by their fields alone
 3. else (a bare ``query``, ``documents``, maybe ``model`` and ``top_n``: truly ambiguous) the default: the server's
    ``rerank_dialect`` where the path speaks it (``rerankit serve --rerank-dialect``), else the path's first.
 
-Errors found before the body is parsed (auth, size, JSON) are in the path's default dialect's format.
+Errors found before the body is parsed (auth, content type, size, JSON) are in the path's default dialect's format.
 """
 
 from __future__ import annotations
 
+import email.message
 import json
 import logging
 import time
@@ -28,7 +29,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
-from rerankit.errors import Cancelled, InvalidRequest, Overloaded, RerankitError, ShuttingDown, Unauthorized
+from rerankit.errors import (Cancelled, InvalidRequest, Overloaded, RerankitError, ShuttingDown, Unauthorized,
+                             UnsupportedMediaType)
 from rerankit.remote.dialects import Dialect, get_dialect
 from rerankit.server.batcher import Batcher
 from rerankit.server.disconnect import unless_disconnected
@@ -107,7 +109,8 @@ def dialect_for(dialects: list[Dialect], body: Any, headers: Mapping[str, str] |
 
 
 async def read_body(request: Request, config: ServerConfig) -> bytes:
-    """The request body, refused (413) as soon as it passes ``max_body_bytes``, declared or streamed."""
+    """The request body: refused (415) unless declared JSON, and (413) as soon as it passes ``max_body_bytes``."""
+    check_json_content_type(request.headers.get("content-type"))
     declared = request.headers.get("content-length", "")
     if declared.isdigit():
         check_body_size(config, int(declared))
@@ -117,6 +120,21 @@ async def read_body(request: Request, config: ServerConfig) -> bytes:
         check_body_size(config, size)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def check_json_content_type(content_type: str | None) -> None:
+    """Raise ``UnsupportedMediaType`` unless ``content_type`` is ``application/json`` or ``application/*+json``.
+
+    A browser posts ``text/plain``, form and typeless bodies cross-site without asking the server first (no CORS
+    preflight); refusing them keeps any web page from scoring on a server without a key. FastAPI (so vLLM) parses
+    the same types as JSON and no others; httpx, requests and the Cohere SDK send ``application/json``.
+    """
+    declared = email.message.Message()
+    declared["content-type"] = content_type or ""
+    subtype = declared.get_content_subtype()
+    if not content_type or declared.get_content_maintype() != "application" or not (
+            subtype == "json" or subtype.endswith("+json")):
+        raise UnsupportedMediaType("Content-Type", f"must be application/json, got {content_type or 'none'!r}")
 
 
 def parse_json(raw: bytes) -> Any:

@@ -1,13 +1,18 @@
-"""Graceful shutdown: the uvicorn server of ``rerankit serve``, whose exit signal first drains the batcher."""
+"""The uvicorn server of ``rerankit serve``: it logs when it is ready, and its exit signal first drains the batcher."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import socket
 from types import FrameType
 
 import uvicorn
 
 from rerankit.server.batcher import Batcher
+from rerankit.server.connections import address
+
+log = logging.getLogger("rerankit.server")
 
 GRACE_AFTER_DRAIN_S = 5  # uvicorn's own graceful-shutdown timeout is the drain time plus this: it never cancels work
 STARTUP_FAILURE = 3  # uvicorn's exit status when the server did not start
@@ -31,6 +36,12 @@ class DrainingServer(uvicorn.Server):
     async def serve(self, sockets: list | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)  # the app's start (the warm-up), then listening on ``sockets``
+        if self.started:
+            listener = (sockets or [server.sockets[0] for server in self.servers])[0]
+            log.info("ready on http://%s", address(self.config.host, listener.getsockname()[1]))
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._loop is not None and self._drain is None:

@@ -1,0 +1,132 @@
+"""How ``rerankit serve`` takes connections: a connection limit, a request-header deadline, the uvicorn config.
+
+uvicorn's own ``limit_concurrency`` answers a plain-text 503, counts a connection at each request (so a client's
+open keep-alive connection can be refused later) and lets idle sockets lock clients out; uvicorn has a keep-alive
+timeout but no deadline for a request's headers: a client that connects and sends nothing, or drips a header byte
+a second (slowloris), keeps its socket for ever. ``guarded_protocol`` adds both to uvicorn's HTTP protocol
+(httptools or h11).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from starlette.responses import JSONResponse
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+from rerankit.remote.dialects import get_dialect
+from rerankit.remote.dialects.common import openai_error
+from rerankit.server.limits import ServerConfig
+from rerankit.server.routes import ROUTES
+
+log = logging.getLogger("rerankit.server")
+
+
+class _ConnectionGuard:
+    """Mixed in before a uvicorn HTTP protocol class; ``guarded_protocol`` sets the class attributes."""
+
+    max_connections: int
+    header_timeout_s: float
+    over_capacity: Any  # the ASGI app that answers a connection over the limit
+    # The server's connections by when they began to wait for a request, oldest first (a dict as an ordered set);
+    # one that has a request running may still be in it, and is dropped when met at the front.
+    waiting: dict[Any, None]
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self._header_deadline: asyncio.TimerHandle | None = None
+        self._arm_header_deadline()
+        # Counted as the connection opens: a connection let in is never refused later. Over the limit, the
+        # connection that has waited longest for a request makes room (idle sockets cannot lock clients out); the
+        # new one is refused only when every other connection has a request running.
+        if len(self.connections) > self.max_connections and not self._close_longest_waiting():  # type: ignore
+            self.app = self.over_capacity
+
+    def on_response_complete(self) -> None:
+        # Armed before uvicorn starts a pipelined request that may already be waiting: its cycle then differs.
+        self._arm_header_deadline()
+        super().on_response_complete()  # type: ignore[misc]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+        self.waiting.pop(self, None)
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def _arm_header_deadline(self) -> None:
+        """Close the connection unless a request's headers are complete within ``header_timeout_s``.
+
+        Both protocols start a new request cycle exactly when a request's headers are complete; unlike the
+        keep-alive timer, bytes that arrive do not push this deadline back.
+        """
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+        self._waiting_after = self.cycle  # type: ignore[attr-defined]
+        self.waiting.pop(self, None)
+        self.waiting[self] = None
+        self._header_deadline = self.loop.call_later(  # type: ignore[attr-defined]
+            self.header_timeout_s, self._headers_overdue)
+
+    def _waiting_for_headers(self) -> bool:
+        """Whether no request runs on this connection and none has come since the deadline was armed."""
+        cycle = self.cycle  # type: ignore[attr-defined]
+        # httptools makes a pipelined request's cycle as its headers arrive, before the previous response ends:
+        # that request may still be running when the deadline armed at that response comes.
+        answering = cycle is not None and not cycle.response_complete
+        return cycle is self._waiting_after and not answering and not self.transport.is_closing()  # type: ignore
+
+    def _headers_overdue(self) -> None:
+        self._header_deadline = None
+        if self._waiting_for_headers():
+            self.transport.close()  # type: ignore[attr-defined]
+
+    def _close_longest_waiting(self) -> bool:
+        """Close the other connection that has waited longest for a request; False when none is waiting."""
+        while self.waiting:
+            connection = next(iter(self.waiting))
+            if connection is self:  # the newest: every other one has a request running
+                return False
+            del self.waiting[connection]  # waiting or not: one that waits again is put back at the end
+            if connection._waiting_for_headers():
+                connection.transport.close()
+                return True
+        return False
+
+
+def guarded_protocol(config: ServerConfig, base: type[asyncio.Protocol] = AutoHTTPProtocol) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol ``base`` with ``config``'s connection limit and request-header deadline."""
+    attributes = {"max_connections": config.max_connections, "header_timeout_s": config.header_timeout_s,
+                  "over_capacity": staticmethod(over_capacity_app(config)), "waiting": {}}
+    return type(f"Guarded{base.__name__}", (_ConnectionGuard, base), attributes)
+
+
+def over_capacity_app(config: ServerConfig) -> Any:
+    """The ASGI app answering a connection over ``max_connections``: one JSON 503 (the route's dialect), then close."""
+    message = (f"the server holds its limit of {config.max_connections} connections (max_connections), each with a "
+               "request running; retry later")
+    headers = {"Retry-After": str(config.retry_after_s), "Connection": "close"}
+
+    async def over_capacity(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        dialects = ROUTES.get(scope.get("path", ""))
+        body = (get_dialect(dialects[0]).error_body(503, message) if dialects
+                else {"error": openai_error(503, message, None, "overloaded")})
+        await JSONResponse(body, status_code=503, headers=headers)(scope, receive, send)
+
+    return over_capacity
+
+
+def uvicorn_config(app: Any, config: ServerConfig, protocol: type[asyncio.Protocol] = AutoHTTPProtocol,
+                   **options: Any) -> Any:
+    """The uvicorn ``Config`` of ``app`` with ``config``'s connection settings on uvicorn's HTTP ``protocol``
+    (httptools where installed, else h11); ``options`` go to uvicorn as is."""
+    import uvicorn
+
+    return uvicorn.Config(app, http=guarded_protocol(config, protocol),
+                          timeout_keep_alive=config.keep_alive_timeout_s, **options)
+
+
+def address(host: str, port: int) -> str:
+    """``host:port``, an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
