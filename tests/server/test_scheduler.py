@@ -85,7 +85,7 @@ async def test_an_engine_call_takes_one_chunk_of_each_waiting_request_and_the_ne
 
 async def test_newcomers_cannot_starve_a_large_request_when_the_budget_takes_one_chunk():
     queue = FairQueue()
-    big = queued(queue, "big", [100] * 6, chunk_tokens=100)
+    queued(queue, "big", [100] * 6, chunk_tokens=100)
     owners = []
     for number in range(6):
         queued(queue, f"new{number}", [100], chunk_tokens=100)

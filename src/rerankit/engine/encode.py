@@ -14,9 +14,10 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, TypeVar
+from collections.abc import Sequence as Texts
+from typing import Any, Callable, TypeVar
 
-from rerankit.engine.lengths import bounded, common_prefix, fit, fit_items, kept_tokens
+from rerankit.engine.lengths import bounded, fit, fit_items, kept_tokens
 from rerankit.engine.load import LoadedModel
 from rerankit.errors import InvalidRequest
 from rerankit.schema import ScoreRequest
@@ -420,7 +421,7 @@ def _item_ids(request: ScoreRequest, loaded: LoadedModel, chunk: _Chunk) -> list
 
 def _tokenize_items(tokenizer: Any, docs: Any, request: ScoreRequest, loaded: LoadedModel,
                     wrap: Callable[[str], str] | None = None,
-                    extra: Sequence[str] = ()) -> tuple[list[list[int]], list[list[int]]]:
+                    extra: Texts[str] = ()) -> tuple[list[list[int]], list[list[int]]]:
     """Token ids of ``extra`` texts and of each document (through ``wrap``, a template's item), in one call.
 
     A document far longer than the tokens that can be kept (``kept_tokens``) is tokenized from a bounded slice of
@@ -433,7 +434,7 @@ def _tokenize_items(tokenizer: Any, docs: Any, request: ScoreRequest, loaded: Lo
 
 def _tokenize_bounded(tokenizer: Any, texts: Any, kept: int | None, policy: str,
                       wrap: Callable[[str], str] | None = None,
-                      extra: Sequence[str] = ()) -> tuple[list[list[int]], list[list[int]]]:
+                      extra: Texts[str] = ()) -> tuple[list[list[int]], list[list[int]]]:
     """``_tokenize_items`` with the kept tokens (None: all) and the side truncation keeps given."""
     wrap = wrap or (lambda text: text)
     need = None if kept is None else kept + TOKEN_MARGIN
