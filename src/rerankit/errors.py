@@ -69,3 +69,17 @@ class Overloaded(RerankitError):
 
     status_code = 429
     error_type = "overloaded"
+
+
+class ReplicaDied(RerankitError):
+    """A data-parallel replica process died with this work in flight, and the one retry elsewhere failed too."""
+
+    status_code = 503
+    error_type = "replica_died"
+
+
+class Cancelled(RerankitError):
+    """The caller stopped waiting (``should_stop`` said so); the work not yet sent was dropped."""
+
+    status_code = 499
+    error_type = "cancelled"
