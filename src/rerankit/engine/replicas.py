@@ -205,7 +205,9 @@ class DataParallelBackend:
             self._closing = True
             self._ready.notify_all()
             for replica in self._replicas:
-                if replica.inbox is not None:
+                if replica.state == "starting" and replica.process is not None:
+                    replica.process.kill()  # it holds no work: no need to wait for its model to load
+                elif replica.inbox is not None:
                     replica.inbox.put(None)
         deadline = time.monotonic() + CLOSE_TIMEOUT_S
         for replica in self._replicas:
