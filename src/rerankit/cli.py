@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefix-cache-mib", type=_non_negative_int,
                        help="local model: GPU/CPU memory for the keys and values of long instructions kept across "
                             "requests (default: 1024; 0: none)")
+    serve.add_argument("--data-parallel-size", type=_replica_count,
+                       help="local model: engine replicas, one process per GPU ('auto': every visible GPU; "
+                            "on CPU, N processes share the cores) (default: 1)")
     serve.add_argument("--max-tokens-per-item", type=_positive_int, help="refuse items with more tokens")
     serve.add_argument("--max-queue-requests", type=_positive_int, help="answer 429 when this many requests wait")
     serve.add_argument("--max-body-bytes", type=_positive_int, help="answer 413 to larger request bodies")
@@ -119,10 +122,10 @@ def refuse_misplaced(args: argparse.Namespace, names: Sequence[str]) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     """``rerankit serve``: hand the flags to the server (a server URL as --model serves it as a proxy)."""
     if is_url(args.model):
-        refuse_misplaced(args, ("device", "dtype", "prefix_cache_mib"))
+        refuse_misplaced(args, ("device", "dtype", "prefix_cache_mib", "data_parallel_size"))
     kept_bytes = None if args.prefix_cache_mib is None else args.prefix_cache_mib << 20
     serve(args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
-          prefix_cache_bytes=kept_bytes, api_key=args.api_key,
+          prefix_cache_bytes=kept_bytes, api_key=args.api_key, data_parallel_size=args.data_parallel_size,
           log_level=args.log_level, served_model_name=args.served_model_name, max_batch_items=args.max_batch_items,
           batch_window_ms=args.batch_window_ms, max_items_per_request=args.max_items_per_request,
           max_batch_tokens=args.max_batch_tokens, max_tokens_per_item=args.max_tokens_per_item,
@@ -174,6 +177,10 @@ def _non_negative_float(text: str) -> float:
     if not value >= 0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
+
+
+def _replica_count(text: str) -> int | str:
+    return text if text == "auto" else _positive_int(text)
 
 
 def _port(text: str) -> int:
