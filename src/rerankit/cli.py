@@ -81,7 +81,36 @@ def build_parser() -> argparse.ArgumentParser:
                        help="answer at once instead of first scoring two synthetic requests (compiling, on a GPU)")
     serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     serve.set_defaults(run=run_serve)
+    add_score_command(commands)
     return parser
+
+
+def add_score_command(commands: argparse._SubParsersAction) -> None:
+    """``rerankit score``: a table of (query, document) pairs in, the same table with a score column out."""
+    score = commands.add_parser("score", help="score a file of (query, document) pairs offline",
+                                description="Score every (query, document) row of a .parquet, .jsonl or .csv file "
+                                            "and write the rows with a score column.")
+    score.add_argument("--input", required=True, help="the pairs: .parquet, .jsonl or .csv")
+    score.add_argument("--output", required=True, help="where to write them scored (.parquet, .jsonl or .csv; "
+                                                       "with --ray, a folder of Parquet files)")
+    score.add_argument("--model", help="model path or hub id (default: the packaged MiniLM)")
+    score.add_argument("--query-column", default="query", help="column of the queries (default: query)")
+    score.add_argument("--document-column", default="document", help="column of the documents (default: document)")
+    score.add_argument("--score-column", default="score", help="column written with the scores (default: score)")
+    score.add_argument("--instruction", help="task instruction, for templates that take one")
+    score.add_argument("--device", help="cpu, cuda, ... (default: the GPU if there is one)")
+    score.add_argument("--dtype", help="float32, bfloat16, float16")
+    score.add_argument("--data-parallel-size", type=_replica_count,
+                       help="without --ray: engine replicas, one process per GPU ('auto': every visible GPU)")
+    score.add_argument("--ray", action="store_true",
+                       help="score on a Ray cluster (RAY_ADDRESS, else a local one) with Ray Data")
+    score.add_argument("--concurrency", type=_positive_int, default=1, help="with --ray: engine actors (default: 1)")
+    score.add_argument("--num-gpus", type=_non_negative_float, default=0.0,
+                       help="with --ray: GPUs per engine actor (default: 0)")
+    score.add_argument("--batch-size", type=_positive_int, default=4096,
+                       help="with --ray: rows per Ray Data batch (default: 4096)")
+    score.add_argument("--no-progress", dest="progress", action="store_false", help="without --ray: no progress bar")
+    score.set_defaults(run=run_score)
 
 
 def run_rank(args: argparse.Namespace) -> int:
@@ -131,6 +160,30 @@ def run_serve(args: argparse.Namespace) -> int:
           max_batch_tokens=args.max_batch_tokens, max_tokens_per_item=args.max_tokens_per_item,
           max_queue_requests=args.max_queue_requests, max_body_bytes=args.max_body_bytes, batching=args.batching,
           warm_up=args.warm_up)
+    return 0
+
+
+def run_score(args: argparse.Namespace) -> int:
+    """``rerankit score``: score the file's pairs here (or on Ray with ``--ray``) and write them with their scores."""
+    engine = {name: value for name, value in (("device", args.device), ("dtype", args.dtype)) if value is not None}
+    columns = {"model": args.model, "query_column": args.query_column, "document_column": args.document_column,
+               "score_column": args.score_column,
+               "request_fields": {} if args.instruction is None else {"instruction": args.instruction}}
+    if args.ray:
+        if args.data_parallel_size is not None:
+            raise InvalidRequest("--data-parallel-size", "does not apply with --ray: use --concurrency")
+        from rerankit.integrations.ray import score_file as score_on_ray
+
+        score_on_ray(args.input, args.output, concurrency=args.concurrency, num_gpus=args.num_gpus,
+                     batch_size=args.batch_size, **columns, **engine)
+        print(f"wrote {args.output}", file=sys.stderr)
+        return 0
+    from rerankit.offline import score_file
+
+    if args.data_parallel_size is not None:
+        engine["data_parallel_size"] = args.data_parallel_size
+    rows = score_file(args.input, args.output, show_progress=args.progress, **columns, **engine)
+    print(f"scored {rows} pairs into {args.output}", file=sys.stderr)
     return 0
 
 

@@ -125,3 +125,25 @@ def with_scores(table: Any, scores: Sequence[float], column: str = "score") -> A
     if column in table.column_names:
         table = table.drop_columns([column])
     return table.append_column(column, pyarrow.array(scores, type=pyarrow.float64()))
+
+
+def score_file(input_path: str | Path, output_path: str | Path, *, model: str | None = None,
+               query_column: str = "query", document_column: str = "document", score_column: str = "score",
+               show_progress: bool = True, request_fields: dict[str, Any] | None = None,
+               **engine_options: Any) -> int:
+    """Score the pairs of ``input_path`` here (``make_backend(model, **engine_options)``) and write them with a
+    ``score_column`` to ``output_path``; returns the number of rows."""
+    from tqdm.auto import tqdm
+
+    from rerankit.reranker import make_backend
+
+    table = read_table(input_path, (query_column, document_column))
+    backend = make_backend(model, **{"show_progress": False, **engine_options})
+    try:
+        with tqdm(total=table.num_rows, unit="pair", desc="rerankit score", disable=not show_progress) as bar:
+            scores = score_pairs(backend, table.column(query_column).to_pylist(),
+                                 table.column(document_column).to_pylist(), bar.update, **(request_fields or {}))
+    finally:
+        backend.close()
+    write_table(with_scores(table, scores, score_column), output_path)
+    return table.num_rows

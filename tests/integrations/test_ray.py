@@ -81,22 +81,30 @@ def _same_scores(got, expected) -> bool:
         [score for _, score in pairs(got)] == pytest.approx([score for _, score in pairs(expected)], abs=1e-6)
 
 
-def test_score_dataset_matches_reranker_score(cluster, tiny_bert_cross_encoder) -> None:
+def test_score_dataset_names_a_missing_column(cluster) -> None:
+    with pytest.raises(InvalidRequest, match="document_column"):
+        score_dataset(ray.data.from_items([{"query": "q", "text": "t"}]))
+
+
+def test_score_dataset_matches_reranker_score_through_rerankit_score_ray(
+        cluster, tiny_bert_cross_encoder, tmp_path) -> None:
+    import pyarrow
+    import pyarrow.parquet as parquet
+
+    from rerankit.cli import main
+
     rng = random.Random(0)
     queries = [" ".join(rng.choices(WORDS, k=4)) for _ in range(30)]
     rows = [{"row": row, "query": queries[row % len(queries)], "document": " ".join(rng.choices(WORDS, k=12))}
             for row in range(3000)]
-    scored = score_dataset(ray.data.from_items(rows), model=str(tiny_bert_cross_encoder), concurrency=1,
-                           batch_size=1000, device="cpu").take_all()
+    parquet.write_table(pyarrow.Table.from_pylist(rows), tmp_path / "pairs.parquet")
 
+    assert main(["score", "--ray", "--input", str(tmp_path / "pairs.parquet"), "--output", str(tmp_path / "out"),
+                 "--model", str(tiny_bert_cross_encoder), "--device", "cpu", "--batch-size", "1000"]) == 0
+    scored = parquet.read_table(tmp_path / "out").to_pylist()
     assert sorted(row["row"] for row in scored) == list(range(len(rows)))
     with Reranker(str(tiny_bert_cross_encoder), device="cpu") as reranker:
         for query in queries:
             mine = sorted((row for row in scored if row["query"] == query), key=lambda row: row["row"])
             expected = reranker.score(ScoreRequest(query=query, items=[row["document"] for row in mine])).scores
             assert [row["score"] for row in mine] == pytest.approx(expected, abs=1e-5)
-
-
-def test_score_dataset_names_a_missing_column(cluster) -> None:
-    with pytest.raises(InvalidRequest, match="document_column"):
-        score_dataset(ray.data.from_items([{"query": "q", "text": "t"}]))

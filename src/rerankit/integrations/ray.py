@@ -142,3 +142,18 @@ def score_dataset(ds: Any, *, query_column: str = "query", document_column: str 
                                "score_column": score_column, "engine_options": engine_options,
                                "request_fields": request_fields or {}},
     )
+
+
+def score_file(input_path: str, output_path: str, **options: Any) -> None:
+    """``rerankit score --ray``: read ``input_path`` (.parquet, .jsonl, .csv) as a Ray dataset on the cluster that
+    ``ray.init()`` finds (``RAY_ADDRESS``) or a local one, score it with ``score_dataset(**options)`` and write
+    Parquet files into the folder ``output_path``."""
+    _require_ray()
+    import ray
+
+    readers = {".parquet": ray.data.read_parquet, ".jsonl": ray.data.read_json, ".csv": ray.data.read_csv}
+    suffix = os.path.splitext(input_path)[1]
+    if suffix not in readers:
+        raise InvalidRequest("--input", f"{input_path} must end in one of {', '.join(readers)}")
+    ray.init(ignore_reinit_error=True)
+    score_dataset(readers[suffix](input_path), **options).write_parquet(output_path)
