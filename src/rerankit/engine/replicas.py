@@ -225,6 +225,7 @@ class DataParallelBackend:
                 if replica.inbox is not None:
                     replica.inbox.close()
                     replica.inbox.cancel_join_thread()  # messages no process will read must not block exit
+                replica.inbox = replica.replies = None  # its semaphores go back now, not at interpreter exit
 
     def __enter__(self) -> "DataParallelBackend":
         return self
