@@ -13,7 +13,7 @@ from rerankit.defaults import default_model_path
 from rerankit.engine import EmbeddedBackend
 from rerankit.engine.replicas import DataParallelBackend, replica_devices
 from rerankit.engine.shards import MIN_SHARD_TOKENS, cut, item_tokens
-from rerankit.errors import Cancelled, InvalidRequest
+from rerankit.errors import Cancelled, InvalidRequest, ReplicaDied
 from rerankit.reranker import make_backend
 from rerankit.schema import ScoreRequest
 
@@ -115,3 +115,28 @@ def test_a_killed_replica_is_restarted_and_its_work_retried_once(
         time.sleep(0.05)
     assert replicas.replica_pids[0] != old_pid and victim.restarts == 1
     assert_same(replicas.score_batch(REQUESTS), expected)
+
+
+def test_work_whose_retry_dies_too_fails_with_replica_died(replicas: DataParallelBackend) -> None:
+    first, second = replicas._replicas
+    outcome: dict = {}
+
+    def call() -> None:
+        try:
+            replicas.score_batch(REQUESTS)
+        except ReplicaDied as error:
+            outcome["error"] = error
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    deadline = time.monotonic() + 30
+    while not first.tasks:
+        assert time.monotonic() < deadline and caller.is_alive()
+        time.sleep(0.005)
+    os.kill(first.process.pid, signal.SIGKILL)
+    while not any(task.retried for task in second.tasks.values()):  # replica 1 now holds replica 0's work
+        assert time.monotonic() < deadline and caller.is_alive()
+        time.sleep(0.005)
+    os.kill(second.process.pid, signal.SIGKILL)
+    caller.join(60)
+    assert not caller.is_alive() and "already been retried once" in str(outcome["error"])

@@ -18,7 +18,7 @@ import multiprocessing
 import os
 import threading
 import time
-from concurrent.futures import Future, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_ready
@@ -191,8 +191,11 @@ class DataParallelBackend:
     def warm_up(self) -> float:
         """Warm every replica up at once (``EmbeddedBackend.warm_up``); returns the seconds the slowest took."""
         with self._lock:
-            tasks = [_Task(next(self._task_ids), "warm_up", None, 0) for _ in self._replicas]
-            for task, replica in zip(tasks, self._replicas):
+            running = [replica for replica in self._replicas if replica.state != "down"]
+            if not running:
+                raise ReplicaDied("no replica is running: every one failed to start or died too often")
+            tasks = [_Task(next(self._task_ids), "warm_up", None, 0) for _ in running]
+            for task, replica in zip(tasks, running):
                 self._send(task, replica)
         self._wait_for(tasks, None)
         return max(task.future.result() for task in tasks)
@@ -270,10 +273,15 @@ class DataParallelBackend:
         replica.inbox.put((task.kind, task.id, task.requests))
 
     def _wait_for(self, tasks: list[_Task], should_stop: Callable[[], bool] | None) -> None:
-        """Block (without the lock) until every task is answered; ``Cancelled`` once ``should_stop`` says so."""
+        """Block (without the lock) until every task is answered; raise the first task's error as soon as it comes,
+        and ``Cancelled`` once ``should_stop`` says so."""
         futures = [task.future for task in tasks]
         while True:
-            _, pending = wait(futures, timeout=None if should_stop is None else STOP_POLL_S)
+            done, pending = wait(futures, timeout=None if should_stop is None else STOP_POLL_S,
+                                 return_when=FIRST_EXCEPTION)
+            failed = [future.exception() for future in done if future.exception() is not None]
+            if failed:
+                raise failed[0]  # a failed task fails the call: the others' answers are dropped when they come
             if not pending:
                 return
             if should_stop is not None and should_stop():
