@@ -108,3 +108,16 @@ def test_score_dataset_matches_reranker_score_through_rerankit_score_ray(
             mine = sorted((row for row in scored if row["query"] == query), key=lambda row: row["row"])
             expected = reranker.score(ScoreRequest(query=query, items=[row["document"] for row in mine])).scores
             assert [row["score"] for row in mine] == pytest.approx(expected, abs=1e-5)
+
+
+def test_serve_run_builder_takes_string_arguments_and_names_a_bad_one() -> None:
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary as serve_run_builds
+
+    from rerankit.integrations.ray import app
+
+    built = serve_run_builds(app, {"model": "m", "num_replicas": "2", "num_gpus": "1", "device": "cuda"})
+    deployment = built._bound_deployment
+    assert deployment._deployment_config.num_replicas == 2 and deployment.ray_actor_options["num_gpus"] == 1
+    assert deployment.init_args == ("m", {"device": "cuda"}, {})
+    with pytest.raises(InvalidRequest, match="num_replicas"):
+        serve_run_builds(app, {"num_replicas": "two"})

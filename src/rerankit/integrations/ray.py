@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from rerankit.errors import InvalidRequest, RerankitError
 from rerankit.offline import score_pairs
@@ -89,8 +89,13 @@ class AppArgs(BaseModel):
     max_batch_tokens: int | None = None
 
 
-def app(args: AppArgs) -> Any:
+def app(arguments: dict[str, str]) -> Any:
     """The builder ``serve run rerankit.integrations.ray:app model=... num_replicas=2 num_gpus=1`` calls."""
+    try:
+        args = AppArgs.model_validate(arguments)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise InvalidRequest(".".join(map(str, first["loc"])) or "arguments", first["msg"]) from None
     engine = {name: value for name, value in (("device", args.device), ("dtype", args.dtype)) if value is not None}
     server = {name: value for name, value in (("api_key", args.api_key or os.environ.get("RERANKIT_API_KEY")),
                                               ("max_batch_items", args.max_batch_items),
