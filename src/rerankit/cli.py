@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefix-cache-mib", type=_non_negative_int,
                        help="local model: GPU/CPU memory for the keys and values of long instructions kept across "
                             "requests (default: 1024; 0: none)")
+    serve.add_argument("--data-parallel-size", type=_replica_count,
+                       help="local model: engine replicas, one process per GPU ('auto': every visible GPU; "
+                            "on CPU, N processes share the cores) (default: 1)")
     serve.add_argument("--max-tokens-per-item", type=_positive_int, help="refuse items with more tokens")
     serve.add_argument("--max-queue-requests", type=_positive_int, help="answer 429 when this many requests wait")
     serve.add_argument("--max-body-bytes", type=_positive_int, help="answer 413 to larger request bodies")
@@ -120,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="answer at once instead of first scoring two synthetic requests (compiling, on a GPU)")
     serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     serve.set_defaults(run=run_serve)
+    add_score_command(commands)
     return parser
 
 
@@ -179,6 +183,32 @@ def scoring_request(args: argparse.Namespace, documents: list[str]) -> ScoreRequ
               "top_n": getattr(args, "top_n", None)}
     return ScoreRequest(query=args.query, items=documents,
                         **{name: value for name, value in fields.items() if value is not None})
+def add_score_command(commands: argparse._SubParsersAction) -> None:
+    """``rerankit score``: a table of (query, document) pairs in, the same table with a score column out."""
+    score = commands.add_parser("score", help="score a file of (query, document) pairs offline",
+                                description="Score every (query, document) row of a .parquet, .jsonl or .csv file "
+                                            "and write the rows with a score column.")
+    score.add_argument("--input", required=True, help="the pairs: .parquet, .jsonl or .csv")
+    score.add_argument("--output", required=True, help="where to write them scored (.parquet, .jsonl or .csv; "
+                                                       "with --ray, a folder of Parquet files)")
+    score.add_argument("--model", help="model path or hub id (default: the packaged MiniLM)")
+    score.add_argument("--query-column", default="query", help="column of the queries (default: query)")
+    score.add_argument("--document-column", default="document", help="column of the documents (default: document)")
+    score.add_argument("--score-column", default="score", help="column written with the scores (default: score)")
+    score.add_argument("--instruction", help="task instruction, for templates that take one")
+    score.add_argument("--device", help="cpu, cuda, ... (default: the GPU if there is one)")
+    score.add_argument("--dtype", help="float32, bfloat16, float16")
+    score.add_argument("--data-parallel-size", type=_replica_count,
+                       help="without --ray: engine replicas, one process per GPU ('auto': every visible GPU)")
+    score.add_argument("--ray", action="store_true",
+                       help="score on a Ray cluster (RAY_ADDRESS, else a local one) with Ray Data")
+    score.add_argument("--concurrency", type=_positive_int, default=1, help="with --ray: engine actors (default: 1)")
+    score.add_argument("--num-gpus", type=_non_negative_float, default=0.0,
+                       help="with --ray: GPUs per engine actor (default: 0)")
+    score.add_argument("--batch-size", type=_positive_int, default=4096,
+                       help="with --ray: rows per Ray Data batch (default: 4096)")
+    score.add_argument("--no-progress", dest="progress", action="store_false", help="without --ray: no progress bar")
+    score.set_defaults(run=run_score)
 
 
 def run_rank(args: argparse.Namespace) -> int:
@@ -281,11 +311,11 @@ def run_serve(args: argparse.Namespace) -> int:
     """``rerankit serve``: hand the flags to the server (a server URL as --model serves it as a proxy)."""
     if is_url(args.model):
         refuse_misplaced(args, ("device", "dtype", "prefix_cache_mib", "template", "template_file", "mode",
-                                "instruction"))
+                                "instruction", "data_parallel_size"))
     kept_bytes = None if args.prefix_cache_mib is None else args.prefix_cache_mib << 20
     defaults = {"template": chosen_template(args), "mode": args.mode, "instruction": args.instruction}
     serve(args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
-          prefix_cache_bytes=kept_bytes, api_key=args.api_key,
+          prefix_cache_bytes=kept_bytes, api_key=args.api_key, data_parallel_size=args.data_parallel_size,
           engine_options={name: value for name, value in defaults.items() if value is not None},
           log_level=args.log_level, served_model_name=args.served_model_name, max_batch_items=args.max_batch_items,
           batch_window_ms=args.batch_window_ms, max_items_per_request=args.max_items_per_request,
@@ -294,6 +324,30 @@ def run_serve(args: argparse.Namespace) -> int:
           warm_up=args.warm_up, rerank_dialect=args.rerank_dialect, max_request_tokens=args.max_request_tokens,
           drain_seconds=args.drain_seconds, max_connections=args.max_connections,
           header_timeout_s=args.header_timeout_s, keep_alive_timeout_s=args.keep_alive_timeout_s)
+    return 0
+
+
+def run_score(args: argparse.Namespace) -> int:
+    """``rerankit score``: score the file's pairs here (or on Ray with ``--ray``) and write them with their scores."""
+    engine = {name: value for name, value in (("device", args.device), ("dtype", args.dtype)) if value is not None}
+    columns = {"model": args.model, "query_column": args.query_column, "document_column": args.document_column,
+               "score_column": args.score_column,
+               "request_fields": {} if args.instruction is None else {"instruction": args.instruction}}
+    if args.ray:
+        if args.data_parallel_size is not None:
+            raise InvalidRequest("--data-parallel-size", "does not apply with --ray: use --concurrency")
+        from rerankit.integrations.ray import score_file as score_on_ray
+
+        score_on_ray(args.input, args.output, concurrency=args.concurrency, num_gpus=args.num_gpus,
+                     batch_size=args.batch_size, **columns, **engine)
+        print(f"wrote {args.output}", file=sys.stderr)
+        return 0
+    from rerankit.offline import score_file
+
+    if args.data_parallel_size is not None:
+        engine["data_parallel_size"] = args.data_parallel_size
+    rows = score_file(args.input, args.output, show_progress=args.progress, **columns, **engine)
+    print(f"scored {rows} pairs into {args.output}", file=sys.stderr)
     return 0
 
 
@@ -350,6 +404,10 @@ def _positive_float(text: str) -> float:
     if not value > 0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
+
+
+def _replica_count(text: str) -> int | str:
+    return text if text == "auto" else _positive_int(text)
 
 
 def _port(text: str) -> int:

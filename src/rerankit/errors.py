@@ -85,8 +85,16 @@ class ShuttingDown(RerankitError):
     error_type = "shutting_down"
 
 
+class ReplicaDied(RerankitError):
+    """A data-parallel replica process died with this work in flight, and the one retry elsewhere failed too."""
+
+    status_code = 503
+    error_type = "replica_died"
+
+
 class Cancelled(RerankitError):
-    """The work was stopped before it finished because every caller waiting for it went away."""
+    """The work was stopped before it finished because every caller waiting for it went away (``should_stop``)."""
 
     status_code = 499  # nginx's "client closed request": nobody is left to read it
+    error_type = "cancelled"
     error_type = "cancelled"

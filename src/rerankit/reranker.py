@@ -29,6 +29,7 @@ def make_backend(model: str | Sequence[str] | None = None, **options: Any) -> Ba
 
     ``model=None`` is the embedded default, the packaged all-MiniLM-L6-v2 bi-encoder.
     Options go to the backend (embedded: device, dtype, mode, template, ...; remote: dialect, api_key, ...).
+    ``data_parallel_size`` N (or "auto": every visible GPU) runs N embedded replicas, one process per device.
     """
     if is_url(model):
         from rerankit.remote import RemoteBackend
@@ -50,6 +51,11 @@ def make_backend(model: str | Sequence[str] | None = None, **options: Any) -> Ba
         from rerankit.defaults import default_model_path
 
         model = default_model_path()
+    if options.get("data_parallel_size", 1) != 1:  # one engine process per device (engine/replicas.py)
+        from rerankit.engine.replicas import DataParallelBackend
+
+        return DataParallelBackend(str(model), **options)
+    options.pop("data_parallel_size", None)
     return EmbeddedBackend(str(model), **options)
 
 

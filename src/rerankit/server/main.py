@@ -20,11 +20,13 @@ log = logging.getLogger("rerankit.server")
 
 def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000, device: str | None = None,
           dtype: str | None = None, prefix_cache_bytes: int | None = None, api_key: str | None = None,
-          log_level: str = "info", engine_options: dict[str, Any] | None = None, **settings: Any) -> None:
+          log_level: str = "info", data_parallel_size: int | str | None = None,
+          engine_options: dict[str, Any] | None = None, **settings: Any) -> None:
     """Serve ``model`` (path or hub id; None: the packaged MiniLM) until interrupted.
 
     ``device``, ``dtype``, ``prefix_cache_bytes`` and ``engine_options`` (e.g. the default ``mode``, ``template``,
-    ``instruction``) go to the embedded engine (None: its defaults).
+    ``instruction``) go to the embedded engine (None: its defaults); ``data_parallel_size`` N (or "auto") runs N
+    engine replicas, one process per device (``engine/replicas.py``).
     ``api_key`` falls back to the ``RERANKIT_API_KEY`` environment variable. ``settings`` are
     ``ServerConfig`` fields (``max_batch_items``, ``batch_window_ms``, ``batching``, ``max_queue_requests``,
     ``max_connections``, ``header_timeout_s``...); a setting passed as None keeps its default.
@@ -45,7 +47,8 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
     given = {name: value for name, value in settings.items() if value is not None}
     config = ServerConfig(**{"freeze_gc": True, **given, "api_key": api_key or os.environ.get(API_KEY_ENV) or None})
     engine_options = {**{name: value for name, value in (("device", device), ("dtype", dtype),
-                                                          ("prefix_cache_bytes", prefix_cache_bytes))
+                                                          ("prefix_cache_bytes", prefix_cache_bytes),
+                                                          ("data_parallel_size", data_parallel_size))
                          if value is not None}, **(engine_options or {})}
     if not is_url(model):
         engine_options["show_progress"] = False  # a server's log is no terminal: no progress bars

@@ -1,0 +1,103 @@
+"""The process of one data-parallel replica: load an ``EmbeddedBackend`` on one device, score what the parent sends.
+
+Messages. Parent -> replica, on the replica's inbox queue: ``(kind, task_id, payload)`` with kind "score" (payload:
+a list of ``ScoreRequest``) or "warm_up", and ``None`` to stop. Replica -> parent, on its own pipe:
+``("ready", model_name, load_seconds)`` or ``("load_failed", error)`` once, then ``("done", task_id, result)`` or
+``("failed", task_id, error)`` per task. Errors travel packed (``pack_error``): rerankit's errors take other
+arguments than their message, so the default pickling of exceptions cannot rebuild them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import queue
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+PARENT_CHECK_S = 1.0  # how often an idle replica checks that its parent still runs (it exits with it)
+
+
+PackedError = tuple[str, str, str, str, dict[str, Any]]
+
+
+def pack_error(error: BaseException) -> PackedError:
+    """An exception as plain data: its class's module and name, its message and its attributes."""
+    attributes = {name: value for name, value in vars(error).items() if _plain(value)}
+    return ("error", type(error).__module__, type(error).__qualname__, _message(error), attributes)
+
+
+def unpack_error(packed: PackedError) -> Exception:
+    """The exception ``pack_error`` packed, of its own class where that class can be imported here."""
+    _, module, name, message, attributes = packed
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        error = cls.__new__(cls)
+        Exception.__init__(error, message)
+        error.__dict__.update(attributes)
+        return error
+    except (ImportError, AttributeError, TypeError):
+        from rerankit.errors import RerankitError
+
+        return RerankitError(f"{module}.{name}: {message}")
+
+
+def is_packed_error(value: Any) -> bool:
+    """True for what ``pack_error`` returns."""
+    return isinstance(value, tuple) and len(value) == 5 and value[0] == "error"
+
+
+def _message(error: BaseException) -> str:
+    return error.args[0] if len(error.args) == 1 and isinstance(error.args[0], str) else str(error)
+
+
+def _plain(value: Any) -> bool:
+    return value is None or isinstance(value, (str, int, float, bool))
+
+
+def replica_main(model: str, options: dict[str, Any], threads: int | None, inbox: multiprocessing.Queue,
+                 outbox: Connection) -> None:
+    """Entry point of a replica process (spawned): load, say ready, then score tasks until told to stop."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)  # N CPU replicas share the cores instead of each taking them all
+    from rerankit.engine.backend import EmbeddedBackend
+
+    begun = time.perf_counter()
+    try:
+        backend = EmbeddedBackend(model, **options)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it as its own
+        outbox.send(("load_failed", pack_error(exc)))
+        return
+    outbox.send(("ready", backend.model_name, time.perf_counter() - begun))
+    try:
+        while (message := _next_task(inbox)) is not None:
+            kind, task_id, payload = message
+            try:
+                if kind == "warm_up":
+                    result: Any = backend.warm_up()
+                else:
+                    result = [pack_error(outcome) if isinstance(outcome, BaseException) else outcome
+                              for outcome in backend.score_batch(payload, return_exceptions=True)]
+            except Exception as exc:  # noqa: BLE001 - an error of the whole call (out of memory): the parent's
+                outbox.send(("failed", task_id, pack_error(exc)))
+                continue
+            outbox.send(("done", task_id, result))
+    finally:
+        backend.close()
+
+
+def _next_task(inbox: multiprocessing.Queue) -> tuple | None:
+    """The next message, or None once told to stop or once the parent is gone (no orphan keeps a GPU)."""
+    parent = multiprocessing.parent_process()
+    while True:
+        try:
+            return inbox.get(timeout=PARENT_CHECK_S)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                return None
+        except (EOFError, OSError):
+            return None
+

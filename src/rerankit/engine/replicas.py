@@ -1,0 +1,416 @@
+"""``DataParallelBackend``: one engine replica per device, each in its own process, behind one Backend.
+
+Host-side launch time bounds this engine, so replicas do not share an interpreter: each is a spawned process
+(``replica_worker.py``; spawn, not fork, as CUDA cannot be forked) that loads an ``EmbeddedBackend`` on its device.
+The parent cuts a call into shards (``shards.py``: a large request is split by estimated tokens), hands each shard
+to the replica with the least estimated work outstanding (so concurrent calls spread by load), and puts the answers
+back in input order. One collector thread reads every replica's pipe and watches its process: a replica that dies
+is logged as a ``ReplicaDied`` error and restarted, and the tasks it held go once to another replica; a task whose
+retry dies too fails with ``ReplicaDied``. A task is answered once, by the first reply that arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_ready
+from typing import Any, Callable
+
+from rerankit.engine.replica_worker import is_packed_error, replica_main, unpack_error
+from rerankit.engine.shards import cut, merge
+from rerankit.errors import Cancelled, InvalidRequest, ModelLoadError, RerankitError, ReplicaDied
+from rerankit.schema import ScoreRequest, ScoreResponse
+
+log = logging.getLogger("rerankit.replicas")
+
+MAX_RESTARTS = 3  # a replica that dies more often than this stays down (a model that cannot run there)
+STOP_POLL_S = 0.05  # how often a waiting call asks ``should_stop``
+CLOSE_TIMEOUT_S = 10.0  # a replica that has not exited this long after being told to stop is killed
+
+
+@dataclass
+class _Task:
+    """Work for one replica: a list of requests to score (or a warm-up), answered through ``future``."""
+
+    id: int
+    kind: str
+    requests: list[ScoreRequest] | None
+    tokens: int
+    future: Future = field(default_factory=Future)
+    retried: bool = False
+
+
+@dataclass
+class _Replica:
+    """One replica process, its inbox queue and its reply pipe, and the tasks it holds."""
+
+    index: int
+    device: str
+    process: Any = None
+    inbox: Any = None
+    replies: Connection | None = None
+    state: str = "starting"  # "starting" -> "ready"; "down" for good after a failed load or too many restarts
+    restarts: int = 0
+    started_at: float = 0.0  # time.monotonic() of the latest spawn
+    startup_seconds: float | None = None  # spawn to ready: interpreter, imports, model load
+    failure: Exception | None = None  # why it failed to load
+    tasks: dict[int, _Task] = field(default_factory=dict)
+
+    @property
+    def load(self) -> int:
+        """Estimated tokens of the work sent and not answered."""
+        return sum(task.tokens for task in self.tasks.values())
+
+
+def replica_devices(device: str | None, data_parallel_size: int | str) -> list[str]:
+    """The device of each replica: ``cuda:0..N-1`` on GPUs (``"auto"``: every visible one), ``cpu`` N times."""
+    import torch
+
+    kind = (device or ("cuda" if torch.cuda.is_available() else "cpu")).split(":")[0]
+    visible = torch.cuda.device_count() if kind == "cuda" else 1
+    if data_parallel_size == "auto":
+        size = visible
+    elif isinstance(data_parallel_size, int) and not isinstance(data_parallel_size, bool) and data_parallel_size >= 1:
+        size = data_parallel_size
+    else:
+        raise InvalidRequest("data_parallel_size", f"must be an int >= 1 or 'auto', got {data_parallel_size!r}")
+    if kind == "cuda":
+        if size > visible:
+            raise InvalidRequest("data_parallel_size", f"asks for {size} replicas but {visible} GPUs are visible")
+        return [f"cuda:{index}" for index in range(size)]
+    if kind != "cpu":
+        raise InvalidRequest("device", f"data parallel runs on 'cuda' or 'cpu', got {device!r}")
+    return ["cpu"] * size
+
+
+class DataParallelBackend:
+    """Scores requests on ``data_parallel_size`` replicas of an ``EmbeddedBackend``, one process per device.
+
+    ``device="cuda"`` puts replica i on ``cuda:i`` (``data_parallel_size="auto"``: every visible GPU);
+    ``device="cpu"`` runs N CPU processes that share the cores. Other options go to each replica's
+    ``EmbeddedBackend``. Replicas load in parallel; the constructor returns once every one is ready.
+    """
+
+    def __init__(self, model: str, *, data_parallel_size: int | str = "auto", device: str | None = None,
+                 startup_timeout_s: float = 600.0, **engine_options: Any) -> None:
+        devices = replica_devices(device, data_parallel_size)
+        self._model = model
+        self._options = {"show_progress": False, **engine_options}
+        self._threads = max(1, (os.cpu_count() or 1) // len(devices)) if devices[0] == "cpu" else None
+        self._context = multiprocessing.get_context("spawn")
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._task_ids = itertools.count()
+        self._closing = False
+        self._model_name = model
+        self._replicas = [_Replica(index, device) for index, device in enumerate(devices)]
+        with self._lock:
+            for replica in self._replicas:
+                self._start(replica)
+        self._collector = threading.Thread(target=self._collect_forever, name="rerankit-replicas", daemon=True)
+        self._collector.start()
+        self._wait_until_ready(startup_timeout_s)
+
+    @property
+    def model_name(self) -> str:
+        """The model the replicas score with, as they report it."""
+        return self._model_name
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many replicas there are (running or restarting)."""
+        return len(self._replicas)
+
+    @property
+    def replica_pids(self) -> list[int | None]:
+        """The process id of each replica (a restarted replica has a new one)."""
+        return [replica.process.pid if replica.process is not None else None for replica in self._replicas]
+
+    @property
+    def startup_seconds(self) -> list[float | None]:
+        """How long each replica's latest start took, from spawn to ready (interpreter, imports, model), in s."""
+        return [replica.startup_seconds for replica in self._replicas]
+
+    def score(self, request: ScoreRequest) -> ScoreResponse:
+        """Score every item of ``request``; one result per item, in input order."""
+        return self.score_batch([request])[0]  # type: ignore[return-value]
+
+    async def ascore(self, request: ScoreRequest) -> ScoreResponse:
+        """``score`` on a worker thread, so the event loop keeps running (and other calls reach other replicas)."""
+        return await asyncio.to_thread(self.score, request)
+
+    def score_batch(self, requests: list[ScoreRequest], *, return_exceptions: bool = False,
+                    should_stop: Callable[[], bool] | None = None) -> list[ScoreResponse | RerankitError]:
+        """Score several requests across the replicas; one response per request, in order.
+
+        A request the engine refuses raises its error (``return_exceptions``: the error takes its place); an error
+        of a whole replica call raises for the call. ``should_stop`` is asked before each dispatch and while the
+        call waits; once it says True the call raises ``Cancelled`` (work already sent finishes and is dropped).
+        """
+        shards = cut(requests, self._live_count())
+        tasks: list[tuple[_Task, list[int]]] = []  # each task and the positions in ``shards`` of its requests
+        with self._lock:
+            planned = {replica.index: replica.load for replica in self._replicas}
+            grouped: dict[int, list[int]] = {}
+            for number in sorted(range(len(shards)), key=lambda n: -shards[n].tokens):
+                target = self._least_loaded(planned)
+                planned[target.index] += shards[number].tokens
+                grouped.setdefault(target.index, []).append(number)
+        for index, numbers in grouped.items():
+            if should_stop is not None and should_stop():
+                raise Cancelled("the caller stopped waiting before every part of the call was sent")
+            numbers.sort()
+            task = _Task(next(self._task_ids), "score", [shards[n].request_of(requests) for n in numbers],
+                         sum(shards[n].tokens for n in numbers))
+            with self._lock:  # a replica that went down for good since the plan: the least loaded instead
+                replica = self._replicas[index]
+                if replica.state == "down":
+                    replica = self._least_loaded({r.index: r.load for r in self._replicas})
+                self._send(task, replica)
+            tasks.append((task, numbers))
+        self._wait_for([task for task, _ in tasks], should_stop)
+        outcomes: list[Any] = [None] * len(shards)
+        for task, numbers in tasks:
+            for number, outcome in zip(numbers, task.future.result()):
+                outcomes[number] = unpack_error(outcome) if is_packed_error(outcome) else outcome
+        merged = merge(requests, shards, outcomes)
+        if not return_exceptions:
+            for outcome in merged:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+        return merged
+
+    def warm_up(self) -> float:
+        """Warm every replica up at once (``EmbeddedBackend.warm_up``); returns the seconds the slowest took."""
+        with self._lock:
+            running = [replica for replica in self._replicas if replica.state != "down"]
+            if not running:
+                raise ReplicaDied("no replica is running: every one failed to start or died too often")
+            tasks = [_Task(next(self._task_ids), "warm_up", None, 0) for _ in running]
+            for task, replica in zip(tasks, running):
+                self._send(task, replica)
+        self._wait_for(tasks, None)
+        return max(task.future.result() for task in tasks)
+
+    def close(self) -> None:
+        """Stop every replica (killed if it has not exited within 10 s); later calls raise ``ModelLoadError``."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            self._ready.notify_all()
+            for replica in self._replicas:
+                if replica.state == "starting" and replica.process is not None:
+                    replica.process.kill()  # it holds no work: no need to wait for its model to load
+                elif replica.inbox is not None:
+                    replica.inbox.put(None)
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        for replica in self._replicas:
+            if replica.process is not None:
+                replica.process.join(max(0.0, deadline - time.monotonic()))
+                if replica.process.is_alive():
+                    replica.process.kill()
+                    replica.process.join()
+        self._collector.join(CLOSE_TIMEOUT_S)
+        with self._lock:
+            for replica in self._replicas:
+                self._fail_all(replica, ModelLoadError("this DataParallelBackend is closed"))
+                if replica.replies is not None:
+                    replica.replies.close()
+                if replica.inbox is not None:
+                    replica.inbox.close()
+                    replica.inbox.cancel_join_thread()  # messages no process will read must not block exit
+                replica.inbox = replica.replies = None  # its semaphores go back now, not at interpreter exit
+
+    def __enter__(self) -> "DataParallelBackend":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # Everything below runs with ``self._lock`` held unless it says otherwise.
+
+    def _start(self, replica: _Replica) -> None:
+        """Spawn ``replica``'s process with a fresh inbox and pipe (a killed process may have left them broken)."""
+        receiver, sender = self._context.Pipe(duplex=False)
+        replica.inbox = self._context.Queue()
+        replica.replies = receiver
+        replica.state = "starting"
+        replica.started_at = time.monotonic()
+        options = {**self._options, "device": replica.device}
+        replica.process = self._context.Process(target=replica_main, name=f"rerankit-replica-{replica.index}",
+                                                args=(self._model, options, self._threads, replica.inbox, sender),
+                                                daemon=True)
+        replica.process.start()
+        sender.close()  # the child holds the only writing end: its death reads as end-of-file here
+
+    def _live_count(self) -> int:
+        with self._lock:
+            return max(1, sum(replica.state != "down" for replica in self._replicas))
+
+    def _least_loaded(self, planned: dict[int, int], avoid: int | None = None) -> _Replica:
+        candidates = [replica for replica in self._replicas if replica.state != "down"]
+        if avoid is not None and len(candidates) > 1:
+            candidates = [replica for replica in candidates if replica.index != avoid]
+        if not candidates:
+            raise ReplicaDied("no replica is running: every one failed to start or died too often")
+        # ties go to a ready replica before one that is still starting
+        return min(candidates, key=lambda replica: (planned[replica.index], replica.state != "ready", replica.index))
+
+    def _send(self, task: _Task, replica: _Replica) -> None:
+        if self._closing:
+            task.future.set_exception(ModelLoadError("this DataParallelBackend is closed"))
+            return
+        replica.tasks[task.id] = task
+        replica.inbox.put((task.kind, task.id, task.requests))
+
+    def _wait_for(self, tasks: list[_Task], should_stop: Callable[[], bool] | None) -> None:
+        """Block (without the lock) until every task is answered; raise the first task's error as soon as it comes,
+        and ``Cancelled`` once ``should_stop`` says so."""
+        futures = [task.future for task in tasks]
+        while True:
+            done, pending = wait(futures, timeout=None if should_stop is None else STOP_POLL_S,
+                                 return_when=FIRST_EXCEPTION)
+            failed = [future.exception() for future in done if future.exception() is not None]
+            if failed:
+                raise failed[0]  # a failed task fails the call: the others' answers are dropped when they come
+            if not pending:
+                return
+            if should_stop is not None and should_stop():
+                raise Cancelled("the caller stopped waiting; the replicas' answers are dropped")
+
+    def _wait_until_ready(self, timeout_s: float) -> None:
+        """Block until every replica is ready; a replica that fails to load fails the constructor."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while any(replica.state == "starting" for replica in self._replicas):
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closing:
+                    break
+                self._ready.wait(left)
+            failed = self._load_error if any(replica.state != "ready" for replica in self._replicas) else None
+        if failed is not None:
+            self.close()
+            raise failed
+
+    @property
+    def _load_error(self) -> RerankitError:
+        reasons = [replica.failure or "did not start in time" for replica in self._replicas
+                   if replica.state != "ready"]
+        return ModelLoadError(f"{len(reasons)} of {len(self._replicas)} replicas of {self._model!r} did not start: "
+                              + "; ".join(map(str, reasons)))
+
+    # The collector thread.
+
+    def _collect_forever(self) -> None:
+        """Read every replica's replies and watch its process until the backend closes."""
+        while True:
+            with self._lock:
+                if self._closing:
+                    return
+                watched = {}
+                for replica in self._replicas:
+                    if replica.state != "down":
+                        watched[replica.replies] = replica
+                        watched[replica.process.sentinel] = replica
+            for ready in wait_ready(list(watched), timeout=0.5):
+                replica = watched[ready]
+                with self._lock:
+                    if self._closing or replica.replies not in watched:  # restarted meanwhile
+                        continue
+                    if ready is replica.replies:
+                        self._read(replica)
+                    else:
+                        self._drain(replica)
+                        self._died(replica, f"exit code {replica.process.exitcode}")
+
+    def _read(self, replica: _Replica) -> None:
+        try:
+            message = replica.replies.recv()
+        except (EOFError, OSError):
+            replica.process.join(1.0)  # the pipe closes as the process ends; let the exit code settle
+            self._died(replica, f"its pipe closed (exit code {replica.process.exitcode})")
+            return
+        self._handle(replica, message)
+
+    def _drain(self, replica: _Replica) -> None:
+        """Handle the replies a dead replica sent before it died: work it finished is not done twice."""
+        try:
+            while replica.replies.poll():
+                self._handle(replica, replica.replies.recv())
+        except (EOFError, OSError):
+            pass
+
+    def _handle(self, replica: _Replica, message: tuple) -> None:
+        kind = message[0]
+        if kind == "ready":
+            _, self._model_name, load_seconds = message
+            replica.state = "ready"
+            replica.startup_seconds = time.monotonic() - replica.started_at
+            log.info("replica %d on %s ready in %.1f s (model load %.1f s)", replica.index, replica.device,
+                     replica.startup_seconds, load_seconds)
+            self._ready.notify_all()
+        elif kind == "load_failed":
+            replica.failure = unpack_error(message[1])
+            replica.state = "down"
+            log.error("replica %d on %s failed to load: %s", replica.index, replica.device, replica.failure)
+            self._retry_all(replica)
+            self._ready.notify_all()
+        else:
+            _, task_id, payload = message
+            task = replica.tasks.pop(task_id, None)
+            if task is None or task.future.done():
+                return
+            if kind == "done":
+                task.future.set_result(payload)
+            else:
+                task.future.set_exception(unpack_error(payload))
+
+    def _died(self, replica: _Replica, how: str) -> None:
+        if replica.state == "down":
+            return
+        replica.restarts += 1
+        held = len(replica.tasks)
+        restart = replica.restarts <= MAX_RESTARTS
+        log.error("%s", ReplicaDied(f"replica {replica.index} on {replica.device} died ({how}) holding {held} "
+                                    f"task(s); {'restarting it' if restart else 'it stays down'} "
+                                    f"(restart {replica.restarts} of {MAX_RESTARTS})"))
+        replica.replies.close()
+        replica.inbox.close()
+        replica.inbox.cancel_join_thread()
+        replica.state = "down"
+        if restart:  # first, so that a lone replica can take its own work back
+            self._start(replica)
+        self._retry_all(replica)
+
+    def _retry_all(self, replica: _Replica) -> None:
+        """Send the tasks ``replica`` held to another replica (itself restarted if it is the only one), once;
+        a task already retried fails."""
+        held, replica.tasks = list(replica.tasks.values()), {}
+        for task in held:
+            if task.retried or task.kind != "score":
+                task.future.set_exception(ReplicaDied(
+                    f"replica {replica.index} on {replica.device} died with this work, "
+                    + ("which had already been retried once" if task.retried else "during its warm-up")))
+                continue
+            task.retried = True
+            try:
+                target = self._least_loaded({r.index: r.load for r in self._replicas}, avoid=replica.index)
+            except ReplicaDied as error:
+                task.future.set_exception(error)
+                continue
+            self._send(task, target)
+
+    def _fail_all(self, replica: _Replica, error: RerankitError) -> None:
+        held, replica.tasks = list(replica.tasks.values()), {}
+        for task in held:
+            if not task.future.done():
+                task.future.set_exception(error)

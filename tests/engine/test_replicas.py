@@ -1,0 +1,142 @@
+"""Data parallel on CPU: two replica processes score like one engine, and a killed one loses and repeats nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from rerankit.defaults import default_model_path
+from rerankit.engine import EmbeddedBackend
+from rerankit.engine.replicas import DataParallelBackend, replica_devices
+from rerankit.engine.shards import MIN_SHARD_TOKENS, cut, item_tokens
+from rerankit.errors import Cancelled, InvalidRequest, ReplicaDied
+from rerankit.reranker import make_backend
+from rerankit.schema import ScoreRequest
+
+DOCS = [f"document {number} on the capital of france and gravity " * (1 + number % 5) for number in range(150)]
+
+
+@pytest.fixture(scope="module")
+def single() -> EmbeddedBackend:
+    backend = EmbeddedBackend(default_model_path(), device="cpu", show_progress=False)
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def replicas() -> DataParallelBackend:
+    backend = make_backend(None, device="cpu", data_parallel_size=2, startup_timeout_s=120)
+    yield backend
+    backend.close()
+
+
+REQUESTS = [ScoreRequest(query="capital of france", items=DOCS),  # cut across both replicas
+            ScoreRequest(query="gravity", items=DOCS[5:12]),  # kept whole
+            ScoreRequest(query="one", items=["a single document"])]
+
+
+@pytest.fixture(scope="module")
+def expected(single: EmbeddedBackend) -> list:
+    return single.score_batch(REQUESTS)
+
+
+def assert_same(got, expected) -> None:
+    for response, reference in zip(got, expected, strict=True):
+        assert [result.index for result in response.results] == list(range(len(reference.results)))
+        # a cut request runs in other micro-batches than the whole one: float32 sums may differ in the last bits
+        assert response.scores == pytest.approx(reference.scores, abs=1e-5)
+        assert response.usage.prompt_tokens == reference.usage.prompt_tokens
+
+
+def test_cut_covers_every_item_once_in_contiguous_runs() -> None:
+    requests = REQUESTS
+    shards = cut(requests, 2)
+    large = [shard for shard in shards if shard.position == 0]
+    assert len(large) == 2 and large[0].stop == large[1].start
+    assert sum(item_tokens(requests[0])) > 2 * MIN_SHARD_TOKENS
+    for position, request in enumerate(requests):
+        covered = [item for shard in shards if shard.position == position for item in range(shard.start, shard.stop)]
+        assert covered == list(range(len(request.items)))
+    assert len(cut(requests, 1)) == len(requests)
+
+
+def test_data_parallel_size_is_checked_before_any_process_starts() -> None:
+    with pytest.raises(InvalidRequest, match="data_parallel_size"):
+        replica_devices("cpu", 0)
+    with pytest.raises(InvalidRequest, match="data_parallel_size"):
+        replica_devices("cpu", "all")
+    assert replica_devices("cpu", 3) == ["cpu"] * 3
+
+
+def test_two_replicas_score_like_one(replicas: DataParallelBackend, expected: list) -> None:
+    assert_same(replicas.score_batch(REQUESTS), expected)
+    assert replicas.score(REQUESTS[1]).scores == pytest.approx(expected[1].scores, abs=1e-6)
+
+
+def test_a_refused_request_keeps_its_typed_error_and_the_others_are_scored(
+        replicas: DataParallelBackend, single: EmbeddedBackend) -> None:
+    bad = ScoreRequest(query="q", items=[[10**9]])  # a token id past the vocabulary
+    good = ScoreRequest(query="gravity", items=DOCS[:3])
+    outcomes = replicas.score_batch([good, bad], return_exceptions=True)
+    assert outcomes[0].scores == pytest.approx(single.score(good).scores, abs=1e-6)
+    assert isinstance(outcomes[1], InvalidRequest) and outcomes[1].field
+    with pytest.raises(InvalidRequest):
+        replicas.score_batch([good, bad])
+
+
+def test_should_stop_cancels_the_call(replicas: DataParallelBackend) -> None:
+    with pytest.raises(Cancelled):
+        replicas.score_batch(REQUESTS, should_stop=lambda: True)
+
+
+def test_a_killed_replica_is_restarted_and_its_work_retried_once(
+        replicas: DataParallelBackend, expected: list, caplog: pytest.LogCaptureFixture) -> None:
+    victim = replicas._replicas[0]
+    old_pid = victim.process.pid
+    outcome: dict = {}
+    call = threading.Thread(target=lambda: outcome.setdefault("got", replicas.score_batch(REQUESTS)))
+    call.start()
+    deadline = time.monotonic() + 30
+    while not victim.tasks:  # the call's work for replica 0 is on its way
+        assert time.monotonic() < deadline and call.is_alive()
+        time.sleep(0.005)
+    os.kill(old_pid, signal.SIGKILL)
+    call.join(120)
+    assert not call.is_alive(), "the call did not finish after its replica was killed"
+    assert_same(outcome["got"], expected)
+    assert "replica 0 on cpu died" in caplog.text and "holding 1 task(s)" in caplog.text  # it was retried
+    deadline = time.monotonic() + 120
+    while victim.state != "ready":  # restarted in the background
+        assert time.monotonic() < deadline, "the killed replica did not come back"
+        time.sleep(0.05)
+    assert replicas.replica_pids[0] != old_pid and victim.restarts == 1
+    assert_same(replicas.score_batch(REQUESTS), expected)
+
+
+def test_work_whose_retry_dies_too_fails_with_replica_died(replicas: DataParallelBackend) -> None:
+    first, second = replicas._replicas
+    outcome: dict = {}
+
+    def call() -> None:
+        try:
+            replicas.score_batch(REQUESTS)
+        except ReplicaDied as error:
+            outcome["error"] = error
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    deadline = time.monotonic() + 30
+    while not first.tasks:
+        assert time.monotonic() < deadline and caller.is_alive()
+        time.sleep(0.005)
+    os.kill(first.process.pid, signal.SIGKILL)
+    while not any(task.retried for task in second.tasks.values()):  # replica 1 now holds replica 0's work
+        assert time.monotonic() < deadline and caller.is_alive()
+        time.sleep(0.005)
+    os.kill(second.process.pid, signal.SIGKILL)
+    caller.join(60)
+    assert not caller.is_alive() and "already been retried once" in str(outcome["error"])

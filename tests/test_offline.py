@@ -1,0 +1,50 @@
+"""``rerankit score`` without Ray: a pairs file in, the same rows with their scores out, grouped by query."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pyarrow = pytest.importorskip("pyarrow")
+import pyarrow.parquet as parquet  # noqa: E402
+
+from rerankit import Reranker  # noqa: E402
+from rerankit.cli import main  # noqa: E402
+from rerankit.offline import CALL_ITEMS, _calls  # noqa: E402
+from rerankit.schema import ScoreRequest  # noqa: E402
+
+ROWS = [{"id": row, "q": f"query {row % 3} about paris", "text": f"document {row} on the capital of france"}
+        for row in range(40)]
+
+
+def test_score_writes_every_row_with_the_score_reranker_gives(tmp_path, tiny_bert_cross_encoder, capsys) -> None:
+    source, target = tmp_path / "pairs.parquet", tmp_path / "scored.jsonl"
+    parquet.write_table(pyarrow.Table.from_pylist(ROWS), source)
+
+    code = main(["score", "--input", str(source), "--output", str(target), "--model", str(tiny_bert_cross_encoder),
+                 "--device", "cpu", "--query-column", "q", "--document-column", "text", "--no-progress"])
+
+    assert code == 0 and "scored 40 pairs" in capsys.readouterr().err
+    scored = [json.loads(line) for line in target.read_text().splitlines()]
+    assert [row["id"] for row in scored] == list(range(40))
+    with Reranker(str(tiny_bert_cross_encoder), device="cpu") as reranker:
+        for query in {row["q"] for row in ROWS}:
+            mine = [row for row in scored if row["q"] == query]
+            expected = reranker.score(ScoreRequest(query=query, items=[row["text"] for row in mine])).scores
+            assert [row["score"] for row in mine] == pytest.approx(expected, abs=1e-6)
+
+
+def test_score_names_a_missing_column(tmp_path, capsys) -> None:
+    source = tmp_path / "pairs.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+
+    assert main(["score", "--input", str(source), "--output", str(tmp_path / "out.csv")]) == 2
+    assert "no column 'query'" in capsys.readouterr().err
+
+
+def test_calls_keep_query_runs_whole_and_bounded() -> None:
+    runs = [(f"q{number}", list(range(size))) for number, size in enumerate([1000, 1000, 100, 3000, 5])]
+    calls = _calls(runs)
+    assert [run for call in calls for run in call] == runs
+    assert all(sum(len(rows) for _, rows in call) <= CALL_ITEMS or len(call) == 1 for call in calls)
