@@ -29,8 +29,8 @@ class Connection:
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
 
-    async def request(self, method: str, path: str, body: object | None = None) -> tuple[int, bytes]:
-        """Send one request (``body`` as JSON) and return (status, body bytes)."""
+    async def request(self, method: str, path: str, body: object | None = None) -> tuple[int, bytes, dict[str, str]]:
+        """Send one request (``body`` as JSON) and return (status, body bytes, headers with lower-case names)."""
         payload = b"" if body is None else json.dumps(body).encode()
         head = (f"{method} {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
                 f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode()
@@ -46,7 +46,7 @@ class Connection:
                     raise HttpError(str(error) or type(error).__name__) from error
         raise AssertionError("unreachable")
 
-    async def _read_reply(self) -> tuple[int, bytes]:
+    async def _read_reply(self) -> tuple[int, bytes, dict[str, str]]:
         assert self._reader is not None
         header = await self._reader.readuntil(b"\r\n\r\n")
         lines = header.decode("latin-1").split("\r\n")
@@ -61,7 +61,7 @@ class Connection:
             raise HttpError("reply without a length")
         if fields.get("connection", "").lower() == "close":
             self.close()
-        return status, body
+        return status, body, fields
 
     async def _read_chunked(self) -> bytes:
         assert self._reader is not None

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import httpx
+from loadgen import Connection, HttpError
 
 WORDS = ("the capital of France is Paris and the river Seine runs through it while gravity attracts bodies "
          "towards each other and the quick brown fox jumps over the lazy dog in a small village near the sea "
@@ -61,40 +62,44 @@ def batch_counters(page: str) -> tuple[int, float]:
 
 async def run_load(url: str, route: str, clients: int, duration: float, docs: int, doc_words: int,
                    label_token_ids: list[int] | None, warmup: int = 4) -> dict:
-    """Keep ``clients`` requests in flight for ``duration`` seconds; throughput, latency, errors."""
+    """Keep ``clients`` requests in flight for ``duration`` seconds, each client on its own keep-alive connection
+    (``loadgen``: one shared httpx pool, not the server, set the pace past ~32 clients); throughput, latency,
+    errors."""
     latencies: list[float] = []
     errors = rejected = 0
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120) as client:
-        rng = random.Random(0)
-        for _ in range(warmup):
-            (await client.post(route, json=make_body(rng, docs, doc_words, label_token_ids))).raise_for_status()
-        calls_before, requests_before = batch_counters((await client.get("/metrics")).text)
-        deadline = time.perf_counter() + duration
+    probe = Connection(url)
+    rng = random.Random(0)
+    for _ in range(warmup):
+        status, _, _ = await probe.request("POST", route, make_body(rng, docs, doc_words, label_token_ids))
+        if status != 200:
+            raise SystemExit(f"a warm-up request was answered {status}")
+    calls_before, requests_before = batch_counters((await probe.request("GET", "/metrics"))[1].decode())
+    deadline = time.perf_counter() + duration
 
-        async def one_client(seed: int) -> None:
-            nonlocal errors, rejected
-            client_rng = random.Random(seed)
-            while time.perf_counter() < deadline:
-                body = make_body(client_rng, docs, doc_words, label_token_ids)
-                begun = time.perf_counter()
-                try:
-                    reply = await client.post(route, json=body)
-                    status = reply.status_code
-                except httpx.HTTPError:
-                    status = None
-                if status == 200:
-                    latencies.append(time.perf_counter() - begun)
-                elif status == 429:  # the queue is full: wait as told, as a client should
-                    rejected += 1
-                    await asyncio.sleep(float(reply.headers.get("retry-after", 1)))
-                else:
-                    errors += 1
+    async def one_client(seed: int) -> None:
+        nonlocal errors, rejected
+        client_rng, connection = random.Random(seed), Connection(url)
+        while time.perf_counter() < deadline:
+            body = make_body(client_rng, docs, doc_words, label_token_ids)
+            begun = time.perf_counter()
+            try:
+                status, _, headers = await connection.request("POST", route, body)
+            except (HttpError, OSError, asyncio.TimeoutError):
+                status, headers = None, {}
+            if status == 200:
+                latencies.append(time.perf_counter() - begun)
+            elif status == 429:  # the queue is full: wait as told, as a client should
+                rejected += 1
+                await asyncio.sleep(float(headers.get("retry-after", 1)))
+            else:
+                errors += 1
+        connection.close()
 
-        begun = time.perf_counter()
-        await asyncio.gather(*(one_client(seed) for seed in range(1, clients + 1)))
-        elapsed = time.perf_counter() - begun
-        calls_after, requests_after = batch_counters((await client.get("/metrics")).text)
+    begun = time.perf_counter()
+    await asyncio.gather(*(one_client(seed) for seed in range(1, clients + 1)))
+    elapsed = time.perf_counter() - begun
+    calls_after, requests_after = batch_counters((await probe.request("GET", "/metrics"))[1].decode())
+    probe.close()
     calls = calls_after - calls_before
     return {
         "clients": clients, "docs_per_request": docs, "seconds": round(elapsed, 2), "requests": len(latencies),
