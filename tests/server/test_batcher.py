@@ -170,3 +170,36 @@ def test_token_estimate_is_exact_for_ids_and_bytes_over_four_for_text():
     assert estimate_tokens(ScoreRequest(query=[1, 2], items=[[3, 4, 5], [6]])) == (2 + 3) + (2 + 1)
     assert estimate_tokens(ScoreRequest(query="abcdefgh", items=["x" * 40])) == 2 + 10
     assert estimate_tokens(ScoreRequest(query="abcd", items=["x" * 400], max_tokens_per_item=7)) == 1 + 7
+
+
+class TwoReplicaBackend(RecordingBackend):
+    """A data-parallel backend of two replicas: each call waits on the gate until both calls are in."""
+
+    data_parallel_size = 2
+
+    def __init__(self) -> None:
+        super().__init__(hold_first_call=True)
+        self.inside = 0
+        self.most_inside = 0
+
+    def _record(self, requests):
+        self.inside += 1
+        self.most_inside = max(self.most_inside, self.inside)
+        if self.inside == 2:
+            self.gate.set()
+        try:
+            super()._record(requests)
+        finally:
+            self.inside -= 1
+
+
+async def test_a_data_parallel_backend_gets_one_engine_call_a_replica_at_once():
+    backend = TwoReplicaBackend()
+    batcher = await started(backend, batch_window_ms=1)
+    first = asyncio.create_task(batcher.submit(request("first")))
+    await asyncio.to_thread(backend.entered.wait, 5)
+    second = await asyncio.wait_for(batcher.submit(request("second")), 10)  # runs while "first" is held
+    assert (await asyncio.wait_for(first, 10)).scores == second.scores == [3.0]
+    await asyncio.wait_for(batcher.drain(5), 10)  # idle once both calls ended
+    await batcher.stop()
+    assert backend.most_inside == 2 and sorted(backend.calls) == [["first"], ["second"]]

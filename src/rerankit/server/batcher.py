@@ -1,5 +1,6 @@
 """Batching across requests: a fair queue of request chunks in front of the engine, one engine call at a time, in a
-worker thread. What goes into each call is ``scheduler.FairQueue``'s rule; this module decides when calls go.
+worker thread (or one a replica, for a backend of ``data_parallel_size`` replicas). What goes into each call is
+``scheduler.FairQueue``'s rule; this module decides when calls go.
 
 When. A request that finds the server idle (no engine call ended within the last ``batch_window_ms``) is sent at
 once. While the server is busy, the next call waits for company: until every caller the last call answered has sent
@@ -59,8 +60,12 @@ class Batcher:
         self._arrived = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
-        # One engine thread: a model runs one call at a time; more threads would only contend for it.
-        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rerankit-engine")
+        # One engine thread a replica: a model runs one call at a time; more threads would only contend for it. A
+        # data-parallel backend takes as many calls at once as it has replicas, each on a replica of its own.
+        calls = max(1, int(getattr(backend, "data_parallel_size", 1) or 1))
+        self._engine_thread = ThreadPoolExecutor(max_workers=calls, thread_name_prefix="rerankit-engine")
+        self._free_calls = asyncio.Semaphore(calls) if calls > 1 else None
+        self._calls: set[asyncio.Task] = set()  # engine calls running, where several may
         self._dispatcher: asyncio.Task | None = None
         self._live: set[Submission] = set()  # submitted and not answered yet, queued or running
         self._last_end = -math.inf  # loop time the last engine call ended
@@ -117,12 +122,13 @@ class Batcher:
     async def stop(self) -> None:
         """Stop the dispatcher; whatever is still queued or running is answered ``ShuttingDown``."""
         self._draining = self._abort = True
-        if self._dispatcher is not None:
-            self._dispatcher.cancel()
-            try:
-                await self._dispatcher
-            except asyncio.CancelledError:
-                pass
+        for task in (self._dispatcher, *self._calls):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
         self._fail_everything(ShuttingDown("the server is shutting down"))
         self._engine_thread.shutdown(wait=True)
 
@@ -169,15 +175,33 @@ class Batcher:
     async def _dispatch_forever(self) -> None:
         while True:
             while not self._queue:
-                self._idle.set()
+                if not self._calls:
+                    self._idle.set()
                 self._arrived.clear()
                 await self._arrived.wait()
+            if self._free_calls is not None:
+                await self._free_calls.acquire()  # a replica is free
             if self.config.batching:
                 await self._wait_for_company()
             budget = (self.config.max_batch_items, self.call_tokens)
             pieces = self._queue.take(*budget, max_requests=None if self.config.batching else 1)
-            if pieces:
-                await self._run(pieces)
+            if self._free_calls is None:
+                if pieces:
+                    await self._run(pieces)
+            elif not pieces:
+                self._free_calls.release()
+            else:
+                call = asyncio.get_running_loop().create_task(self._run(pieces))
+                self._calls.add(call)
+                call.add_done_callback(self._call_done)
+
+    def _call_done(self, call: asyncio.Task) -> None:
+        """A concurrent engine call ended: its replica is free, and the server idle if nothing else is left."""
+        self._calls.discard(call)
+        self._free_calls.release()
+        if not self._calls and not self._queue:
+            self._idle.set()
+        self._arrived.set()  # wake the dispatcher: it may wait for a free replica's turn or an empty queue
 
     async def _wait_for_company(self) -> None:
         """While busy: until the last call's callers have all sent again, the budget is full, or the window ends."""
