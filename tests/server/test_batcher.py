@@ -203,3 +203,48 @@ async def test_a_data_parallel_backend_gets_one_engine_call_a_replica_at_once():
     await asyncio.wait_for(batcher.drain(5), 10)  # idle once both calls ended
     await batcher.stop()
     assert backend.most_inside == 2 and sorted(backend.calls) == [["first"], ["second"]]
+
+
+class ProxyBackend:
+    """Like a ``RemoteBackend``: ``score``/``ascore`` only; holds each call until ``width`` calls are inside."""
+
+    model_name = "proxy"
+    max_concurrency = 3
+
+    def __init__(self) -> None:
+        import threading
+        self.lock = threading.Lock()
+        self.all_inside = threading.Event()
+        self.inside = self.most_inside = 0
+        self.requests: list[ScoreRequest] = []
+
+    def score(self, request: ScoreRequest):
+        from rerankit.schema import ScoreResponse, ScoreResult
+        with self.lock:
+            self.requests.append(request)
+            self.inside += 1
+            self.most_inside = max(self.most_inside, self.inside)
+            if self.inside == self.max_concurrency:
+                self.all_inside.set()
+        try:
+            self.all_inside.wait(5)
+            return ScoreResponse(model=self.model_name,
+                                 results=[ScoreResult(index=i, score=1.0) for i in range(len(request.items))])
+        finally:
+            with self.lock:
+                self.inside -= 1
+
+    async def ascore(self, request: ScoreRequest):
+        return self.score(request)
+
+
+async def test_a_backend_without_score_batch_gets_whole_requests_several_calls_at_once():
+    backend = ProxyBackend()
+    batcher = await started(backend, max_chunk_tokens=256, max_batch_items=4)
+    big = ScoreRequest(query="big", items=["word " * 100] * 20)  # many chunks' worth, for a local engine
+    tasks = [batcher.submit(big), batcher.submit(request("a")), batcher.submit(request("b"))]
+    responses = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    await batcher.stop()
+    assert backend.most_inside == 3  # all three in flight together, none waited for another
+    assert len(responses[0].results) == 20
+    assert sorted(len(r.items) for r in backend.requests) == [1, 1, 20]  # one request a call, never cut

@@ -62,6 +62,11 @@ class RemoteBackend:
         """The model given, else the one the server named (after discovery or a response), else the URL."""
         return self._model or self._served_model or self.transport.endpoints.urls[0]
 
+    @property
+    def max_concurrency(self) -> int:
+        """Requests this backend sends at once: a server in front of it keeps this many calls in flight."""
+        return self.transport.config.max_concurrency
+
     def score(self, request: ScoreRequest) -> ScoreResponse:
         """Score on the server within the deadline; one result per item, in input order."""
         deadline = self.transport.deadline()

@@ -1,6 +1,8 @@
 """Batching across requests: a fair queue of request chunks in front of the engine, one engine call at a time, in a
 worker thread (or one a replica, for a backend of ``data_parallel_size`` replicas). What goes into each call is
-``scheduler.FairQueue``'s rule; this module decides when calls go.
+``scheduler.FairQueue``'s rule; this module decides when calls go. A backend without ``score_batch`` (a remote
+server, ``rerankit serve --model http://...``) gets each request whole in a call of its own, up to its
+``max_concurrency`` calls at once, sent as soon as a call is free.
 
 When. A request that finds the server idle (no engine call ended within the last ``batch_window_ms``) is sent at
 once. While the server is busy, the next call waits for company: until every caller the last call answered has sent
@@ -29,8 +31,8 @@ from rerankit.errors import Cancelled, Overloaded, RequestTooLarge, ShuttingDown
 from rerankit.schema import ScoreRequest, ScoreResponse
 from rerankit.server.limits import ServerConfig
 from rerankit.server.metrics import Metrics
-from rerankit.server.scheduler import (FairQueue, Piece, Submission, estimate_tokens, item_tokens, power_of_two_floor,
-                                       split)
+from rerankit.server.scheduler import (Chunk, FairQueue, Piece, Submission, estimate_tokens, item_tokens,
+                                       power_of_two_floor, split)
 
 __all__ = ["Batcher", "estimate_tokens", "score_each", "warm_up_shapes"]
 
@@ -47,6 +49,9 @@ MIN_CHUNK_TOKENS = 256
 CALL_CHUNKS = 16
 RATE_DECAY = 0.8  # the throughput figure is the best recent one: small calls (launch-bound) do not drag it down
 WARM_UP_ITEM_OVERHEAD = 8  # tokens of a warm-up pair that are not its item's words: query, template, specials
+# Calls in flight for a backend without ``score_batch`` (a proxy: ``rerankit serve --model http://...``) that does
+# not say its ``max_concurrency``: each call is one whole request, and the far server batches them itself.
+PROXY_CALLS = 8
 
 
 class Batcher:
@@ -61,8 +66,14 @@ class Batcher:
         self._idle = asyncio.Event()
         self._idle.set()
         # One engine thread a replica: a model runs one call at a time; more threads would only contend for it. A
-        # data-parallel backend takes as many calls at once as it has replicas, each on a replica of its own.
-        calls = max(1, int(getattr(backend, "data_parallel_size", 1) or 1))
+        # data-parallel backend takes as many calls at once as it has replicas, each on a replica of its own. A
+        # backend without ``score_batch`` (a remote server) scores one request a call, so it gets several calls in
+        # flight (its ``max_concurrency``), each a whole request: the remote client splits large ones itself.
+        self._one_by_one = getattr(backend, "score_batch", None) is None
+        if self._one_by_one:
+            calls = max(1, int(getattr(backend, "max_concurrency", None) or PROXY_CALLS))
+        else:
+            calls = max(1, int(getattr(backend, "data_parallel_size", 1) or 1))
         self._engine_thread = ThreadPoolExecutor(max_workers=calls, thread_name_prefix="rerankit-engine")
         self._free_calls = asyncio.Semaphore(calls) if calls > 1 else None
         self._calls: set[asyncio.Task] = set()  # engine calls running, where several may
@@ -159,7 +170,9 @@ class Batcher:
             raise Overloaded(f"the queue holds {len(self._queue)} requests; the limit is "
                              f"{self.config.max_queue_requests} (max_queue_requests)")
         future = asyncio.get_running_loop().create_future()
-        submission = Submission(request, split(tokens, self.chunk_tokens, self.config.max_batch_items), future)
+        chunks = ([Chunk(0, len(tokens), sum(tokens))] if self._one_by_one
+                  else split(tokens, self.chunk_tokens, self.config.max_batch_items))
+        submission = Submission(request, chunks, future)
         self._queue.add(submission)
         self._live.add(submission)
         future.add_done_callback(lambda _: self._live.discard(submission))
@@ -181,10 +194,11 @@ class Batcher:
                 await self._arrived.wait()
             if self._free_calls is not None:
                 await self._free_calls.acquire()  # a replica is free
-            if self.config.batching:
+            if self.config.batching and not self._one_by_one:
                 await self._wait_for_company()
             budget = (self.config.max_batch_items, self.call_tokens)
-            pieces = self._queue.take(*budget, max_requests=None if self.config.batching else 1)
+            one = self._one_by_one or not self.config.batching
+            pieces = self._queue.take(*budget, max_requests=1 if one else None)
             if self._free_calls is None:
                 if pieces:
                     await self._run(pieces)
