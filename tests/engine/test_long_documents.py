@@ -154,3 +154,18 @@ def test_a_template_given_by_its_pieces_is_rendered_for_a_raw_server():
     request = ScoreRequest(query="q", items=["d"], template=pieces, label_token_ids=LABELS)
     _, body = get_dialect("vllm-generative").encode_request(request, None)
     assert body["query"] == "Q: q\n" and body["items"] == ["D: d\nOK?"]
+
+
+@pytest.mark.parametrize("per_item", [None, 40])
+def test_windows_start_at_the_documents_start_whatever_its_length(monkeypatch, tiny_bert_cross_encoder, per_item):
+    # truncation="start" with capped windows: a text long enough to be sliced is sliced on the side windows cover
+    loaded = load_model(str(tiny_bert_cross_encoder), device="cpu")
+    words = " ".join(f"w{index}" for index in range(2_000))
+    request = ScoreRequest(query="capital of France", items=[words, " ".join(words.split()[:60])],
+                           truncation="start", long_documents="max", long_document_window=16,
+                           long_document_max_windows=2, max_tokens_per_item=per_item)
+    sliced = _encode_items(loaded, request, "cross-encoder")
+    monkeypatch.setattr(encode_module, "CHARS_PER_TOKEN", 10**9)  # no slice: every text tokenized whole
+    assert sliced == _encode_items(loaded, request, "cross-encoder")
+    if per_item is None:  # both documents' windows cover the same first words
+        assert sliced[:2] == sliced[2:]

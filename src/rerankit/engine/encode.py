@@ -428,8 +428,8 @@ def _tokenize_items(tokenizer: Any, docs: Any, request: ScoreRequest, loaded: Lo
     the side truncation keeps, so a multi-MB text costs what its kept part costs; a slice that yields fewer than
     the kept tokens and a margin (e.g. mostly whitespace) is grown and tokenized again, up to the whole text.
     """
-    return _tokenize_bounded(tokenizer, docs, kept_tokens(request, loaded.max_length), request.truncation, wrap,
-                             extra)
+    kept, policy = kept_tokens(request, loaded.max_length)
+    return _tokenize_bounded(tokenizer, docs, kept, policy, wrap, extra)
 
 
 def _tokenize_bounded(tokenizer: Any, texts: Any, kept: int | None, policy: str,

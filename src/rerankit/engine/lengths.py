@@ -8,18 +8,27 @@ from rerankit.errors import InvalidRequest
 from rerankit.schema import ScoreRequest
 
 
-def kept_tokens(request: ScoreRequest, max_length: int) -> int | None:
+def kept_tokens(request: ScoreRequest, max_length: int) -> tuple[int | None, str]:
     """The most tokens of one item that can be scored, before the prompt around it is counted (the template's item
-    text may add a few); None when the whole item may be needed (long documents in windows, with no cap)."""
+    text may add a few), and the side of the text they are on ("start" for its tail, else its head); None when
+    the whole item may be needed (long documents in windows, with no cap).
+
+    Windows start at the document's first kept token: with ``long_document_max_windows`` and no
+    ``max_tokens_per_item`` they cover the text's head whatever ``truncation`` says; with ``max_tokens_per_item``
+    and ``truncation="start"`` the item is first cut to its last ``max_tokens_per_item`` tokens, all of them kept
+    (with "none", refused if it has more).
+    """
     per_item = request.max_tokens_per_item
     if request.long_documents == "truncate":
-        return min(max_length, per_item or max_length)
+        return min(max_length, per_item or max_length), request.truncation
+    if per_item is not None and request.truncation != "end":  # all of the cut item, or enough to refuse it
+        return per_item, request.truncation
     if request.long_document_max_windows is None:
-        return per_item
+        return per_item, request.truncation
     window = min(max_length, request.long_document_window or max_length)
     stride = request.long_document_stride or window
     covered = window + stride * (request.long_document_max_windows - 1)
-    return covered if per_item is None else min(covered, per_item)
+    return (covered if per_item is None else min(covered, per_item)), "end"
 
 
 def bounded(text: str, chars: int, policy: str) -> str:
