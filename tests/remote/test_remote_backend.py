@@ -250,3 +250,27 @@ def test_one_backend_serves_successive_event_loops():
     for _ in range(2):
         assert asyncio.run(remote.ascore(ScoreRequest(query="q", items=DOCS[:2]))).scores == [0.0, 0.01]
     remote.close()
+
+
+def test_a_split_call_that_fails_sends_nothing_more():
+    from rerankit.remote.client import ClientConfig, Transport
+    retrying = threading.Event()
+    hits = {0: 0, 1: 0}
+
+    def server(request: httpx.Request) -> httpx.Response:
+        part = json.loads(request.content)["part"]
+        hits[part] += 1
+        if part == 1:  # retryable: the client backs off and would try again
+            retrying.set()
+            return httpx.Response(503, json={"error": "busy"})
+        retrying.wait(5)  # part 1 is waiting to retry when part 0 fails for good
+        return httpx.Response(400, json={"error": "bad"})
+
+    config = ClientConfig(max_retries=5, backoff_base=1.0, backoff_max=1.0, deadline=30.0)
+    transport = Transport(["http://fake:8000"], config, transport=httpx.MockTransport(server))
+    with pytest.raises(RemoteError) as failed:
+        transport.post_all("/score", [{"part": 0}, {"part": 1}])
+    assert failed.value.status_code == 400
+    transport._executor.shutdown(wait=True)  # the posts still running end (at once: they are told to stop)
+    assert hits == {0: 1, 1: 1}
+    transport.close()

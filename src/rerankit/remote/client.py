@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import httpx
 
-from rerankit.errors import InvalidRequest, RemoteError
+from rerankit.errors import Cancelled, InvalidRequest, RemoteError
 from rerankit.remote.dialects import read_error
 from rerankit.remote.dialects.common import param_first
 from rerankit.remote.deadline import Deadline, Window, held_to, hold_sockets
@@ -310,11 +310,17 @@ class Transport:
             await response.aclose()
         return reader.answer()
 
-    def post(self, path: str, body: Any, deadline: Deadline | None = None) -> Any:
-        """POST ``body`` to ``path`` of an endpoint, retrying per the config within ``deadline``; the JSON answer."""
+    def post(self, path: str, body: Any, deadline: Deadline | None = None,
+             stop: threading.Event | None = None) -> Any:
+        """POST ``body`` to ``path`` of an endpoint, retrying per the config within ``deadline``; the JSON answer.
+
+        ``stop``: once set, no further try is made (and a wait between tries ends): the call raises ``Cancelled``.
+        """
         deadline = deadline or self.deadline()
         attempts = _Attempts(self.endpoints, self.config, deadline, path)
         while True:
+            if stop is not None and stop.is_set():
+                raise Cancelled(f"the call that POSTs to {path} has failed elsewhere; this request stopped")
             # The try's time starts once it has a slot: queueing behind our own requests is no fault of the server.
             if not self._slots.acquire(timeout=deadline.wait_limit()):
                 raise attempts.expired(self._no_slot)
@@ -328,7 +334,11 @@ class Transport:
             if failure is None:
                 attempts.succeeded()
                 return parse_json(answer)
-            time.sleep(attempts.after(failure))
+            delay = attempts.after(failure)
+            if stop is None:
+                time.sleep(delay)
+            else:
+                stop.wait(delay)
 
     async def apost(self, path: str, body: Any, deadline: Deadline | None = None) -> Any:
         """Async twin of ``post``."""
@@ -364,7 +374,9 @@ class Transport:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self.config.max_concurrency, thread_name_prefix="rerankit-http")
             executor = self._executor
-        futures = [executor.submit(self.post, path, body, deadline) for body in bodies]
+        # Set once the call is over (failed, or past its deadline): posts still running make no further try.
+        stop = threading.Event()
+        futures = [executor.submit(self.post, path, body, deadline, stop) for body in bodies]
         # Each post ends by the deadline once a thread runs it, with an error naming what it tried; the grace lets
         # that error through, and the bound still holds when every thread is busy with other calls.
         limit = deadline.wait_limit()
@@ -372,6 +384,7 @@ class Transport:
         if pending and deadline.left() <= 0:
             wait(pending, _GRACE)
         error = _first_error(futures)
+        stop.set()
         for future in futures:
             future.cancel()
         if error is not None:
