@@ -35,6 +35,31 @@ def test_score_writes_every_row_with_the_score_reranker_gives(tmp_path, tiny_ber
             assert [row["score"] for row in mine] == pytest.approx(expected, abs=1e-6)
 
 
+def test_score_with_a_server_url_scores_there(tmp_path, tiny_bert_cross_encoder, capsys) -> None:
+    from live_server import live_server
+
+    from rerankit.engine import EmbeddedBackend
+    from rerankit.server.app import create_app
+
+    source, target = tmp_path / "pairs.jsonl", tmp_path / "scored.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in ROWS[:6]))
+    engine = EmbeddedBackend(str(tiny_bert_cross_encoder), device="cpu")
+    try:
+        with live_server(create_app(engine)) as url:
+            assert main(["score", "--input", str(source), "--output", str(target), "--model", url,
+                         "--device", "cpu"]) == 2
+            assert "--device: only applies to a local model" in capsys.readouterr().err
+            assert main(["score", "--input", str(source), "--output", str(target), "--model", url,
+                         "--query-column", "q", "--document-column", "text", "--no-progress"]) == 0
+        scored = [json.loads(line) for line in target.read_text().splitlines()]
+        for query in {row["q"] for row in scored}:
+            mine = [row for row in scored if row["q"] == query]
+            expected = engine.score(ScoreRequest(query=query, items=[row["text"] for row in mine])).scores
+            assert [row["score"] for row in mine] == pytest.approx(expected, abs=1e-5)
+    finally:
+        engine.close()
+
+
 def test_score_names_a_missing_column(tmp_path, capsys) -> None:
     source = tmp_path / "pairs.jsonl"
     source.write_text("".join(json.dumps(row) + "\n" for row in ROWS))

@@ -191,7 +191,7 @@ def add_score_command(commands: argparse._SubParsersAction) -> None:
     score.add_argument("--input", required=True, help="the pairs: .parquet, .jsonl or .csv")
     score.add_argument("--output", required=True, help="where to write them scored (.parquet, .jsonl or .csv; "
                                                        "with --ray, a folder of Parquet files)")
-    score.add_argument("--model", help="model path or hub id (default: the packaged MiniLM)")
+    score.add_argument("--model", help="model path, hub id or server URL (default: the packaged MiniLM)")
     score.add_argument("--query-column", default="query", help="column of the queries (default: query)")
     score.add_argument("--document-column", default="document", help="column of the documents (default: document)")
     score.add_argument("--score-column", default="score", help="column written with the scores (default: score)")
@@ -328,7 +328,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_score(args: argparse.Namespace) -> int:
-    """``rerankit score``: score the file's pairs here (or on Ray with ``--ray``) and write them with their scores."""
+    """``rerankit score``: score the file's pairs here (or on Ray with ``--ray``, or on the server ``--model``
+    names) and write them with their scores."""
+    if is_url(args.model):
+        refuse_misplaced(args, ("device", "dtype", "data_parallel_size"))
     engine = {name: value for name, value in (("device", args.device), ("dtype", args.dtype)) if value is not None}
     columns = {"model": args.model, "query_column": args.query_column, "document_column": args.document_column,
                "score_column": args.score_column,

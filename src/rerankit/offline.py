@@ -127,18 +127,24 @@ def with_scores(table: Any, scores: Sequence[float], column: str = "score") -> A
     return table.append_column(column, pyarrow.array(scores, type=pyarrow.float64()))
 
 
+def offline_backend(model: str | Sequence[str] | None, **engine_options: Any) -> Backend:
+    """``make_backend(model, **engine_options)`` for scoring a table: a local engine draws no progress bar of its
+    own (the caller counts rows); a server URL gives a remote client."""
+    from rerankit.reranker import is_url, make_backend
+
+    return make_backend(model, **(engine_options if is_url(model) else {"show_progress": False, **engine_options}))
+
+
 def score_file(input_path: str | Path, output_path: str | Path, *, model: str | None = None,
                query_column: str = "query", document_column: str = "document", score_column: str = "score",
                show_progress: bool = True, request_fields: dict[str, Any] | None = None,
                **engine_options: Any) -> int:
-    """Score the pairs of ``input_path`` here (``make_backend(model, **engine_options)``) and write them with a
-    ``score_column`` to ``output_path``; returns the number of rows."""
+    """Score the pairs of ``input_path`` with ``offline_backend(model, **engine_options)`` (here, or on the server
+    a URL names) and write them with a ``score_column`` to ``output_path``; returns the number of rows."""
     from tqdm.auto import tqdm
 
-    from rerankit.reranker import make_backend
-
     table = read_table(input_path, (query_column, document_column))
-    backend = make_backend(model, **{"show_progress": False, **engine_options})
+    backend = offline_backend(model, **engine_options)
     try:
         with tqdm(total=table.num_rows, unit="pair", desc="rerankit score", disable=not show_progress) as bar:
             scores = score_pairs(backend, table.column(query_column).to_pylist(),

@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from rerankit.errors import InvalidRequest, RerankitError
-from rerankit.offline import score_pairs
+from rerankit.offline import offline_backend, score_pairs
 from rerankit.reranker import make_backend
 
 INSTALL = "pip install 'rerankit[ray]'"
@@ -110,7 +110,7 @@ class PairScorer:
 
     def __init__(self, model: str | None, query_column: str, document_column: str, score_column: str,
                  engine_options: dict[str, Any], request_fields: dict[str, Any]) -> None:
-        self.backend = make_backend(model, **{"show_progress": False, **engine_options})
+        self.backend = offline_backend(model, **engine_options)
         self.columns = (query_column, document_column, score_column)
         self.request_fields = request_fields
 
