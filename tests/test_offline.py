@@ -68,6 +68,15 @@ def test_score_names_a_missing_column(tmp_path, capsys) -> None:
     assert "no column 'query'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag, value", [("--concurrency", "2"), ("--num-gpus", "1"), ("--batch-size", "64")])
+def test_score_refuses_ray_flags_without_ray(tmp_path, capsys, flag, value) -> None:
+    source = tmp_path / "pairs.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+
+    assert main(["score", "--input", str(source), "--output", str(tmp_path / "out.csv"), flag, value]) == 2
+    assert f"{flag}: only applies with --ray" in capsys.readouterr().err
+
+
 def test_calls_keep_query_runs_whole_and_bounded() -> None:
     runs = [(f"q{number}", list(range(size))) for number, size in enumerate([1000, 1000, 100, 3000, 5])]
     calls = _calls(runs)

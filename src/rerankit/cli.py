@@ -202,10 +202,9 @@ def add_score_command(commands: argparse._SubParsersAction) -> None:
                        help="without --ray: engine replicas, one process per GPU ('auto': every visible GPU)")
     score.add_argument("--ray", action="store_true",
                        help="score on a Ray cluster (RAY_ADDRESS, else a local one) with Ray Data")
-    score.add_argument("--concurrency", type=_positive_int, default=1, help="with --ray: engine actors (default: 1)")
-    score.add_argument("--num-gpus", type=_non_negative_float, default=0.0,
-                       help="with --ray: GPUs per engine actor (default: 0)")
-    score.add_argument("--batch-size", type=_positive_int, default=4096,
+    score.add_argument("--concurrency", type=_positive_int, help="with --ray: engine actors (default: 1)")
+    score.add_argument("--num-gpus", type=_non_negative_float, help="with --ray: GPUs per engine actor (default: 0)")
+    score.add_argument("--batch-size", type=_positive_int,
                        help="with --ray: rows per Ray Data batch (default: 4096)")
     score.add_argument("--no-progress", dest="progress", action="store_false", help="without --ray: no progress bar")
     score.set_defaults(run=run_score)
@@ -341,10 +340,14 @@ def run_score(args: argparse.Namespace) -> int:
             raise InvalidRequest("--data-parallel-size", "does not apply with --ray: use --concurrency")
         from rerankit.integrations.ray import score_file as score_on_ray
 
-        score_on_ray(args.input, args.output, concurrency=args.concurrency, num_gpus=args.num_gpus,
-                     batch_size=args.batch_size, **columns, **engine)
+        ray = {name: value for name, value in (("concurrency", args.concurrency), ("num_gpus", args.num_gpus),
+                                               ("batch_size", args.batch_size)) if value is not None}
+        score_on_ray(args.input, args.output, **ray, **columns, **engine)
         print(f"wrote {args.output}", file=sys.stderr)
         return 0
+    for name in ("concurrency", "num_gpus", "batch_size"):
+        if getattr(args, name) is not None:
+            raise InvalidRequest(f"--{name.replace('_', '-')}", "only applies with --ray")
     from rerankit.offline import score_file
 
     if args.data_parallel_size is not None:
