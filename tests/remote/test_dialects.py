@@ -197,6 +197,15 @@ def test_malformed_answer_is_a_remote_error():
         get_dialect("tei").decode({"error": "no"}, request_for("tei"))
 
 
+
+@pytest.mark.parametrize("body", [
+    {"data": [{"index": i, "object": "score", "score": 10 ** 400 if i == 0 else 0.5} for i in range(4)]},
+    {"data": [{"index": i, "object": "score", "score": 0.5} for i in range(4)], "usage": {"prompt_tokens": math.inf}},
+])
+def test_numbers_out_of_range_are_a_remote_error(body):
+    with pytest.raises(RemoteError, match="malformed vllm-score"):
+        get_dialect("vllm-score").decode(body, request_for("vllm-score"))
+
 # Server side -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", sorted(DIALECTS))

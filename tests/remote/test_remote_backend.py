@@ -274,3 +274,12 @@ def test_a_split_call_that_fails_sends_nothing_more():
     transport._executor.shutdown(wait=True)  # the posts still running end (at once: they are told to stop)
     assert hits == {0: 1, 1: 1}
     transport.close()
+
+
+def test_an_undecodable_reply_is_a_remote_error():
+    def server(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=b"not gzip at all", headers={"content-encoding": "gzip"})
+
+    with pytest.raises(RemoteError, match="DecodingError"):
+        with backend(server, dialect="vllm-score", max_retries=0) as remote:
+            remote.score(ScoreRequest(query="q", items=DOCS[:2]))

@@ -327,7 +327,7 @@ class Transport:
             try:
                 window = attempts.window()
                 failure = _failure_of_answer(answer := self._exchange("POST", attempts.url, body, window))
-            except httpx.TransportError as exc:
+            except httpx.RequestError as exc:
                 failure = _failure_of_exception(exc, window)
             finally:
                 self._slots.release()
@@ -353,7 +353,7 @@ class Transport:
             try:
                 window = attempts.window()
                 failure = _failure_of_answer(answer := await self._aexchange("POST", attempts.url, body, window))
-            except (httpx.TransportError, asyncio.TimeoutError) as exc:
+            except (httpx.RequestError, asyncio.TimeoutError) as exc:
                 failure = _failure_of_exception(exc, window)
             finally:
                 slots.release()
@@ -416,7 +416,7 @@ class Transport:
         window = Window.open(deadline, self.config.timeout.read)
         try:
             return probe_reply(self._exchange("GET", base_url + path, None, window))
-        except httpx.TransportError as exc:
+        except httpx.RequestError as exc:
             return self._unreachable(exc, deadline, window, base_url + path)
 
     async def aget(self, base_url: str, path: str, deadline: Deadline | None = None) -> Reply:
@@ -425,7 +425,7 @@ class Transport:
         window = Window.open(deadline, self.config.timeout.read)
         try:
             return probe_reply(await self._aexchange("GET", base_url + path, None, window))
-        except (httpx.TransportError, asyncio.TimeoutError) as exc:
+        except (httpx.RequestError, asyncio.TimeoutError) as exc:
             return self._unreachable(exc, deadline, window, base_url + path)
 
     @staticmethod

@@ -103,10 +103,11 @@ class Dialect:
         return len(claimed)
 
     def decode(self, body: Any, request: ScoreRequest, model: str | None = None) -> ScoreResponse:
-        """``decode_response`` with a malformed body turned into a ``RemoteError``."""
+        """``decode_response`` with a malformed body turned into a ``RemoteError`` (numbers out of range too:
+        ``OverflowError`` from a score of ``10**400`` or a token count of ``Infinity``)."""
         try:
             return self.decode_response(body, request, model)
-        except (KeyError, TypeError, IndexError, AttributeError, ValueError) as exc:
+        except (KeyError, TypeError, IndexError, AttributeError, ValueError, ArithmeticError) as exc:
             raise RemoteError(f"malformed {self.name} response ({type(exc).__name__}: {exc})") from exc
 
 
