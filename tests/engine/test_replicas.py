@@ -12,8 +12,8 @@ import pytest
 from rerankit.defaults import default_model_path
 from rerankit.engine import EmbeddedBackend
 from rerankit.engine.replicas import DataParallelBackend, replica_devices
-from rerankit.engine.shards import MIN_SHARD_TOKENS, cut, item_tokens
-from rerankit.errors import Cancelled, InvalidRequest, ReplicaDied
+from rerankit.engine.shards import MIN_SHARD_TOKENS, Shard, cut, item_tokens, merge
+from rerankit.errors import Cancelled, InvalidRequest, ReplicaDied, RequestTooLarge
 from rerankit.reranker import make_backend
 from rerankit.schema import ScoreRequest
 
@@ -62,6 +62,27 @@ def test_cut_covers_every_item_once_in_contiguous_runs() -> None:
         covered = [item for shard in shards if shard.position == position for item in range(shard.start, shard.stop)]
         assert covered == list(range(len(request.items)))
     assert len(cut(requests, 1)) == len(requests)
+
+
+def test_a_shards_error_names_the_item_counted_from_the_requests_start() -> None:
+    requests = [ScoreRequest(query="q", items=DOCS[:10]), ScoreRequest(query="q", items=DOCS[:10])]
+    shards = [Shard(0, 0, 6, 1), Shard(0, 6, 10, 1), Shard(1, 0, 4, 1), Shard(1, 4, 10, 1)]
+    refused = InvalidRequest("items[2]", "has at least 600 tokens")
+    too_large = RequestTooLarge("items[1]", "is too large", limit=5)
+    merged = merge(requests, shards, [refused, refused, ValueError("other"), too_large])
+    assert merged[0] is refused  # the first shard's: its items start at 0
+    assert isinstance(merged[1], ValueError)  # the first failed shard stands for its request
+    merged = merge(requests[1:], [Shard(0, 0, 4, 1), Shard(0, 4, 10, 1)], [_response(4), too_large])
+    error = merged[0]
+    assert type(error) is RequestTooLarge and error.field == "items[5]" and error.limit == 5
+    assert str(error) == "items[5]: is too large" and error.reason == "is too large"
+
+
+def _response(items: int):
+    from rerankit.schema import ScoreResponse, ScoreResult, Usage
+
+    return ScoreResponse(results=[ScoreResult(index=index, score=0.0) for index in range(items)], model="m",
+                         usage=Usage(prompt_tokens=items, computed_tokens=items))
 
 
 def test_data_parallel_size_is_checked_before_any_process_starts() -> None:

@@ -8,9 +8,10 @@ only has to balance the replicas, not to be exact.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
-from rerankit.errors import RerankitError
+from rerankit.errors import InvalidRequest, RerankitError
 from rerankit.schema import ScoreRequest, ScoreResponse, Usage
 
 BYTES_PER_TOKEN = 4  # about 4 UTF-8 bytes a token for English text with a BPE or WordPiece vocabulary
@@ -76,7 +77,8 @@ def _even_runs(position: int, tokens: list[int], pieces: int) -> list[Shard]:
 def merge(requests: list[ScoreRequest], shards: list[Shard],
           outcomes: list[ScoreResponse | RerankitError]) -> list[ScoreResponse | RerankitError]:
     """One outcome per request from its shards' outcomes: results in input order (indexes rebased), usage summed;
-    the first failed shard's error stands for its request."""
+    the first failed shard's error stands for its request, an ``items[k]`` it names counted from the request's
+    first item."""
     parts: list[list[tuple[Shard, ScoreResponse | RerankitError]]] = [[] for _ in requests]
     for shard, outcome in zip(shards, outcomes):
         parts[shard.position].append((shard, outcome))
@@ -85,7 +87,8 @@ def merge(requests: list[ScoreRequest], shards: list[Shard],
         pieces.sort(key=lambda piece: piece[0].start)
         error = next((outcome for _, outcome in pieces if isinstance(outcome, BaseException)), None)
         if error is not None:
-            merged.append(error)
+            start = next(shard.start for shard, outcome in pieces if outcome is error)
+            merged.append(_rebased(error, start))
             continue
         if len(pieces) == 1:
             merged.append(pieces[0][1])
@@ -99,3 +102,17 @@ def merge(requests: list[ScoreRequest], shards: list[Shard],
                for request, outcome in zip(requests, merged)), "a shard lost or repeated items"
     return merged
 
+
+
+def _rebased(error: BaseException, start: int) -> BaseException:
+    """``error`` with the item index of its ``items[k]`` field shifted by ``start`` (a shard's first item), as a
+    copy of its class (a subclass's own attributes kept); any other error as it is."""
+    match = re.match(r"items\[(\d+)\]", getattr(error, "field", "")) if isinstance(error, InvalidRequest) else None
+    if match is None or start == 0:
+        return error
+    field = f"items[{int(match.group(1)) + start}]{error.field[match.end():]}"
+    shifted = type(error).__new__(type(error))
+    Exception.__init__(shifted, f"{field}: {error.reason}")
+    shifted.__dict__.update(vars(error))
+    shifted.field = field
+    return shifted
