@@ -248,3 +248,53 @@ async def test_a_backend_without_score_batch_gets_whole_requests_several_calls_a
     assert backend.most_inside == 3  # all three in flight together, none waited for another
     assert len(responses[0].results) == 20
     assert sorted(len(r.items) for r in backend.requests) == [1, 1, 20]  # one request a call, never cut
+
+
+class SlowOrBadBackend(RecordingBackend):
+    """Takes a while over "slow"; refuses "bad" at once (``RecordingBackend``'s rule)."""
+
+    def score(self, request):
+        if request.query == "slow":
+            import time
+            time.sleep(0.2)
+        return super().score(request)
+
+
+async def test_pieces_that_fail_at_once_do_not_count_toward_the_engine_speed():
+    batcher = await started(SlowOrBadBackend(), batch_window_ms=1, max_chunk_tokens=8192)
+    await batcher.submit(ScoreRequest(query="slow", items=["word " * 20] * 4))  # ~100 tokens in 0.2 s or more
+    slow_budget = batcher.chunk_tokens
+    assert slow_budget == 256
+    with pytest.raises(InvalidRequest):
+        await batcher.submit(ScoreRequest(query="bad", items=["word " * 200] * 40))  # thousands of tokens, no time
+    assert batcher.chunk_tokens == slow_budget
+    await batcher.stop()
+
+
+class ShortCountBackend(RecordingBackend):
+    """A broken engine: returns one outcome fewer than the requests it was given, and results past the items."""
+
+    def score_batch(self, requests, *, return_exceptions=False):
+        return super().score_batch(requests, return_exceptions=return_exceptions)[:-1]
+
+    def score(self, request):
+        response = super().score(request)
+        if request.query == "overshoot":
+            response.results[0].index = 99
+        return response
+
+
+async def test_an_engine_that_returns_too_few_outcomes_fails_its_callers_and_the_server_serves_on():
+    backend = ShortCountBackend(hold_first_call=True)
+    batcher = await started(backend, batch_window_ms=200, max_batch_items=2)
+    first, queued = await queued_behind_first_call(backend, batcher, [request("a"), request("b")])
+    backend.gate.set()
+    await asyncio.wait_for(first, 10)
+    for task in queued:  # merged into one call that came back one outcome short: both answered, with an error
+        with pytest.raises(RuntimeError, match="1 outcomes for 2 requests"):
+            await asyncio.wait_for(task, 10)
+    # A failure after the engine returned (a result naming an item 99 of a chunked request) fails its caller only.
+    with pytest.raises(IndexError):
+        await asyncio.wait_for(batcher.submit(ScoreRequest(query="overshoot", items=["doc"] * 3)), 10)
+    assert (await asyncio.wait_for(batcher.submit(request("after")), 10)).scores == [3.0]
+    await batcher.stop()

@@ -233,6 +233,17 @@ class Batcher:
         self.metrics.held_calls += held
 
     async def _run(self, pieces: list[Piece]) -> None:
+        """One engine call over ``pieces``; whatever goes wrong fails its pieces' requests, never the dispatcher."""
+        try:
+            await self._call(pieces)
+        except Exception as exc:  # noqa: BLE001 - a bug or a broken backend: this call's callers get a 500
+            log.exception("an engine call of %d requests failed", len(pieces))
+            for piece in pieces:
+                if not piece.submission.gone:
+                    piece.submission.future.set_exception(exc)
+                self._queue.remove(piece.submission)
+
+    async def _call(self, pieces: list[Piece]) -> None:
         requests = [piece.request() for piece in pieces]
         self.metrics.observe_batch(len(requests), sum(len(request.items) for request in requests))
 
@@ -244,7 +255,16 @@ class Batcher:
         try:
             outcomes = await loop.run_in_executor(self._engine_thread, score_each, self.backend, requests,
                                                   should_stop if self._takes_should_stop else None)
-            self._observe_speed(sum(piece.chunk.tokens for piece in pieces), loop.time() - begun)
+            if len(outcomes) != len(pieces):  # answered by position: a piece without its own outcome never returns
+                error = RuntimeError(f"the engine returned {len(outcomes)} outcomes for {len(pieces)} requests")
+                log.error("%s", error)
+                outcomes = [error] * len(pieces)
+            # The speed of the work done: a piece that failed at once (refused, or before the engine ran) adds
+            # tokens but no time, and would make the engine look far faster than it is.
+            scored = [piece.chunk.tokens for piece, outcome in zip(pieces, outcomes)
+                      if isinstance(outcome, ScoreResponse)]
+            if scored:
+                self._observe_speed(sum(scored), loop.time() - begun)
         except Cancelled as stopped:
             outcomes = [stopped] * len(pieces)
         finally:
