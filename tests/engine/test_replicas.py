@@ -114,6 +114,19 @@ def test_should_stop_cancels_the_call(replicas: DataParallelBackend) -> None:
         replicas.score_batch(REQUESTS, should_stop=lambda: True)
 
 
+def test_warm_up_sends_the_servers_shapes_and_the_replicas_report_max_length(
+        replicas: DataParallelBackend, single: EmbeddedBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rerankit.server.batcher import _accepts
+
+    assert replicas.max_length == single.max_length  # the server's per-item cap in its token estimate
+    assert _accepts(replicas.warm_up, "shapes")  # the server passes its shapes only then
+    sent: list = []
+    send = replicas._send
+    monkeypatch.setattr(replicas, "_send", lambda task, replica: sent.append(task.payload) or send(task, replica))
+    assert replicas.warm_up(shapes=[(2, 10)]) > 0
+    assert sent == [[(2, 10)]] * 2
+
+
 def test_a_killed_replica_is_restarted_and_its_work_retried_once(
         replicas: DataParallelBackend, expected: list, caplog: pytest.LogCaptureFixture) -> None:
     victim = replicas._replicas[0]

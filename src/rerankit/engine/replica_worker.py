@@ -1,9 +1,9 @@
 """The process of one data-parallel replica: load an ``EmbeddedBackend`` on one device, score what the parent sends.
 
 Messages. Parent -> replica, on the replica's inbox queue: ``(kind, task_id, payload)`` with kind "score" (payload:
-a list of ``ScoreRequest``) or "warm_up", and ``None`` to stop. Replica -> parent, on its own pipe:
-``("ready", model_name, load_seconds)`` or ``("load_failed", error)`` once, then ``("done", task_id, result)`` or
-``("failed", task_id, error)`` per task. Errors travel packed (``pack_error``): rerankit's errors take other
+a list of ``ScoreRequest``) or "warm_up" (payload: its shapes, or None), and ``None`` to stop. Replica -> parent,
+on its own pipe: ``("ready", model_name, load_seconds, max_length)`` or ``("load_failed", error)`` once, then
+``("done", task_id, result)`` or ``("failed", task_id, error)`` per task. Errors travel packed (``pack_error``): rerankit's errors take other
 arguments than their message, so the default pickling of exceptions cannot rebuild them.
 """
 
@@ -71,13 +71,13 @@ def replica_main(model: str, options: dict[str, Any], threads: int | None, inbox
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it as its own
         outbox.send(("load_failed", pack_error(exc)))
         return
-    outbox.send(("ready", backend.model_name, time.perf_counter() - begun))
+    outbox.send(("ready", backend.model_name, time.perf_counter() - begun, backend.max_length))
     try:
         while (message := _next_task(inbox)) is not None:
             kind, task_id, payload = message
             try:
                 if kind == "warm_up":
-                    result: Any = backend.warm_up()
+                    result: Any = backend.warm_up(shapes=payload)
                 else:
                     result = [pack_error(outcome) if isinstance(outcome, BaseException) else outcome
                               for outcome in backend.score_batch(payload, return_exceptions=True)]

@@ -38,11 +38,12 @@ CLOSE_TIMEOUT_S = 10.0  # a replica that has not exited this long after being to
 
 @dataclass
 class _Task:
-    """Work for one replica: a list of requests to score (or a warm-up), answered through ``future``."""
+    """Work for one replica: a list of requests to score, or a warm-up and its shapes (None: the defaults),
+    answered through ``future``."""
 
     id: int
     kind: str
-    requests: list[ScoreRequest] | None
+    payload: list[ScoreRequest] | list[tuple[int, int]] | None
     tokens: int
     future: Future = field(default_factory=Future)
     retried: bool = False
@@ -111,6 +112,7 @@ class DataParallelBackend:
         self._task_ids = itertools.count()
         self._closing = False
         self._model_name = model
+        self._max_length = 0  # set by the first replica ready, before the constructor returns
         self._replicas = [_Replica(index, device) for index, device in enumerate(devices)]
         with self._lock:
             for replica in self._replicas:
@@ -123,6 +125,11 @@ class DataParallelBackend:
     def model_name(self) -> str:
         """The model the replicas score with, as they report it."""
         return self._model_name
+
+    @property
+    def max_length(self) -> int:
+        """The longest sequence (query, item and template) the model takes, as the replicas report it."""
+        return self._max_length
 
     @property
     def data_parallel_size(self) -> int:
@@ -188,13 +195,14 @@ class DataParallelBackend:
                     raise outcome
         return merged
 
-    def warm_up(self) -> float:
-        """Warm every replica up at once (``EmbeddedBackend.warm_up``); returns the seconds the slowest took."""
+    def warm_up(self, shapes: list[tuple[int, int]] | None = None) -> float:
+        """Warm every replica up at once (``EmbeddedBackend.warm_up``, with ``shapes``); returns the seconds the
+        slowest took."""
         with self._lock:
             running = [replica for replica in self._replicas if replica.state != "down"]
             if not running:
                 raise ReplicaDied("no replica is running: every one failed to start or died too often")
-            tasks = [_Task(next(self._task_ids), "warm_up", None, 0) for _ in running]
+            tasks = [_Task(next(self._task_ids), "warm_up", shapes, 0) for _ in running]
             for task, replica in zip(tasks, running):
                 self._send(task, replica)
         self._wait_for(tasks, None)
@@ -270,7 +278,7 @@ class DataParallelBackend:
             task.future.set_exception(ModelLoadError("this DataParallelBackend is closed"))
             return
         replica.tasks[task.id] = task
-        replica.inbox.put((task.kind, task.id, task.requests))
+        replica.inbox.put((task.kind, task.id, task.payload))
 
     def _wait_for(self, tasks: list[_Task], should_stop: Callable[[], bool] | None) -> None:
         """Block (without the lock) until every task is answered; raise the first task's error as soon as it comes,
@@ -352,7 +360,7 @@ class DataParallelBackend:
     def _handle(self, replica: _Replica, message: tuple) -> None:
         kind = message[0]
         if kind == "ready":
-            _, self._model_name, load_seconds = message
+            _, self._model_name, load_seconds, self._max_length = message
             replica.state = "ready"
             replica.startup_seconds = time.monotonic() - replica.started_at
             log.info("replica %d on %s ready in %.1f s (model load %.1f s)", replica.index, replica.device,
