@@ -14,7 +14,7 @@ import pytest
 from live_server import live_server
 from server_fakes import RecordingBackend
 
-from rerankit.errors import Cancelled
+from rerankit.errors import Cancelled, RemoteError, ReplicaDied
 from rerankit.schema import ScoreRequest
 from rerankit.server.app import create_app
 from rerankit.server.limits import ServerConfig
@@ -102,3 +102,18 @@ def test_the_engine_stops_between_micro_batches_when_asked(ce):
         assert len(backend.score_batch([request], should_stop=lambda: False)[0].results) == 40
     finally:
         backend.max_batch_tokens = budget
+
+
+@pytest.mark.parametrize("error", [ReplicaDied("replica 1 died"), RemoteError("busy", 503, "http://far/rerank"),
+                                   RemoteError("slow down", 429, "http://far/rerank")])
+async def test_every_429_and_503_carries_retry_after(error):
+    class Failing(RecordingBackend):
+        def score(self, request):
+            raise error
+
+    app = create_app(Failing(), ServerConfig(retry_after_s=4))
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            reply = await client.post("/v2/rerank", json={"query": "q", "documents": ["a"]})
+    assert reply.status_code == error.status_code
+    assert reply.headers["retry-after"] == "4"

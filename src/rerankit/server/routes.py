@@ -180,9 +180,10 @@ def error_response(dialect: Dialect, error: RerankitError, config: ServerConfig)
 
 
 def error_headers(error: RerankitError, config: ServerConfig) -> dict[str, str]:
-    """The headers an error's status calls for: 429 and 503 tell when to retry, 401 how to log in."""
+    """The headers an error's status calls for: 429 and 503 tell when to retry (whichever error it is: a full queue,
+    a drain, a replica that died, a remote server's 429 or 503 passed on), 401 how to log in."""
     headers = {}
-    if isinstance(error, (Overloaded, ShuttingDown)):
+    if error.status_code in (429, 503):
         headers["Retry-After"] = str(config.retry_after_s)
     if isinstance(error, Unauthorized):
         headers["WWW-Authenticate"] = "Bearer"
