@@ -71,3 +71,38 @@ def test_warm_up_runs_every_shape_then_freezes_the_graphs() -> None:
     assert runner.graphs.frozen and runner.read == runner.full and report["batches"] == len(runner.read)
     assert min(runner.read) < 1024 < max(runner.read)  # graph sizes and eager ones
     assert runner.graphs is not None  # put back after the eager sizes ran without it
+
+
+class _OnCuda:
+    """A loaded model that says it is on CUDA, so that ``warm_up`` takes its GPU path (the runner is stubbed)."""
+
+    def __init__(self, loaded) -> None:
+        self._loaded = loaded
+
+    def __getattr__(self, name: str):
+        return getattr(self._loaded, name)
+
+    @property
+    def device(self):
+        import torch
+
+        return torch.device("cuda")
+
+    @property
+    def default_mode(self) -> str:
+        return "cross-encoder"  # reads one row a sequence: no head that pools every token
+
+
+def test_warm_up_asks_for_every_token_rows_by_the_backends_own_default_mode(monkeypatch) -> None:
+    from rerankit.defaults import default_model_path
+    from rerankit.engine import backend as backend_module
+
+    backend = EmbeddedBackend(default_model_path(), device="cpu", mode="bi-encoder", show_progress=False)
+    assert backend.runner == "packed"
+    calls: list[dict] = []
+    monkeypatch.setattr(backend, "_model", lambda: _OnCuda(backend._loaded))
+    monkeypatch.setattr(backend, "_warm_call", lambda requests: None)
+    monkeypatch.setattr(backend_module, "warm_up_runner", lambda runner, max_length, **flags: calls.append(flags))
+    backend.warm_up()
+    assert calls and calls[0]["every_token"]  # the backend's mean-pooled bi-encoder, not the model's default
+    backend.close()

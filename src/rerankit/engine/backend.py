@@ -223,7 +223,8 @@ class EmbeddedBackend:
             with self._lock, torch.inference_mode():
                 warm_up_runner(self._runner, loaded.max_length, causal=loaded.is_decoder,
                                typed="token_type_ids" in loaded.tokenizer.model_input_names,
-                               every_token=not heads.reads_only(loaded.default_mode, loaded.pooling))
+                               every_token=not heads.reads_only(self._defaults.mode or loaded.default_mode,
+                                                                loaded.pooling))
         return time.perf_counter() - begun
 
     def _warm_call(self, requests: list[ScoreRequest]) -> None:
