@@ -52,6 +52,15 @@ def test_each_failure_in_a_row_doubles_the_cooldown_up_to_8x_and_an_answer_reset
     assert endpoints.is_live("http://a")
 
 
+def test_an_endpoint_that_answers_is_live_again_at_once():
+    endpoints = Endpoints(["http://a", "http://b"], cooldown=10.0, clock=Clock())
+    endpoints.mark_dead("http://a")
+    assert not endpoints.is_live("http://a")
+    endpoints.mark_live("http://a")  # a try in flight when it was set aside has just succeeded
+    assert endpoints.is_live("http://a")
+    assert sorted(endpoints.order()[:1] + endpoints.order()[:1]) == ["http://a", "http://b"]  # in turn again
+
+
 def test_a_deadline_of_none_never_expires_and_a_window_is_cut_by_the_deadline():
     assert Deadline(None).left() == math.inf and Deadline(None).wait_limit() is None
     window = Window.open(Deadline(None), try_seconds=5.0)

@@ -298,3 +298,31 @@ async def test_an_engine_that_returns_too_few_outcomes_fails_its_callers_and_the
         await asyncio.wait_for(batcher.submit(ScoreRequest(query="overshoot", items=["doc"] * 3)), 10)
     assert (await asyncio.wait_for(batcher.submit(request("after")), 10)).scores == [3.0]
     await batcher.stop()
+
+
+async def test_stop_waits_for_the_running_call_without_blocking_the_event_loop():
+    class Leaving(RecordingBackend):
+        inside = False
+
+        def _record(self, requests):
+            self.inside = True
+            try:
+                super()._record(requests)
+            finally:
+                self.inside = False
+
+    backend = Leaving(hold_first_call=True)
+    batcher = await started(backend)
+    running = asyncio.create_task(batcher.submit(request("first")))
+    await asyncio.to_thread(backend.entered.wait, 5)
+    seen_inside = []
+
+    def release() -> None:  # runs on the loop: only while stop() is waiting off the loop can it run this early
+        seen_inside.append(backend.inside)
+        backend.gate.set()
+
+    asyncio.get_running_loop().call_later(0.05, release)
+    await asyncio.wait_for(batcher.stop(), 20)
+    assert seen_inside == [True]
+    with pytest.raises(ShuttingDown):
+        await running

@@ -52,7 +52,9 @@ class Endpoints:
             self._dead_until[url] = self._clock() + self._cooldown * factor
 
     def mark_live(self, url: str) -> None:
-        """``url`` answered: its next failure starts from the first cool-down again."""
-        if url in self._strikes:
+        """``url`` answered: it is live again (a try in flight when it was set aside has just succeeded), and its next
+        failure starts from the first cool-down again."""
+        if url in self._strikes or url in self._dead_until:
             with self._lock:
                 self._strikes.pop(url, None)
+                self._dead_until.pop(url, None)

@@ -141,7 +141,7 @@ class Batcher:
                 except asyncio.CancelledError:
                     pass
         self._fail_everything(ShuttingDown("the server is shutting down"))
-        self._engine_thread.shutdown(wait=True)
+        await asyncio.to_thread(self._engine_thread.shutdown, wait=True)  # the loop serves on while a call ends
 
     async def drain(self, seconds: float) -> None:
         """Refuse new work from now on; give queued and running work ``seconds`` to finish, then answer the rest
