@@ -117,3 +117,12 @@ async def test_every_429_and_503_carries_retry_after(error):
             reply = await client.post("/v2/rerank", json={"query": "q", "documents": ["a"]})
     assert reply.status_code == error.status_code
     assert reply.headers["retry-after"] == "4"
+
+
+async def test_a_draining_server_refuses_before_reading_the_body():
+    app = create_app(RecordingBackend(), ServerConfig())
+    await app.state.batcher.drain(0)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        reply = await client.post("/v2/rerank", content=b"{not json", headers={"content-type": "text/plain"})
+    assert reply.status_code == 503  # not the 415 or 400 that reading and parsing it would give
+    assert "shutting down" in reply.json()["message"]

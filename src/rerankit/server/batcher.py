@@ -155,20 +155,25 @@ class Batcher:
             self._fail_everything(ShuttingDown(f"the server is shutting down; the work was not done within the "
                                                f"drain time of {seconds:g} s (drain_seconds)"))
 
+    def admit(self) -> None:
+        """Raise ``ShuttingDown`` (503) once draining, ``Overloaded`` (429) when the queue is full: the route asks
+        before it reads a body, ``submit`` again once it has one."""
+        if self._draining:
+            raise ShuttingDown("the server is shutting down and takes no new requests")
+        if len(self._queue) >= self.config.max_queue_requests:
+            raise Overloaded(f"the queue holds {len(self._queue)} requests; the limit is "
+                             f"{self.config.max_queue_requests} (max_queue_requests)")
+
     async def submit(self, request: ScoreRequest) -> ScoreResponse:
         """Queue ``request`` and wait for its response. ``ShuttingDown`` (503) once draining, ``RequestTooLarge``
         (413) over ``max_request_tokens``, ``Overloaded`` (429) when the queue is full. Cancelling the call (its
         caller went away) takes its chunks out of the queue."""
-        if self._draining:
-            raise ShuttingDown("the server is shutting down and takes no new requests")
+        self.admit()
         tokens = item_tokens(request, self.item_cap)
         if sum(tokens) > self.config.max_request_tokens:
             raise RequestTooLarge("items", f"hold about {sum(tokens)} tokens after truncation; the limit is "
                                   f"{self.config.max_request_tokens} (max_request_tokens)",
                                   self.config.max_request_tokens)
-        if len(self._queue) >= self.config.max_queue_requests:
-            raise Overloaded(f"the queue holds {len(self._queue)} requests; the limit is "
-                             f"{self.config.max_queue_requests} (max_queue_requests)")
         future = asyncio.get_running_loop().create_future()
         chunks = ([Chunk(0, len(tokens), sum(tokens))] if self._one_by_one
                   else split(tokens, self.chunk_tokens, self.config.max_batch_items))

@@ -29,8 +29,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
-from rerankit.errors import (Cancelled, InvalidRequest, Overloaded, RerankitError, ShuttingDown, Unauthorized,
-                             UnsupportedMediaType)
+from rerankit.errors import Cancelled, InvalidRequest, RerankitError, Unauthorized, UnsupportedMediaType
 from rerankit.remote.dialects import Dialect, get_dialect
 from rerankit.server.batcher import Batcher
 from rerankit.server.disconnect import unless_disconnected
@@ -64,6 +63,7 @@ def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
         dialect, status, items, tokens = default, 500, 0, 0
         try:
             check_api_key(config, request.headers.get("authorization"))
+            batcher.admit()  # a full queue or a drain refuses before the body is read, parsed and checked
             body = parse_json(await read_body(request, config))
             dialect = dialect_for(dialects, body, request.headers, default)
             score_request = dialect.parse_request(body)
