@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 class RerankitError(Exception):
     """Base of every error rerankit raises on purpose."""
@@ -24,6 +26,20 @@ class InvalidRequest(RerankitError, ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.reason = message
+
+
+def shift_item_index(error: BaseException, start: int) -> BaseException:
+    """``error`` with the index of its ``items[k]`` field moved up by ``start`` (where a slice of a request's items
+    began), as a copy of its class with its own attributes; any other error as it is."""
+    match = re.match(r"items\[(\d+)\]", getattr(error, "field", "")) if isinstance(error, InvalidRequest) else None
+    if match is None or start == 0:
+        return error
+    field = f"items[{int(match.group(1)) + start}]{error.field[match.end():]}"
+    shifted = type(error).__new__(type(error))
+    shifted.__dict__.update(vars(error))
+    Exception.__init__(shifted, f"{field}: {error.reason}")
+    shifted.field, shifted.message = field, f"{field}: {error.reason}"
+    return shifted
 
 
 class RequestTooLarge(InvalidRequest):
@@ -96,5 +112,4 @@ class Cancelled(RerankitError):
     """The work was stopped before it finished because every caller waiting for it went away (``should_stop``)."""
 
     status_code = 499  # nginx's "client closed request": nobody is left to read it
-    error_type = "cancelled"
     error_type = "cancelled"

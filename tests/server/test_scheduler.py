@@ -266,3 +266,20 @@ async def test_a_lone_large_request_runs_its_chunks_back_to_back_without_waiting
     await batcher.stop()
     assert len(response.results) == 10 and len(backend.calls) == 5
     assert batcher.metrics.held_calls == 0
+
+
+async def test_an_item_refused_in_a_chunk_is_named_by_its_index_in_the_whole_request():
+    class RefusesTooLong(RecordingBackend):
+        def _respond(self, request):
+            for index, item in enumerate(request.items):
+                if item == "refused":
+                    raise RequestTooLarge(f"items[{index}]", "is too long", 10)
+            return super()._respond(request)
+
+    batcher = Batcher(RefusesTooLong(), ServerConfig(max_batch_items=2))
+    batcher.start()
+    with pytest.raises(RequestTooLarge) as refused:  # chunks [0:2] and [2:4]: the refused item is the chunk's 1
+        await asyncio.wait_for(batcher.submit(ScoreRequest(query="q", items=["a", "b", "c", "refused"])), 10)
+    await batcher.stop()
+    assert refused.value.field == "items[3]" and refused.value.limit == 10
+    assert refused.value.message == str(refused.value) == "items[3]: is too long"

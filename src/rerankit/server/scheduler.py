@@ -17,6 +17,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass
 
+from rerankit.errors import shift_item_index
 from rerankit.schema import ScoreRequest, ScoreResponse, ScoreResult, Usage
 
 BYTES_PER_TOKEN = 4  # the server does not tokenize: text items are budgeted at about 4 UTF-8 bytes a token
@@ -101,8 +102,8 @@ class Submission:
         self.running -= 1
         if self.gone:
             return
-        if isinstance(outcome, BaseException):
-            self.future.set_exception(outcome)
+        if isinstance(outcome, BaseException):  # an item named by the chunk's count is named by the request's
+            self.future.set_exception(outcome if self.whole else shift_item_index(outcome, chunk.start))
             return
         if self.whole:
             self.future.set_result(outcome)
