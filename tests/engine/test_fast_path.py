@@ -175,6 +175,26 @@ def test_auto_runner_falls_back_to_the_reference_for_other_architectures(tmp_pat
         EmbeddedBackend(str(tmp_path / "gpt2"), device="cpu", runner="fast")
 
 
+def test_an_encoder_whose_tensors_do_not_build_the_packed_model_loads_with_transformers(
+        monkeypatch, caplog, tiny_bert_embedder):
+    from rerankit.engine import runner as runner_module
+
+    build = runner_module.build_packed_model
+
+    def from_modules_only(model):  # as a checkpoint whose tensor names the packed encoder does not read
+        if not isinstance(model, torch.nn.Module):
+            raise AttributeError("'types.SimpleNamespace' object has no attribute 'encoder'")
+        return build(model)
+
+    request = ScoreRequest(query=QUERY, items=REFERENCE_DOCS)
+    expected = EmbeddedBackend(str(tiny_bert_embedder), device="cpu", runner="reference").score(request).scores
+    monkeypatch.setattr(runner_module, "build_packed_model", from_modules_only)
+    backend = EmbeddedBackend(str(tiny_bert_embedder), device="cpu")
+    assert backend.runner == "packed" and isinstance(backend._model().model, torch.nn.Module)
+    assert "loading the transformers model" in caplog.text
+    assert backend.score(request).scores == pytest.approx(expected, abs=1e-5)
+
+
 @pytest.mark.gpu
 def test_auto_runner_keeps_head_sizes_the_cuda_kernel_cannot_tile_on_the_reference(tmp_path):
     from transformers import BertForSequenceClassification

@@ -113,16 +113,18 @@ def load_model(model: str, *, device: str | torch.device | None = None,
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     network = None
-    if weights and packed_only and local and kind == "encoder" and _packed_encoder_runs(config, torch_device):
-        network = read_encoder_weights(folder, config, torch_device, torch_dtype)
+    if weights and packed_only and local and kind == "encoder":
+        from rerankit.engine.models import unsupported_reason  # make_runner's decision: it will run packed
+
+        if unsupported_reason(config, torch_device) is None:
+            network = read_encoder_weights(folder, config, torch_device, torch_dtype)
     try:
         with _quiet_transformers():
             tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=offline)
-            if weights and network is None:
-                network = _auto_class(kind).from_pretrained(source, dtype=torch_dtype, local_files_only=offline)
-                network = network.to(torch_device).eval()
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load {model!r}: {exc}") from exc
+    if weights and network is None:
+        network = _transformers_model(model, source, kind, torch_device, torch_dtype, offline)
     pooling, normalize = _sentence_transformers_pooling(folder) if local else (None, False)
     decoder = _is_decoder(config)
     if network is None:
@@ -149,13 +151,27 @@ def _auto_class(kind: ModelKind) -> Any:
             "encoder": AutoModel}[kind]
 
 
-def _packed_encoder_runs(config: Any, device: torch.device) -> bool:
-    """Whether ``make_runner`` will run this encoder config packed on ``device`` (its kernels' head-size limit)."""
-    from rerankit.engine.models.encoder import unsupported_reason
-    from rerankit.kernels import takes_head_dim
+def is_transformers_model(loaded: LoadedModel) -> bool:
+    """False where ``loaded.model`` is the tensors ``packed_only`` read from an encoder's file."""
+    return isinstance(loaded.model, torch.nn.Module)
 
-    head_dim = config.hidden_size // config.num_attention_heads
-    return unsupported_reason(config) is None and (device.type != "cuda" or takes_head_dim(head_dim))
+
+def load_transformers_model(loaded: LoadedModel) -> None:
+    """Build the transformers model of ``loaded`` (read with ``packed_only``) in place of its raw tensors, for a
+    runner that needs it after all."""
+    if loaded.model is not None and not is_transformers_model(loaded):
+        source = str(Path(loaded.name).expanduser())  # packed_only reads local folders only
+        loaded.model = _transformers_model(loaded.name, source, loaded.kind, loaded.device, loaded.dtype, True)
+
+
+def _transformers_model(model: str, source: str, kind: ModelKind, device: torch.device, dtype: torch.dtype,
+                        offline: bool) -> Any:
+    try:
+        with _quiet_transformers():
+            network = _auto_class(kind).from_pretrained(source, dtype=dtype, local_files_only=offline)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load {model!r}: {exc}") from exc
+    return network.to(device).eval()
 
 
 @contextmanager

@@ -18,12 +18,12 @@ import torch
 from rerankit.engine.batch import PackedBatch
 from rerankit.engine.encode import Sequence
 from rerankit.engine.graphs import MAX_GRAPH_TOKENS, GraphCaptureError, GraphedForward
-from rerankit.engine.load import LoadedModel
+from rerankit.engine.load import LoadedModel, is_transformers_model, load_transformers_model
 from rerankit.engine.models import PackedDecoder, PackedEncoder, build_packed_model
+from rerankit.engine.models import unsupported_reason as packed_reason
 from rerankit.engine.plan import pack
 from rerankit.engine.prefix_cache import PREFIX_CACHE_MAX_BYTES, CachedKV, PrefixCache
 from rerankit.errors import InvalidRequest, ModelLoadError
-from rerankit.kernels import takes_head_dim
 
 RUNNERS = ("auto", "packed", "reference")
 
@@ -173,18 +173,28 @@ def make_runner(loaded: LoadedModel, runner: str = "auto", cuda_graphs: bool | N
     if runner == "reference":
         if cuda_graphs:
             raise InvalidRequest("cuda_graphs", "CUDA graphs replay the packed runner, not the reference runner")
+        load_transformers_model(loaded)
         return ReferenceRunner(loaded)
-    model = build_packed_model(loaded.model)
-    reason = None
-    if model is None:
-        reason = (f"there is no packed forward for {type(loaded.model).__name__} "
-                  f"(model_type {loaded.config.model_type!r})")
-    elif loaded.device.type == "cuda" and not takes_head_dim(model.head_dim):
-        reason = f"the packed attention kernel needs a head size that is a power of two >= 16, not {model.head_dim}"
+    reason = packed_reason(loaded.config, loaded.device)  # what load_model decided by
     if reason is None:
         graphs = loaded.device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        return PackedRunner(loaded, model, graphs, prefix_cache_bytes)
+        return PackedRunner(loaded, _packed_model(loaded), graphs, prefix_cache_bytes)
     if runner == "packed" or cuda_graphs:
         fix = "cuda_graphs=False" if cuda_graphs else "runner='auto' or 'reference'"
         raise ModelLoadError(f"{reason}; use {fix}")
+    load_transformers_model(loaded)
     return ReferenceRunner(loaded)
+
+
+def _packed_model(loaded: LoadedModel) -> PackedDecoder | PackedEncoder:
+    """The packed model over ``loaded``'s weights; where it was read as raw tensors (``packed_only``) and they do
+    not build one (a checkpoint that names its tensors otherwise), over the transformers model instead."""
+    if is_transformers_model(loaded):
+        return build_packed_model(loaded.model)
+    try:
+        return build_packed_model(loaded.model)
+    except Exception as exc:  # noqa: BLE001 - any failure of the raw tensors: transformers reads the checkpoint
+        log.warning("the packed encoder could not be built from %s's tensors (%s: %s); loading the transformers "
+                    "model", loaded.name, type(exc).__name__, exc)
+    load_transformers_model(loaded)
+    return build_packed_model(loaded.model)

@@ -8,18 +8,36 @@ fallback path) on the same storage.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from rerankit.engine.models import decoder, encoder
 from rerankit.engine.models.decoder import PackedDecoder
 from rerankit.engine.models.encoder import PackedEncoder
 
-__all__ = ["PackedDecoder", "PackedEncoder", "build_packed_model", "supports"]
+__all__ = ["PackedDecoder", "PackedEncoder", "build_packed_model", "supports", "unsupported_reason"]
 
 
 def supports(config) -> bool:
     """True when a packed model exists for this transformers config."""
     return decoder.unsupported_reason(config) is None or encoder.unsupported_reason(config) is None
+
+
+def unsupported_reason(config, device: torch.device) -> str | None:
+    """Why the packed forward cannot run ``config`` on ``device`` (no packed model for it, or on CUDA a head size
+    the attention kernel does not take), or None when it can. ``make_runner`` decides by this, and ``load_model``
+    (which then reads an encoder's tensors without building the transformers model)."""
+    from rerankit.kernels import takes_head_dim
+
+    if not supports(config):
+        name = (getattr(config, "architectures", None) or ["this model"])[0]
+        return f"there is no packed forward for {name} (model_type {config.model_type!r})"
+    head_dim = config.hidden_size // config.num_attention_heads
+    if decoder.unsupported_reason(config) is None:
+        head_dim = getattr(config, "head_dim", None) or head_dim  # as PackedDecoder reads it
+    if device.type == "cuda" and not takes_head_dim(head_dim):
+        return f"the packed attention kernel needs a head size that is a power of two >= 16, not {head_dim}"
+    return None
 
 
 def build_packed_model(hf_model: nn.Module, compile: bool | None = None,
