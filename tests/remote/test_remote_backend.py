@@ -13,6 +13,7 @@ from wire_models import REQUEST_MODELS
 from rerankit import Reranker
 from rerankit.errors import InvalidRequest, RemoteError
 from rerankit.remote import RemoteBackend
+from rerankit.remote.client import ClientConfig, Transport
 from rerankit.remote.discover import forget
 from rerankit.schema import ScoreRequest
 
@@ -253,7 +254,6 @@ def test_one_backend_serves_successive_event_loops():
 
 
 def test_a_split_call_that_fails_sends_nothing_more():
-    from rerankit.remote.client import ClientConfig, Transport
     retrying = threading.Event()
     hits = {0: 0, 1: 0}
 

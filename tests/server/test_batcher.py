@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 
 from server_fakes import RecordingBackend
 
 from rerankit.errors import InvalidRequest, Overloaded, ShuttingDown
-from rerankit.schema import ScoreRequest
+from rerankit.schema import ScoreRequest, ScoreResponse, ScoreResult
 from rerankit.server.batcher import Batcher, estimate_tokens
 from rerankit.server.limits import ServerConfig
 
@@ -212,14 +214,12 @@ class ProxyBackend:
     max_concurrency = 3
 
     def __init__(self) -> None:
-        import threading
         self.lock = threading.Lock()
         self.all_inside = threading.Event()
         self.inside = self.most_inside = 0
         self.requests: list[ScoreRequest] = []
 
     def score(self, request: ScoreRequest):
-        from rerankit.schema import ScoreResponse, ScoreResult
         with self.lock:
             self.requests.append(request)
             self.inside += 1
@@ -255,7 +255,6 @@ class SlowOrBadBackend(RecordingBackend):
 
     def score(self, request):
         if request.query == "slow":
-            import time
             time.sleep(0.2)
         return super().score(request)
 

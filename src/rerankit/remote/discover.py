@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Generator, Iterable, Sequence
 
 from rerankit.errors import RemoteError
-from rerankit.remote.client import Reply
+from rerankit.remote.reply import Reply
 
 Route = tuple[str, str]  # (dialect name, path)
 Probe = Generator[str, Reply, "Discovery"]

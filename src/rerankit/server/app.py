@@ -93,6 +93,8 @@ def request_body(dialects: tuple[str, ...]) -> dict[str, Any]:
     schemas = [{**get_dialect(name).request_body.model_json_schema(), "title": f"{name} request"} for name in dialects]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
 def public_model_name(model: str | None) -> str:
     """The name a server publishes for ``model``: a local folder's name, never its path; a hub id or URL as is.
 

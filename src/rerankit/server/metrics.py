@@ -43,7 +43,7 @@ class Histogram:
 class Metrics:
     """Requests, items, tokens, latency per route; batches sent to the engine; queue depth."""
 
-    def __init__(self, queue_depth: Callable[[], int], queue_chunks: Callable[[], int] = lambda: 0) -> None:
+    def __init__(self, queue_depth: Callable[[], int], queue_chunks: Callable[[], int]) -> None:
         self.queue_depth = queue_depth
         self.queue_chunks = queue_chunks
         self.requests: dict[tuple[str, int], int] = defaultdict(int)

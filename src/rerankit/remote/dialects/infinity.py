@@ -21,7 +21,6 @@ from rerankit.remote.dialects.common import (
     in_input_order,
     new_id,
     now,
-    openai_error,
     parse_wire,
     prompt_tokens_of,
     ranked_results,
@@ -32,6 +31,7 @@ from rerankit.remote.dialects.common import (
     wire_refuse,
     with_model,
 )
+from rerankit.remote.dialects.vllm import error_body  # Infinity answers errors in the same OpenAI shape
 from rerankit.schema import ScoreRequest, ScoreResponse
 
 ENDPOINT = "Infinity /rerank"
@@ -84,11 +84,6 @@ def encode_response(response_: ScoreResponse, request: ScoreRequest, model: str 
 def echoed_documents(body: Any) -> list[Any] | None:
     """The documents when ``return_documents`` (false unless asked)."""
     return echoed(body, "documents", isinstance(body, dict) and body.get("return_documents") is True)
-
-
-def error_body(status: int, message: str, param: str | None = None, kind: str | None = None) -> dict[str, Any]:
-    """Infinity answers errors in the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": openai_error(status, message, param, kind)}
 
 
 INFINITY = Dialect(
