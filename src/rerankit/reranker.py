@@ -29,7 +29,8 @@ def make_backend(model: str | Sequence[str] | None = None, **options: Any) -> Ba
 
     ``model=None`` is the embedded default, the packaged all-MiniLM-L6-v2 bi-encoder.
     Options go to the backend (embedded: device, dtype, mode, template, ...; remote: dialect, api_key, ...).
-    ``data_parallel_size`` N (or "auto": every visible GPU) runs N embedded replicas, one process per device.
+    ``data_parallel_size`` N (or "auto": every visible GPU) runs N embedded replicas, one process per device;
+    one (1, or "auto" with one GPU or on the CPU) keeps the engine in this process.
     """
     if is_url(model):
         from rerankit.remote import RemoteBackend
@@ -51,11 +52,13 @@ def make_backend(model: str | Sequence[str] | None = None, **options: Any) -> Ba
         from rerankit.defaults import default_model_path
 
         model = default_model_path()
-    if options.get("data_parallel_size", 1) != 1:  # one engine process per device (engine/replicas.py)
-        from rerankit.engine.replicas import DataParallelBackend
+    size = options.pop("data_parallel_size", 1)
+    if size != 1:  # one engine process per device (engine/replicas.py), where that makes more than one
+        from rerankit.engine.replicas import DataParallelBackend, replica_devices
 
-        return DataParallelBackend(str(model), **options)
-    options.pop("data_parallel_size", None)
+        if len(replica_devices(options.get("device"), size)) > 1:
+            return DataParallelBackend(str(model), data_parallel_size=size, **options)
+    options.pop("startup_timeout_s", None)  # a replica process's; the engine in process loads before returning
     return EmbeddedBackend(str(model), **options)
 
 

@@ -93,6 +93,14 @@ def test_data_parallel_size_is_checked_before_any_process_starts() -> None:
     assert replica_devices("cpu", 3) == ["cpu"] * 3
 
 
+def test_auto_that_makes_one_replica_keeps_the_engine_in_process() -> None:
+    backend = make_backend(None, device="cpu", data_parallel_size="auto", startup_timeout_s=5)
+    try:
+        assert isinstance(backend, EmbeddedBackend)
+    finally:
+        backend.close()
+
+
 def test_two_replicas_score_like_one(replicas: DataParallelBackend, expected: list) -> None:
     assert_same(replicas.score_batch(REQUESTS), expected)
     assert replicas.score(REQUESTS[1]).scores == pytest.approx(expected[1].scores, abs=1e-6)
