@@ -149,6 +149,8 @@ def test_version_prints_the_package_version(capsys):
     ("--batch-window-ms", "-1", "must be a number >= 0, got '-1'"),
     ("--port", "70000", "must be a port number, 0 to 65535, got '70000'"),
     ("--prefix-cache-mib", "-1", "must be an integer >= 0, got '-1'"),
+    ("--header-timeout", "inf", "must be a finite number > 0, got 'inf'"),
+    ("--header-timeout", "soon", "must be a finite number > 0, got 'soon'"),
 ])
 def test_a_bad_serve_flag_is_a_usage_error_before_the_model_loads(flag, value, message):
     completed = rerankit_cli("serve", "--model", "/no/such/model", flag, value)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shutil
 import sys
@@ -183,6 +184,8 @@ def scoring_request(args: argparse.Namespace, documents: list[str]) -> ScoreRequ
               "top_n": getattr(args, "top_n", None)}
     return ScoreRequest(query=args.query, items=documents,
                         **{name: value for name, value in fields.items() if value is not None})
+
+
 def add_score_command(commands: argparse._SubParsersAction) -> None:
     """``rerankit score``: a table of (query, document) pairs in, the same table with a score column out."""
     score = commands.add_parser("score", help="score a file of (query, document) pairs offline",
@@ -406,10 +409,8 @@ def _non_negative_float(text: str) -> float:
 
 
 def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
+    # from the smallest float above 0 to the largest finite one: refuses 0, inf and nan
+    return _number(text, float, math.ulp(0.0), sys.float_info.max, "a finite number > 0")
 
 
 def _replica_count(text: str) -> int | str:
