@@ -18,10 +18,11 @@ class ServerConfig:
 
     Batching: requests waiting while the engine runs are merged into one engine call of at most
     ``max_batch_items`` items and about ``max_batch_tokens`` tokens; ``batching=False`` scores one
-    request per engine call (to measure what batching buys). ``warm_up``: before answering, score two synthetic
-    requests through a backend that has ``warm_up()`` (the embedded engine), so that the first clients do not wait
-    for its compiling. ``freeze_gc``: once warmed up, move every object alive to Python's permanent generation
-    (``gc.freeze()``), so that later full collections skip the model's and the compiler's objects. On the lent H100
+    request per engine call (to measure what batching buys). ``warm_up``: before answering, run a backend's
+    ``warm_up()`` (the embedded engine) over every shape of call the batcher forms (``batcher.warm_up_shapes``; on
+    a CPU, where no shape costs more the first time, two synthetic requests), and on a GPU over every graph shape
+    too (``engine/warm_up.py``), so that the first clients do not wait for compiling or CUDA graph captures. ``freeze_gc``: once warmed up, move every object alive to Python's permanent generation
+    (``gc.freeze()``), so that later full collections skip the model's and the compiler's objects. On an H100
     with the Qwen3-0.6B shape loaded, compiled and captured, 628k objects were tracked and one full collection took
     309 ms, a stall that any request could meet; ``rerankit serve`` sets it, as it owns its process.
     ``rerank_dialect``: the dialect that answers a rerank body which shows none (see ``rerankit.server.routes``).
