@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from rerankit.errors import InvalidRequest, RerankitError
 from rerankit.offline import offline_backend, score_pairs
 from rerankit.reranker import make_backend
+from rerankit.server.main import API_KEY_ENV
 
 INSTALL = "pip install 'rerankit[ray]'"
 DEFAULT_BATCH_ROWS = 4096  # rows a Ray Data batch: a few engine calls, so that an actor's engine stays busy
@@ -97,7 +98,7 @@ def app(arguments: dict[str, str]) -> Any:
         first = exc.errors()[0]
         raise InvalidRequest(".".join(map(str, first["loc"])) or "arguments", first["msg"]) from None
     engine = {name: value for name, value in (("device", args.device), ("dtype", args.dtype)) if value is not None}
-    server = {name: value for name, value in (("api_key", args.api_key or os.environ.get("RERANKIT_API_KEY")),
+    server = {name: value for name, value in (("api_key", args.api_key or os.environ.get(API_KEY_ENV) or None),
                                               ("max_batch_items", args.max_batch_items),
                                               ("max_batch_tokens", args.max_batch_tokens)) if value is not None}
     return build_app(args.model, num_replicas=args.num_replicas,
