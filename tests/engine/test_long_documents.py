@@ -169,3 +169,24 @@ def test_windows_start_at_the_documents_start_whatever_its_length(monkeypatch, t
     assert sliced == _encode_items(loaded, request, "cross-encoder")
     if per_item is None:  # both documents' windows cover the same first words
         assert sliced[:2] == sliced[2:]
+
+
+def test_render_counts_a_multi_megabyte_documents_tokens_from_its_bounded_slice(monkeypatch, tiny_bert_cross_encoder):
+    from rerankit.engine import render as render_module
+
+    loaded = load_model(str(tiny_bert_cross_encoder), device="cpu")
+    seen: list[int] = []
+    tokenize = encode_module._tokenize
+
+    def counted(tokenizer, texts):
+        seen.extend(map(len, texts))
+        return tokenize(tokenizer, texts)
+
+    monkeypatch.setattr(encode_module, "_tokenize", counted)
+    monkeypatch.setattr(render_module, "_tokenize", counted, raising=False)
+    rendering = render_module.render_request(ScoreRequest(query="capital of France", items=[PROSE * 30_000, "short"]),
+                                             loaded)
+    huge, short = rendering.items
+    assert max(seen) < 20 * loaded.max_length  # no text tokenized whole
+    assert huge.document_tokens > loaded.max_length and huge.cut_tokens > 0
+    assert short.cut_tokens == 0 and short.document_tokens == 1  # "short"

@@ -64,12 +64,16 @@ class EncodedRequest:
     suffix_types: list[int] | None = None
     head_len: int = 0  # the prefix's first tokens that do not depend on the query (BOS, system prompt, instruction)
     windows: list[int] | None = None  # per request item, how many of item_ids are its windows; None: one each
+    # per request item, its tokens before it was fitted (a template's item text included); a text far longer than
+    # what can be kept is tokenized from a bounded slice: at least that many
+    item_lengths: list[int] = dataclasses.field(default_factory=list)
 
     def extend(self, chunk: "EncodedRequest") -> None:
         """Append the items of the next chunk of the same request (``encode_request(..., items=...)``)."""
         if self.windows is not None or chunk.windows is not None:
             self.windows = self.item_windows + chunk.item_windows
         self.item_ids = self.item_ids + chunk.item_ids
+        self.item_lengths = self.item_lengths + chunk.item_lengths
 
     @property
     def item_windows(self) -> list[int]:
@@ -342,7 +346,7 @@ def _encode_later_chunk(request: ScoreRequest, loaded: LoadedModel, mode: str, t
                         chunk: _Chunk, earlier: EncodedRequest) -> EncodedRequest:
     """A later chunk of a request: ``earlier``'s fields, and only this chunk's items tokenized and fitted as every
     encoder fits them (a text template's items through ``template.item``, the others as they come)."""
-    encoded = dataclasses.replace(earlier, item_ids=[], windows=None)
+    encoded = dataclasses.replace(earlier, item_ids=[], windows=None, item_lengths=[])
     if mode in ("generative", "cross-encoder") and template is not None and template.name != RAW:
         parts = _template_ids(loaded.tokenizer, template, request.instruction)
         items = _tokenize_items(loaded.tokenizer, chunk.items, request, loaded, template.item)[1]
@@ -466,7 +470,9 @@ def _refuse_huge_texts(request: ScoreRequest, loaded: LoadedModel, mode: str) ->
 
 def _set_items(encoded: EncodedRequest, items: list[list[int]], request: ScoreRequest, loaded: LoadedModel,
                offset: int, lead_ids: list[int] | None = None) -> None:
-    """``encoded.item_ids`` (and ``windows``): the items fitted after the encoded prefix and suffix."""
+    """``encoded.item_ids`` (and ``windows``): the items fitted after the encoded prefix and suffix; and
+    ``item_lengths``, theirs before."""
+    encoded.item_lengths = [len(item) for item in items]
     fixed = len(encoded.prefix_ids) + len(encoded.suffix_ids)
     encoded.item_ids, encoded.windows = fit_items(items, request, loaded.max_length, fixed, offset, lead_ids)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from rerankit.engine.encode import Defaults, EncodedRequest, _tokenize, encode_request, resolve_request
+from rerankit.engine.encode import Defaults, EncodedRequest, encode_request, resolve_request
 from rerankit.engine.load import LoadedModel
 from rerankit.schema import ScoreRequest
 from rerankit.templates import RAW, Template
@@ -31,7 +31,7 @@ class RenderedItem:
 
     index: int
     sequences: list[RenderedSequence]
-    document_tokens: int  # the item's tokens before any cut
+    document_tokens: int  # the item's tokens before any cut (at least: a long text is tokenized from a bounded slice)
     cut_tokens: int | None  # tokens of the item that truncation dropped; None when it is scored in windows
 
 
@@ -57,7 +57,7 @@ def render_request(request: ScoreRequest, loaded: LoadedModel, defaults: Default
     request, mode, template = resolve_request(request, loaded, defaults)
     encoded = encode_request(request, loaded, mode, template)
     tokenizer = loaded.tokenizer
-    full = _item_lengths(request, loaded, template)
+    full = encoded.item_lengths
     items, position = [], 0
     for index, count in enumerate(encoded.item_windows):
         windows = encoded.item_ids[position:position + count]
@@ -93,10 +93,3 @@ def _shown(ids: list[int], read: int, loaded: LoadedModel) -> RenderedSequence:
     return RenderedSequence(text=text, token_ids=ids, tokens=len(ids), read_position=None if pooled else read,
                             read_token=None if pooled else loaded.tokenizer.convert_ids_to_tokens(ids[read]))
 
-
-def _item_lengths(request: ScoreRequest, loaded: LoadedModel, template: Any) -> list[int]:
-    """Each item's tokens before any cut: the whole text tokenized (a template's item text around it included)."""
-    if request.items_are_token_ids:
-        return [len(item) for item in request.items]
-    wrap = template.item if template is not None and template.name != RAW else (lambda doc: doc)
-    return [len(ids) for ids in _tokenize(loaded.tokenizer, [wrap(doc) for doc in request.items])]

@@ -3,8 +3,9 @@
 Messages. Parent -> replica, on the replica's inbox queue: ``(kind, task_id, payload)`` with kind "score" (payload:
 a list of ``ScoreRequest``) or "warm_up" (payload: its shapes, or None), and ``None`` to stop. Replica -> parent,
 on its own pipe: ``("ready", model_name, load_seconds, max_length)`` or ``("load_failed", error)`` once, then
-``("done", task_id, result)`` or ``("failed", task_id, error)`` per task. Errors travel packed (``pack_error``): rerankit's errors take other
-arguments than their message, so the default pickling of exceptions cannot rebuild them.
+``("done", task_id, result)`` or ``("failed", task_id, error)`` per task. Errors travel packed (``pack_error``):
+rerankit's errors take other arguments than their message, so the default pickling of exceptions cannot rebuild
+them.
 """
 
 from __future__ import annotations
