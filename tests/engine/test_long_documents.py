@@ -7,6 +7,7 @@ import pytest
 
 from rerankit.engine import EmbeddedBackend
 from rerankit.engine import encode as encode_module
+from rerankit.engine import lengths as lengths_module
 from rerankit.engine.encode import encode_request, resolve_template
 from rerankit.engine.lengths import common_prefix
 from rerankit.engine.load import load_model
@@ -100,7 +101,7 @@ def test_a_bounded_slice_gives_the_same_ids_as_the_whole_text(request, monkeypat
                                  truncation=truncation)
     chosen = resolve_template(score_request, loaded, None, mode)
     bounded = _encode_items(loaded, score_request, mode, chosen)
-    monkeypatch.setattr(encode_module, "CHARS_PER_TOKEN", 10**9)  # no slice: every text tokenized whole
+    monkeypatch.setattr(lengths_module, "CHARS_PER_TOKEN", 10**9)  # no slice: every text tokenized whole
     assert bounded == _encode_items(loaded, score_request, mode, chosen)
 
 
@@ -130,7 +131,7 @@ def test_a_bi_encoders_long_query_is_cut_as_before_from_a_bounded_slice(monkeypa
     loaded = load_model(default_model_path(), device="cpu", weights=False)
     request = ScoreRequest(query=PROSE * 3000, items=["d"])
     cut = encode_request(request, loaded, "bi-encoder", None).query_ids
-    monkeypatch.setattr(encode_module, "CHARS_PER_TOKEN", 10**9)
+    monkeypatch.setattr(lengths_module, "CHARS_PER_TOKEN", 10**9)
     assert len(cut) == loaded.max_length and cut == encode_request(request, loaded, "bi-encoder", None).query_ids
 
 
@@ -165,7 +166,7 @@ def test_windows_start_at_the_documents_start_whatever_its_length(monkeypatch, t
                            truncation="start", long_documents="max", long_document_window=16,
                            long_document_max_windows=2, max_tokens_per_item=per_item)
     sliced = _encode_items(loaded, request, "cross-encoder")
-    monkeypatch.setattr(encode_module, "CHARS_PER_TOKEN", 10**9)  # no slice: every text tokenized whole
+    monkeypatch.setattr(lengths_module, "CHARS_PER_TOKEN", 10**9)  # no slice: every text tokenized whole
     assert sliced == _encode_items(loaded, request, "cross-encoder")
     if per_item is None:  # both documents' windows cover the same first words
         assert sliced[:2] == sliced[2:]

@@ -17,19 +17,13 @@ from dataclasses import dataclass
 from collections.abc import Sequence as Texts
 from typing import Any, Callable, TypeVar
 
-from rerankit.engine.lengths import bounded, fit, fit_items, kept_tokens
+from rerankit.engine.lengths import fit, fit_items, kept_tokens, refuse_huge_texts, tokenize_bounded
 from rerankit.engine.load import LoadedModel
 from rerankit.errors import InvalidRequest
 from rerankit.schema import ScoreRequest
 from rerankit.templates import RAW, Template, detect_template, get_template
 
 QUERY_KEY = -1  # the key of a bi-encoder's query sequence; items are keyed by their index
-# A text is tokenized from a bounded slice when it is longer than (tokens it may keep + TOKEN_MARGIN) x
-# CHARS_PER_TOKEN characters: ~2x the characters a token of prose or code takes in BPE and WordPiece vocabularies.
-# A slice that still yields too few tokens (runs of whitespace, which WordPiece drops) is grown SLICE_GROWTH-fold.
-CHARS_PER_TOKEN = 8
-TOKEN_MARGIN = 32
-SLICE_GROWTH = 4
 HEAD_PROBE_QUERY = "a"  # a second query on which a template head's separate tokenization is checked
 MAX_CACHED_PER_TOKENIZER = 256  # instructions and label words come from requests: keep the newest only
 
@@ -203,7 +197,7 @@ def encode_request(request: ScoreRequest, loaded: LoadedModel, mode: str, templa
     chunk = _Chunk(request, items or slice(0, len(request.items)))
     if earlier is not None:
         return _encode_later_chunk(request, loaded, mode, template, chunk, earlier)
-    _refuse_huge_texts(request, loaded, mode)
+    refuse_huge_texts(request, loaded.max_length, mode, _tokenizing(loaded.tokenizer))
     if mode == "generative":
         if template is None:
             raise InvalidRequest("template", f"no prompt template is known for {loaded.name!r}: name one "
@@ -410,7 +404,8 @@ def _encode_single(request: ScoreRequest, loaded: LoadedModel, mode: str, chunk:
 
 def _query_ids(request: ScoreRequest, loaded: LoadedModel) -> list[int]:
     if isinstance(request.query, str):  # more than the model's length is never kept: a bounded slice does
-        return _tokenize_bounded(loaded.tokenizer, [request.query], loaded.max_length, request.truncation)[1][0]
+        return tokenize_bounded(_tokenizing(loaded.tokenizer), [request.query], loaded.max_length,
+                                request.truncation)[1][0]
     _check_vocab(request.query, loaded.vocab_size, "query")
     return list(request.query)
 
@@ -429,43 +424,16 @@ def _tokenize_items(tokenizer: Any, docs: Any, request: ScoreRequest, loaded: Lo
     """Token ids of ``extra`` texts and of each document (through ``wrap``, a template's item), in one call.
 
     A document far longer than the tokens that can be kept (``kept_tokens``) is tokenized from a bounded slice of
-    the side truncation keeps, so a multi-MB text costs what its kept part costs; a slice that yields fewer than
+    the side that is kept (``lengths.tokenize_bounded``), so a multi-MB text costs what its kept part costs; a slice that yields fewer than
     the kept tokens and a margin (e.g. mostly whitespace) is grown and tokenized again, up to the whole text.
     """
     kept, policy = kept_tokens(request, loaded.max_length)
-    return _tokenize_bounded(tokenizer, docs, kept, policy, wrap, extra)
+    return tokenize_bounded(_tokenizing(tokenizer), docs, kept, policy, wrap, extra)
 
 
-def _tokenize_bounded(tokenizer: Any, texts: Any, kept: int | None, policy: str,
-                      wrap: Callable[[str], str] | None = None,
-                      extra: Texts[str] = ()) -> tuple[list[list[int]], list[list[int]]]:
-    """``_tokenize_items`` with the kept tokens (None: all) and the side truncation keeps given."""
-    wrap = wrap or (lambda text: text)
-    need = None if kept is None else kept + TOKEN_MARGIN
-    sliced = [text if need is None else bounded(text, need * CHARS_PER_TOKEN, policy) for text in texts]
-    ids = _tokenize(tokenizer, [*extra, *map(wrap, sliced)])
-    lead, items = ids[:len(extra)], ids[len(extra):]
-    for index, text in enumerate(texts):
-        chars = None if need is None else need * CHARS_PER_TOKEN
-        while need is not None and len(sliced[index]) < len(text) and len(items[index]) < need:
-            chars *= SLICE_GROWTH
-            sliced[index] = bounded(text, chars, policy)
-            items[index] = _tokenize(tokenizer, [wrap(sliced[index])])[0]
-    return lead, items
-
-
-def _refuse_huge_texts(request: ScoreRequest, loaded: LoadedModel, mode: str) -> None:
-    """Refuse a query or instruction text that cannot fit the model, from a bounded slice of it: the prompt around
-    every item holds it whole, so without this a multi-MB query would be tokenized whole before being refused.
-    A bi-encoder's query is a sequence of its own, cut like an item (``_query_ids``)."""
-    limit = loaded.max_length
-    fields = ("instruction",) if mode in ("bi-encoder", "late-interaction") else ("query", "instruction")
-    for field in fields:
-        text = getattr(request, field)
-        if isinstance(text, str) and len(text) > (limit + TOKEN_MARGIN) * CHARS_PER_TOKEN:
-            if len(_tokenize_bounded(loaded.tokenizer, [text], limit, "end")[1][0]) > limit:
-                raise InvalidRequest(field, f"has more than {limit} tokens, the model's limit for a whole "
-                                            "sequence")
+def _tokenizing(tokenizer: Any) -> Callable[[list[str]], list[list[int]]]:
+    """``_tokenize`` with ``tokenizer`` bound, for ``lengths``' bounded slices."""
+    return lambda texts: _tokenize(tokenizer, texts)
 
 
 def _set_items(encoded: EncodedRequest, items: list[list[int]], request: ScoreRequest, loaded: LoadedModel,

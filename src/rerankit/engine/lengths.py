@@ -1,11 +1,24 @@
 """Fitting an item's token ids to the model's length: truncation, long-document windows, and the bounded slice of
-a long text that is enough to tokenize. No tokenizer here: ``encode.py`` tokenizes and calls these.
+a long text that is enough to tokenize. No tokenizer here: ``encode.py`` tokenizes, and passes its tokenizing
+function to the functions that slice texts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Texts
+from typing import Callable
+
 from rerankit.errors import InvalidRequest
 from rerankit.schema import ScoreRequest
+
+Tokenize = Callable[[list[str]], list[list[int]]]  # texts -> the token ids of each, without special tokens
+
+# A text is tokenized from a bounded slice when it is longer than (tokens it may keep + TOKEN_MARGIN) x
+# CHARS_PER_TOKEN characters: ~2x the characters a token of prose or code takes in BPE and WordPiece vocabularies.
+# A slice that still yields too few tokens (runs of whitespace, which WordPiece drops) is grown SLICE_GROWTH-fold.
+CHARS_PER_TOKEN = 8
+TOKEN_MARGIN = 32
+SLICE_GROWTH = 4
 
 
 def kept_tokens(request: ScoreRequest, max_length: int) -> tuple[int | None, str]:
@@ -43,6 +56,40 @@ def bounded(text: str, chars: int, policy: str) -> str:
         return text[space + 1:]  # from a word's start: the whitespace before it would tokenize as its own token
     space = next((position for position in range(chars, chars // 2, -1) if text[position].isspace()), chars)
     return text[:space]
+
+
+def tokenize_bounded(tokenize: Tokenize, texts: Texts[str], kept: int | None, policy: str,
+                     wrap: Callable[[str], str] | None = None,
+                     extra: Texts[str] = ()) -> tuple[list[list[int]], list[list[int]]]:
+    """Token ids of ``extra`` texts and of each of ``texts`` (through ``wrap``), in one ``tokenize`` call; a text
+    far longer than ``kept`` tokens (None: all are needed) is tokenized from a bounded slice of the side
+    ``policy`` keeps ("start": its tail, else its head). A slice that yields fewer than ``kept`` tokens and a
+    margin (e.g. mostly whitespace) is grown and tokenized again, up to the whole text."""
+    wrap = wrap or (lambda text: text)
+    need = None if kept is None else kept + TOKEN_MARGIN
+    sliced = [text if need is None else bounded(text, need * CHARS_PER_TOKEN, policy) for text in texts]
+    ids = tokenize([*extra, *map(wrap, sliced)])
+    lead, items = ids[:len(extra)], ids[len(extra):]
+    for index, text in enumerate(texts):
+        chars = None if need is None else need * CHARS_PER_TOKEN
+        while need is not None and len(sliced[index]) < len(text) and len(items[index]) < need:
+            chars *= SLICE_GROWTH
+            sliced[index] = bounded(text, chars, policy)
+            items[index] = tokenize([wrap(sliced[index])])[0]
+    return lead, items
+
+
+def refuse_huge_texts(request: ScoreRequest, max_length: int, mode: str, tokenize: Tokenize) -> None:
+    """Refuse a query or instruction text that cannot fit the model, from a bounded slice of it: the prompt around
+    every item holds it whole, so without this a multi-MB query would be tokenized whole before being refused.
+    A bi-encoder's query is a sequence of its own, cut like an item (``encode._query_ids``)."""
+    fields = ("instruction",) if mode in ("bi-encoder", "late-interaction") else ("query", "instruction")
+    for field in fields:
+        text = getattr(request, field)
+        if isinstance(text, str) and len(text) > (max_length + TOKEN_MARGIN) * CHARS_PER_TOKEN:
+            if len(tokenize_bounded(tokenize, [text], max_length, "end")[1][0]) > max_length:
+                raise InvalidRequest(field, f"has more than {max_length} tokens, the model's limit for a whole "
+                                            "sequence")
 
 
 def fit_items(items: list[list[int]], request: ScoreRequest, max_length: int, fixed: int, offset: int = 0,
@@ -107,7 +154,7 @@ def fit(ids: list[int], limit: int, policy: str, field: str, lead: int = 0) -> l
     if len(ids) <= limit:
         return ids
     if policy == "none" or limit <= lead:
-        # "at least": a long text is tokenized from a bounded slice (``_tokenize_items``)
+        # "at least": a long text is tokenized from a bounded slice (``tokenize_bounded``)
         raise InvalidRequest(field, f"has at least {len(ids) - lead} tokens; the limit is {max(limit - lead, 0)} "
                              f"(truncation={policy!r})")
     if policy == "end":
@@ -116,6 +163,7 @@ def fit(ids: list[int], limit: int, policy: str, field: str, lead: int = 0) -> l
 
 
 def common_prefix(ids: list[int], other: list[int]) -> int:
+    """How many leading ids ``ids`` and ``other`` share (an item's tokens that are its template's lead)."""
     count = 0
     for left, right in zip(ids, other):
         if left != right:
