@@ -8,10 +8,9 @@ only has to balance the replicas, not to be exact.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
-from rerankit.errors import InvalidRequest, RerankitError
+from rerankit.errors import RerankitError, shift_item_index
 from rerankit.schema import ScoreRequest, ScoreResponse, Usage
 
 BYTES_PER_TOKEN = 4  # about 4 UTF-8 bytes a token for English text with a BPE or WordPiece vocabulary
@@ -88,7 +87,7 @@ def merge(requests: list[ScoreRequest], shards: list[Shard],
         error = next((outcome for _, outcome in pieces if isinstance(outcome, BaseException)), None)
         if error is not None:
             start = next(shard.start for shard, outcome in pieces if outcome is error)
-            merged.append(_rebased(error, start))
+            merged.append(shift_item_index(error, start))
             continue
         if len(pieces) == 1:
             merged.append(pieces[0][1])
@@ -103,16 +102,3 @@ def merge(requests: list[ScoreRequest], shards: list[Shard],
     return merged
 
 
-
-def _rebased(error: BaseException, start: int) -> BaseException:
-    """``error`` with the item index of its ``items[k]`` field shifted by ``start`` (a shard's first item), as a
-    copy of its class (a subclass's own attributes kept); any other error as it is."""
-    match = re.match(r"items\[(\d+)\]", getattr(error, "field", "")) if isinstance(error, InvalidRequest) else None
-    if match is None or start == 0:
-        return error
-    field = f"items[{int(match.group(1)) + start}]{error.field[match.end():]}"
-    shifted = type(error).__new__(type(error))
-    Exception.__init__(shifted, f"{field}: {error.reason}")
-    shifted.__dict__.update(vars(error))
-    shifted.field = field
-    return shifted
