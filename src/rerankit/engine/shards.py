@@ -100,5 +100,3 @@ def merge(requests: list[ScoreRequest], shards: list[Shard],
     assert all(len(getattr(outcome, "results", request.items)) == len(request.items)
                for request, outcome in zip(requests, merged)), "a shard lost or repeated items"
     return merged
-
-
