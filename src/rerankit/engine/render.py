@@ -92,4 +92,3 @@ def _shown(ids: list[int], read: int, loaded: LoadedModel) -> RenderedSequence:
     text = loaded.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     return RenderedSequence(text=text, token_ids=ids, tokens=len(ids), read_position=None if pooled else read,
                             read_token=None if pooled else loaded.tokenizer.convert_ids_to_tokens(ids[read]))
-
