@@ -160,7 +160,6 @@ class GraphedForward:
         self._slots: dict[int, tuple[CachedKV, CachedKV | None]] = {}  # rows -> (slot, the head it holds)
         self.captures = 0
         self.frozen = False  # set once warm-up is done: a shape without a graph then runs eagerly, never captured
-        self.misses = 0  # batches that found no graph while frozen
 
     def run(self, batch: PackedBatch, read: bool, cached_kv: CachedKV | None = None) -> torch.Tensor | None:
         """The forward's rows for ``batch`` (read rows, or every token), or None when no graph applies. ``batch``
@@ -174,7 +173,6 @@ class GraphedForward:
         slot = self._load_slot(key.kept, cached_kv) if key.kept else None
         graph = self._graphs.get(key)
         if graph is None and self.frozen:
-            self.misses += 1
             return None
         if graph is None:
             graph = self._capture(key, batch, slot)

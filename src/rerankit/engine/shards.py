@@ -11,9 +11,9 @@ import math
 from dataclasses import dataclass
 
 from rerankit.errors import RerankitError, shift_item_index
+from rerankit.estimate import item_tokens
 from rerankit.schema import ScoreRequest, ScoreResponse, Usage
 
-BYTES_PER_TOKEN = 4  # about 4 UTF-8 bytes a token for English text with a BPE or WordPiece vocabulary
 # A request is cut only into shards of at least this many estimated tokens: below it a replica's call is bound by
 # its fixed cost (launches, the prefix computed again), so a cut would add latency instead of taking it away.
 MIN_SHARD_TOKENS = 2048
@@ -34,16 +34,6 @@ class Shard:
         if self.start == 0 and self.stop == len(request.items):
             return request
         return request.model_copy(update={"items": request.items[self.start:self.stop]})
-
-
-def item_tokens(request: ScoreRequest) -> list[int]:
-    """Estimated tokens of each item scored with its query (exact for token ids), after ``max_tokens_per_item``."""
-    def length(part: str | list[int]) -> int:
-        return len(part) if isinstance(part, list) else max(1, len(part.encode()) // BYTES_PER_TOKEN)
-
-    query = length(request.query)
-    cap = request.max_tokens_per_item
-    return [query + (length(item) if cap is None else min(cap, length(item))) for item in request.items]
 
 
 def cut(requests: list[ScoreRequest], replicas: int) -> list[Shard]:
