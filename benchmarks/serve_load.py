@@ -125,7 +125,7 @@ def start_server(args: argparse.Namespace, batching: bool) -> tuple[subprocess.P
     code = ("from rerankit.server.main import serve; "
             f"serve({args.model!r}, host='127.0.0.1', port={port}, device={args.device!r}, log_level='warning', "
             f"**{settings!r})")
-    src = str(Path(__file__).resolve().parents[1] / "src")
+    src = args.server_src or str(Path(__file__).resolve().parents[1] / "src")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
     if args.threads:  # on a shared CPU, more torch threads than free cores make every call wait for the slowest
         env["OMP_NUM_THREADS"] = str(args.threads)
@@ -180,6 +180,8 @@ def main() -> None:
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="a running server's root URL")
     target.add_argument("--model", help="start a server on this model (path; 'default' for the packaged MiniLM)")
+    parser.add_argument("--server-src", default=None, help="with --model: start the server from this source tree "
+                        "(another commit's, for an A/B: git archive REV src | tar -x -C DIR; then DIR/src)")
     parser.add_argument("--no-batching", action="store_true", help="server scores one request per engine call")
     parser.add_argument("--compare", action="store_true", help="with --model: run with and without batching")
     parser.add_argument("--repeats", type=int, default=1, help="with --compare: alternating runs of each")

@@ -201,3 +201,55 @@ def test_gpu_overlap_and_pinned_plans_score_as_the_plain_path(lm_path):
                 random_raw_request(random.Random(3), plain._model().vocab_size, items=35)]
     for expected, response in zip(plain.score_batch(requests), overlapped.score_batch(requests)):
         torch.testing.assert_close(torch.tensor(response.scores), torch.tensor(expected.scores), atol=1e-4, rtol=0)
+
+
+def _calls_from_two_threads(backend: EmbeddedBackend, calls: list[list[ScoreRequest]]) -> list:
+    """Each call in ``calls`` run from one of two threads, both started together; their responses in call order."""
+    results: list = [None] * len(calls)
+    start = threading.Barrier(2)
+
+    def worker(offset: int) -> None:
+        start.wait()
+        for index in range(offset, len(calls), 2):
+            results[index] = backend.score_batch(calls[index])
+
+    threads = [threading.Thread(target=worker, args=(offset,)) for offset in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return results
+
+
+def _pipelined_calls_score_as_one_at_a_time(backend: EmbeddedBackend, atol: float) -> None:
+    rng = random.Random(7)
+    vocab = backend._model().vocab_size
+    many = [DOCS[index % len(DOCS)] + f" {index}" for index in range(24)]
+    calls = [[ScoreRequest(query=QUERY + f" {round_}", items=many[round_:], template="qwen3-reranker",
+                           return_label_logprobs=round_ % 2 == 0),
+              random_raw_request(rng, vocab, items=5 + round_)] for round_ in range(6)]
+    expected = [backend.score_batch(call) for call in calls]
+    for got, want in zip(_calls_from_two_threads(backend, calls), expected):
+        for response, reference in zip(got, want):
+            assert [result.index for result in response.results] == list(range(len(reference.results)))
+            torch.testing.assert_close(torch.tensor(response.scores), torch.tensor(reference.scores), atol=atol,
+                                       rtol=0)
+            for result, reference_result in zip(response.results, reference.results):
+                assert (result.label_logprobs is None) == (reference_result.label_logprobs is None)
+                if result.label_logprobs is not None:
+                    torch.testing.assert_close(torch.tensor(result.label_logprobs),
+                                               torch.tensor(reference_result.label_logprobs), atol=atol, rtol=0)
+
+
+def test_calls_from_two_threads_score_as_one_at_a_time(lm_path):
+    backend = EmbeddedBackend(str(lm_path), device="cpu", runner="packed", max_batch_tokens=256)
+    assert backend.pipelined_calls == 1  # the CPU's work is synchronous: nothing to overlap
+    _pipelined_calls_score_as_one_at_a_time(backend, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_gpu_pipelined_calls_score_as_one_at_a_time(lm_path):
+    """Two threads: one call launches (CUDA graphs included) while the other's scores are still being copied back."""
+    backend = EmbeddedBackend(str(lm_path), device="cuda", dtype="float32", max_batch_tokens=256)
+    assert backend.pipelined_calls == 2
+    _pipelined_calls_score_as_one_at_a_time(backend, atol=1e-5)

@@ -175,11 +175,14 @@ def test_token_estimate_is_exact_for_ids_and_bytes_over_four_for_text():
 
 
 class TwoReplicaBackend(RecordingBackend):
-    """A data-parallel backend of two replicas: each call waits on the gate until both calls are in."""
+    """A data-parallel backend of two replicas (or, with ``pipelined``, one GPU that overlaps two calls): each call
+    waits on the gate until both calls are in."""
 
-    data_parallel_size = 2
-
-    def __init__(self) -> None:
+    def __init__(self, pipelined: bool = False) -> None:
+        if pipelined:
+            self.pipelined_calls = 2
+        else:
+            self.data_parallel_size = 2
         super().__init__(hold_first_call=True)
         self.inside = 0
         self.most_inside = 0
@@ -195,8 +198,9 @@ class TwoReplicaBackend(RecordingBackend):
             self.inside -= 1
 
 
-async def test_a_data_parallel_backend_gets_one_engine_call_a_replica_at_once():
-    backend = TwoReplicaBackend()
+@pytest.mark.parametrize("pipelined", [False, True], ids=["data-parallel", "pipelined"])
+async def test_a_backend_taking_two_calls_gets_two_engine_calls_at_once(pipelined):
+    backend = TwoReplicaBackend(pipelined)
     batcher = await started(backend, batch_window_ms=1)
     first = asyncio.create_task(batcher.submit(request("first")))
     await asyncio.to_thread(backend.entered.wait, 5)

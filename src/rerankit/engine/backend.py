@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -28,10 +27,11 @@ from rerankit.engine.load import LoadedModel, load_model
 from rerankit.engine.plan import DEFAULT_MAX_BATCH_TOKENS, MicroBatch, Planner, RequestParts, pack
 from rerankit.engine.prefetch import prefetch
 from rerankit.engine.prefix_cache import PREFIX_CACHE_MAX_BYTES
+from rerankit.engine.results import HostCopy, SliceOutput, responses
 from rerankit.engine.runner import PackedRunner, Runner, make_runner
 from rerankit.engine.warm_up import warm_up_runner
 from rerankit.errors import Cancelled, InvalidRequest, ModelLoadError, RerankitError
-from rerankit.schema import ScoreRequest, ScoreResponse, ScoreResult, Usage
+from rerankit.schema import ScoreRequest, ScoreResponse
 from rerankit.templates import Template, get_template
 
 PROGRESS_MIN_ITEMS = 256  # below this a call is quick enough that a progress bar is noise
@@ -54,23 +54,6 @@ class _Prepared:
     encoded: EncodedRequest
     head_key: tuple
     query_tokens: int = 0  # tokens of the query's own forward (bi-encoder, late interaction)
-
-
-class _SliceOutput:
-    """What one head produced for a run of reads: their requests and items (host) and the scores (device).
-
-    Label log-probs and read states are dropped at once unless one of the requests asked for them, so the device
-    memory they hold goes back while the call runs on.
-    """
-
-    def __init__(self, requests: np.ndarray, items: np.ndarray, scores: heads.BatchScores,
-                 call_requests: list[ScoreRequest]) -> None:
-        owners = [call_requests[index] for index in np.unique(requests).tolist()]
-        if not any(request.return_label_logprobs for request in owners):
-            scores.label_logprobs = None
-        if not any(request.return_pooled_hidden_states for request in owners):
-            scores.pooled = None
-        self.requests, self.items, self.scores = requests, items, scores
 
 
 class _Call:
@@ -113,7 +96,8 @@ class EmbeddedBackend:
     tokens) across calls, up to this many bytes, least recently used dropped first (``engine/prefix_cache.py``); a
     request's micro-batches then leave the head's tokens out (CUDA graphs included); 0 turns it off.
     ``show_progress`` None shows a progress bar for calls of more than 256 items. Thread-safe: one lock serialises
-    use of the model.
+    use of the model; a call lets go of it once its work is queued on the device, so on a GPU a second thread's
+    call plans and launches while the first one's scores are computed and copied back (``pipelined_calls``).
     """
 
     def __init__(self, model: str, *, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
@@ -156,6 +140,12 @@ class EmbeddedBackend:
         return self._model().max_length
 
     @property
+    def pipelined_calls(self) -> int:
+        """How many ``score_batch`` calls from different threads keep this backend busy: 2 on a GPU (one launching
+        while the other's last kernels run and its scores are copied back), 1 on the CPU (its work is synchronous)."""
+        return 2 if self._model().device.type == "cuda" else 1
+
+    @property
     def runner(self) -> str:
         """"packed" or "reference": the runner this backend uses."""
         return "reference" if self._runner.padded else "packed"
@@ -190,7 +180,10 @@ class EmbeddedBackend:
                 outputs, computed = self._execute(call, micro_batches, loaded, should_stop)
             finally:  # a failed call stops its planning (and the planning thread) now, not when it is collected
                 micro_batches.close()
-            return self._responses(call, outputs, computed, loaded)
+            copy = HostCopy(outputs)  # queued before the model is released: a later call never writes what it reads
+        # The model is free from here: on a GPU the next call launches while this one's last kernels run and its
+        # scores travel to the host (``pipelined_calls``).
+        return responses(call.requests, call.entries, call.errors, copy, computed, loaded.name)
 
     def warm_up(self, shapes: list[tuple[int, int]] | None = None) -> float:
         """Score synthetic calls, for each (items, words per item) of ``shapes`` (default: 1 and 20 items of 80
@@ -344,11 +337,11 @@ class EmbeddedBackend:
         yield from planner.finish()
 
     def _execute(self, call: "_Call", micro_batches: Iterator[MicroBatch], loaded: LoadedModel,
-                 should_stop: Callable[[], bool] | None = None) -> tuple[list[_SliceOutput], list[int]]:
+                 should_stop: Callable[[], bool] | None = None) -> tuple[list[SliceOutput], list[int]]:
         """Run the model and the heads over each micro-batch as it comes; scores stay on the device. ``should_stop``
         is asked before each micro-batch (``Cancelled`` when it says True)."""
         head_list: dict[int, heads.Head] = {}
-        outputs: list[_SliceOutput] = []
+        outputs: list[SliceOutput] = []
         computed = [0] * len(call.requests)
         count = sum(len(request.items) for request in call.requests)
         show = self.show_progress if self.show_progress is not None else count > PROGRESS_MIN_ITEMS
@@ -367,7 +360,7 @@ class EmbeddedBackend:
                         out = head.score(read_states[start:end], micro.batch)
                     else:  # the request has this micro-batch to itself (own_batches)
                         out = head.score(self._runner.forward(micro.batch), micro.batch)
-                    outputs.append(_SliceOutput(micro.read_requests[start:end], micro.read_items[start:end], out,
+                    outputs.append(SliceOutput(micro.read_requests[start:end], micro.read_items[start:end], out,
                                                 call.requests))
                 for index, tokens in micro.request_tokens.items():
                     computed[index] += tokens
@@ -376,50 +369,6 @@ class EmbeddedBackend:
             if entry is not None:
                 computed[index] += entry.query_tokens
         return outputs, computed
-
-    def _responses(self, call: "_Call", outputs: list[_SliceOutput], computed: list[int],
-                   loaded: LoadedModel) -> list[ScoreResponse | RerankitError]:
-        """Scatter the per-slice outputs back to requests and items; the one host sync of the call is here."""
-        prepared = call.entries
-        failed = np.array([error is not None for error in call.errors], dtype=bool)
-        if outputs:
-            scores = torch.cat([output.scores.scores.float() for output in outputs]).cpu().numpy()
-            requests = np.concatenate([output.requests for output in outputs])
-            items = np.concatenate([output.items for output in outputs])
-        else:
-            scores, requests, items = np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        label_logprobs: list[list] = [[None] * len(request.items) for request in call.requests]
-        pooled: list[list] = [[None] * len(request.items) for request in call.requests]
-        for output in outputs:
-            for name, wanted, table in (("label_logprobs", "return_label_logprobs", label_logprobs),
-                                        ("pooled", "return_pooled_hidden_states", pooled)):
-                values = getattr(output.scores, name)
-                if values is None:
-                    continue
-                rows = np.flatnonzero([getattr(call.requests[index], wanted) and not failed[index]
-                                       for index in output.requests])
-                for index, item, row in zip(output.requests[rows].tolist(), output.items[rows].tolist(),
-                                            values[torch.from_numpy(rows)].float().cpu().tolist()):
-                    table[index][item] = row
-        order = np.lexsort((items, requests))
-        bounds = np.searchsorted(requests[order], np.arange(len(prepared) + 1))
-        responses: list[ScoreResponse | RerankitError] = []
-        for index, entry in enumerate(prepared):
-            error = call.errors[index]
-            if error is not None or entry is None:
-                responses.append(error)
-                continue
-            rows = order[bounds[index]:bounds[index + 1]]
-            if not np.array_equal(items[rows], np.arange(len(entry.encoded.item_ids))):
-                raise RuntimeError(f"the plan scored request {index}'s items {items[rows].tolist()}, not each once")
-            windows = entry.encoded.item_windows
-            values = _aggregate(scores[rows], windows, entry.request.long_documents).tolist()
-            results = [ScoreResult(index=item, score=values[item], label_logprobs=label_logprobs[index][item],
-                                   pooled_hidden_state=pooled[index][item], windows=windows[item])
-                       for item in range(len(values))]
-            usage = Usage(prompt_tokens=entry.encoded.prompt_tokens, computed_tokens=computed[index])
-            responses.append(ScoreResponse(results=results, model=loaded.name, usage=usage))
-        return responses
 
     def _head(self, entry: _Prepared, loaded: LoadedModel) -> heads.Head:
         """The head for the request's mode; generative and cross-encoder heads are kept for later calls."""
@@ -443,13 +392,3 @@ class EmbeddedBackend:
             embedding = heads.pool(query_hidden, query_batch, loaded.pooling, loaded.normalize_embeddings)[0]
             return heads.bi_encoder_head(embedding, loaded.pooling, loaded.normalize_embeddings)
         return heads.late_interaction_head(query_hidden, loaded.pooling, loaded.normalize_embeddings)
-
-
-def _aggregate(scores: np.ndarray, windows: list[int], how: str) -> np.ndarray:
-    """One score per item from its windows' consecutive scores: their max, or their mean (``long_documents``)."""
-    if len(windows) == len(scores):
-        return scores
-    starts = np.concatenate(([0], np.cumsum(windows)[:-1]))
-    if how == "max":
-        return np.maximum.reduceat(scores, starts)
-    return np.add.reduceat(scores, starts) / np.asarray(windows)

@@ -1,8 +1,8 @@
-"""Batching across requests: a fair queue of request chunks in front of the engine, one engine call at a time, in a
-worker thread (or one a replica, for a backend of ``data_parallel_size`` replicas). What goes into each call is
-``scheduler.FairQueue``'s rule; this module decides when calls go. A backend without ``score_batch`` (a remote
-server, ``rerankit serve --model http://...``) gets each request whole in a call of its own, up to its
-``max_concurrency`` calls at once, sent as soon as a call is free.
+"""Batching across requests: a fair queue of request chunks in front of the engine, one engine call at a time in a
+worker thread (two on a GPU, pipelined: ``pipelined_calls``; one a replica, for a backend of ``data_parallel_size``
+replicas). What goes into each call is ``scheduler.FairQueue``'s rule; this module decides when calls go. A
+backend without ``score_batch`` (a remote server, ``rerankit serve --model http://...``) gets each request whole in
+a call of its own, up to its ``max_concurrency`` calls at once, sent as soon as a call is free.
 
 When. A request that finds the server idle (no engine call ended within the last ``batch_window_ms``) is sent at
 once. While the server is busy, the next call waits for company: until every caller the last call answered has sent
@@ -65,7 +65,9 @@ class Batcher:
         self._arrived = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
-        # One engine thread a replica: a model runs one call at a time; more threads would only contend for it. A
+        # Engine threads: as many as the backend keeps busy. A model runs one call at a time, but on a GPU a call
+        # lets go of it once its work is queued, so a second call plans and launches while the first one's kernels
+        # finish and its scores come back (``pipelined_calls``: the GPU never waits for the host between calls). A
         # data-parallel backend takes as many calls at once as it has replicas, each on a replica of its own. A
         # backend without ``score_batch`` (a remote server) scores one request a call, so it gets several calls in
         # flight (its ``max_concurrency``), each a whole request: the remote client splits large ones itself.
@@ -73,7 +75,8 @@ class Batcher:
         if self._one_by_one:
             calls = max(1, int(getattr(backend, "max_concurrency", None) or PROXY_CALLS))
         else:
-            calls = max(1, int(getattr(backend, "data_parallel_size", 1) or 1))
+            calls = max(1, int(getattr(backend, "data_parallel_size", 1) or 1),
+                        int(getattr(backend, "pipelined_calls", 1) or 1))
         self._engine_thread = ThreadPoolExecutor(max_workers=calls, thread_name_prefix="rerankit-engine")
         self._free_calls = asyncio.Semaphore(calls) if calls > 1 else None
         self._calls: set[asyncio.Task] = set()  # engine calls running, where several may
