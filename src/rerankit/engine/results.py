@@ -9,7 +9,6 @@ reads is written by a later call: the concatenation is queued before the model i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
