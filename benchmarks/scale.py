@@ -132,7 +132,7 @@ def serve_row(folder: Path, replicas: int, args: argparse.Namespace) -> dict:
 def run_shape(shape: str, folder: Path, words: list[str], args: argparse.Namespace, results: list[dict]) -> None:
     rng = random.Random(0)
     w1, w2 = smoke_workloads(words, rng) if args.smoke else decoder_workloads(words, rng, {"W1", "W2"})
-    counts: list[int | str] = [1, "dp1"] + [n for n in args.replicas if n > 1]
+    counts: list[int | str] = [1] + ([] if args.no_dp1 else ["dp1"]) + [n for n in args.replicas if n > 1]
     base: dict[str, dict] = {}
     reference: list[list[float]] | None = None
 
@@ -176,6 +176,7 @@ def main() -> None:
     parser.add_argument("--serve-docs", type=int, default=100, help="documents a serve request")
     parser.add_argument("--serve-words", type=int, default=200, help="words a served document")
     parser.add_argument("--no-serve", action="store_true", help="skip the rerankit serve rows")
+    parser.add_argument("--no-dp1", action="store_true", help="skip the row of one replica behind a process")
     parser.add_argument("--smoke", action="store_true", help="CPU, a tiny model, small workloads, 1-2 replicas")
     parser.add_argument("--out", default=None, help="write every row as a JSON list here")
     args = parser.parse_args()

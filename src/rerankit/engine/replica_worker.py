@@ -2,8 +2,10 @@
 
 Messages. Parent -> replica, on the replica's inbox queue: ``(kind, task_id, payload)`` with kind "score" (payload:
 a list of ``ScoreRequest``) or "warm_up" (payload: its shapes, or None), and ``None`` to stop. Replica -> parent,
-on its own pipe: ``("ready", model_name, load_seconds, max_length)`` or ``("load_failed", error)`` once, then
-``("done", task_id, result)`` or ``("failed", task_id, error)`` per task. Errors travel packed (``pack_error``):
+on its own pipe: ``("ready", model_name, load_seconds, max_length, pipelined_calls)`` or ``("load_failed", error)``
+once, then ``("done", task_id, result)`` or ``("failed", task_id, error)`` per task. A replica on a GPU runs two
+tasks at once (``EmbeddedBackend.pipelined_calls``: one launches while the other's scores come back), so its GPU
+does not wait for the host between calls; the parent keeps that many tasks in flight on it. Errors travel packed (``pack_error``):
 rerankit's errors take other arguments than their message, so the default pickling of exceptions cannot rebuild
 them.
 """
@@ -13,7 +15,9 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import queue
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -72,21 +76,33 @@ def replica_main(model: str, options: dict[str, Any], threads: int | None, inbox
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it as its own
         outbox.send(("load_failed", pack_error(exc)))
         return
-    outbox.send(("ready", backend.model_name, time.perf_counter() - begun, backend.max_length))
+    workers = max(1, backend.pipelined_calls)
+    outbox.send(("ready", backend.model_name, time.perf_counter() - begun, backend.max_length, workers))
+    sending = threading.Lock()  # a Connection is not safe to send on from two threads at once
+
+    def run(kind: str, task_id: int, payload: Any) -> None:
+        try:
+            if kind == "warm_up":
+                result: Any = backend.warm_up(shapes=payload)
+            else:
+                result = [pack_error(outcome) if isinstance(outcome, BaseException) else outcome
+                          for outcome in backend.score_batch(payload, return_exceptions=True)]
+            reply = ("done", task_id, result)
+        except Exception as exc:  # noqa: BLE001 - an error of the whole call (out of memory): the parent's
+            reply = ("failed", task_id, pack_error(exc))
+        with sending:
+            outbox.send(reply)
+
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rerankit-replica") if workers > 1 else None
     try:
         while (message := _next_task(inbox)) is not None:
-            kind, task_id, payload = message
-            try:
-                if kind == "warm_up":
-                    result: Any = backend.warm_up(shapes=payload)
-                else:
-                    result = [pack_error(outcome) if isinstance(outcome, BaseException) else outcome
-                              for outcome in backend.score_batch(payload, return_exceptions=True)]
-            except Exception as exc:  # noqa: BLE001 - an error of the whole call (out of memory): the parent's
-                outbox.send(("failed", task_id, pack_error(exc)))
-                continue
-            outbox.send(("done", task_id, result))
+            if pool is None:
+                run(*message)
+            else:
+                pool.submit(run, *message)
     finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
         backend.close()
 
 

@@ -62,6 +62,7 @@ class _Replica:
     restarts: int = 0
     started_at: float = 0.0  # time.monotonic() of the latest spawn
     startup_seconds: float | None = None  # spawn to ready: interpreter, imports, model load
+    pipelined_calls: int = 1  # tasks it runs at once, as it reports when ready
     failure: Exception | None = None  # why it failed to load
     tasks: dict[int, _Task] = field(default_factory=dict)
 
@@ -135,6 +136,12 @@ class DataParallelBackend:
     def data_parallel_size(self) -> int:
         """How many replicas there are (running or restarting)."""
         return len(self._replicas)
+
+    @property
+    def pipelined_calls(self) -> int:
+        """Calls that keep every replica busy: each replica's own (2 on a GPU, where one call launches while another
+        one's scores come back; 1 on the CPU), summed."""
+        return sum(replica.pipelined_calls for replica in self._replicas)
 
     @property
     def replica_pids(self) -> list[int | None]:
@@ -360,7 +367,7 @@ class DataParallelBackend:
     def _handle(self, replica: _Replica, message: tuple) -> None:
         kind = message[0]
         if kind == "ready":
-            _, self._model_name, load_seconds, self._max_length = message
+            _, self._model_name, load_seconds, self._max_length, replica.pipelined_calls = message
             replica.state = "ready"
             replica.startup_seconds = time.monotonic() - replica.started_at
             log.info("replica %d on %s ready in %.1f s (model load %.1f s)", replica.index, replica.device,
