@@ -182,3 +182,41 @@ def test_work_whose_retry_dies_too_fails_with_replica_died(replicas: DataParalle
     os.kill(second.process.pid, signal.SIGKILL)
     caller.join(60)
     assert not caller.is_alive() and "already been retried once" in str(outcome["error"])
+
+
+def _two_gpus() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _two_gpus(), reason="needs two GPUs")
+def test_gpu_replicas_on_two_devices_score_like_one_with_calls_in_flight(tiny_qwen3_lm) -> None:
+    """A model on cuda:1 (Triton kernels and CUDA graphs on a device that is not the default one), and two GPU
+    replicas taking four calls at once (two pipelined on each), score like one engine on cuda:0."""
+    path = str(tiny_qwen3_lm)
+    requests = [ScoreRequest(query="capital of france", items=DOCS[:40], template="qwen3-reranker"),
+                ScoreRequest(query="gravity", items=DOCS[40:47], template="qwen3-reranker")]
+    first = EmbeddedBackend(path, device="cuda:0", dtype="float32", show_progress=False)
+    expected = first.score_batch(requests)
+    first.close()
+    second = EmbeddedBackend(path, device="cuda:1", dtype="float32", show_progress=False)
+    second.warm_up()
+    assert_same(second.score_batch(requests), expected)
+    second.close()
+    with DataParallelBackend(path, device="cuda", data_parallel_size=2, dtype="float32") as backend:
+        assert backend.pipelined_calls == 4
+        backend.warm_up()
+        outcomes: list = [None] * 8
+
+        def call(index: int) -> None:
+            outcomes[index] = backend.score_batch(requests)
+
+        threads = [threading.Thread(target=call, args=(index,)) for index in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        for got in outcomes:
+            assert_same(got, expected)

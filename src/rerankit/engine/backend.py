@@ -13,6 +13,7 @@ instruction are long next to its first items).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -170,7 +171,7 @@ class EmbeddedBackend:
         ``should_stop`` is asked before each micro-batch; when it says True the call raises ``Cancelled`` (a server
         stops scoring for callers that have all gone away).
         """
-        with self._lock, torch.inference_mode():
+        with self._lock, torch.inference_mode(), _on_device(self._model().device):
             loaded = self._model()
             call = _Call(requests)
             micro_batches = self._plan(call, loaded, return_exceptions)
@@ -213,7 +214,7 @@ class EmbeddedBackend:
                                      for request in requests])
         if isinstance(self._runner, PackedRunner) and on_gpu:
             loaded = self._model()
-            with self._lock, torch.inference_mode():
+            with self._lock, torch.inference_mode(), _on_device(loaded.device):
                 warm_up_runner(self._runner, loaded.max_length, causal=loaded.is_decoder,
                                typed="token_type_ids" in loaded.tokenizer.model_input_names,
                                every_token=not heads.reads_only(self._defaults.mode or loaded.default_mode,
@@ -392,3 +393,9 @@ class EmbeddedBackend:
             embedding = heads.pool(query_hidden, query_batch, loaded.pooling, loaded.normalize_embeddings)[0]
             return heads.bi_encoder_head(embedding, loaded.pooling, loaded.normalize_embeddings)
         return heads.late_interaction_head(query_hidden, loaded.pooling, loaded.normalize_embeddings)
+
+
+def _on_device(device: torch.device):
+    """Make ``device`` the current CUDA device for a call (a no-op elsewhere): Triton launches its kernels and
+    torch captures CUDA graphs on the current device, which for a model on ``cuda:1`` is not the default one."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -68,6 +68,11 @@ def replica_main(model: str, options: dict[str, Any], threads: int | None, inbox
         import torch
 
         torch.set_num_threads(threads)  # N CPU replicas share the cores instead of each taking them all
+    device = str(options.get("device") or "")
+    if device.startswith("cuda:"):  # kernels and CUDA graphs go to the current device: make it this replica's
+        import torch
+
+        torch.cuda.set_device(device)
     from rerankit.engine.backend import EmbeddedBackend
 
     begun = time.perf_counter()
