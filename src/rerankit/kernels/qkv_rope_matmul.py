@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from rerankit.kernels import cuda_capability, launch_tuned, sm_count, takes_head_dim
@@ -81,8 +80,8 @@ def qkv_rope_matmul_reference(x: Tensor, weight: Tensor, bias: Tensor | None, nu
                               head_dim: int, cos: Tensor, sin: Tensor, q_norm: Tensor | None = None,
                               k_norm: Tensor | None = None, eps: float = 1e-6, *, x_scale: Tensor | None = None,
                               w_scale: Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """Plain torch: ``F.linear`` (FP8: ``fp8_matmul_reference`` in ``out_dtype``), then each q and k head normed and rotated
-    as ``qk_norm_rope`` does it (float32, one rounding), with the table's angles."""
+    """Plain torch: ``F.linear`` (FP8: ``fp8_matmul_reference`` in ``out_dtype``), then each q and k head normed
+    and rotated as ``qk_norm_rope`` does it (float32, one rounding), with the table's angles."""
     _check(x, weight, bias, num_heads, num_kv_heads, head_dim, cos, sin, q_norm, k_norm, x_scale, w_scale)
     qkv = project_reference(x, weight, bias, x_scale, w_scale, out_dtype)
     half = head_dim // 2
@@ -105,8 +104,8 @@ def qkv_rope_matmul(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads: i
     """``x @ weight.T + bias`` ``[T, (Hq + 2 * Hkv) * D]`` with each q and k head normed (when ``q_norm``/``k_norm``
     are given) and rotated by the angles of ``cos``/``sin`` (``rope_table``, float32 ``[T, D/2]``); v heads as
     projected. ``weight`` is the fused q/k/v weight (q rows, then k, then v). FP8 ``x`` and ``weight`` take their
-    float32 scales ``x_scale`` [T] and ``w_scale`` [N] and give ``out_dtype``. Falls back to the reference where the kernel
-    does not apply (``takes_tma``)."""
+    float32 scales ``x_scale`` [T] and ``w_scale`` [N] and give ``out_dtype``. Falls back to the reference where the
+    kernel does not apply (``takes_tma``)."""
     if triton is None or not (x.is_cuda or _INTERPRET) or not takes_tma(x, weight, head_dim):
         return qkv_rope_matmul_reference(x, weight, bias, num_heads, num_kv_heads, head_dim, cos, sin, q_norm,
                                          k_norm, eps, x_scale=x_scale, w_scale=w_scale, out_dtype=out_dtype)

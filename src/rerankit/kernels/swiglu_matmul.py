@@ -90,7 +90,8 @@ def swiglu_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tma:
     if fp8 and tma is False:
         raise ValueError("float8 inputs run through tensor descriptors only (tma=None or True)")
     if triton is None or not (x.is_cuda or _INTERPRET) or (fp8 and tma is None and not takes_tma(x, weight)):
-        return swiglu_matmul_reference(x, weight, bias, x_scale, w_scale, out_dtype)  # it checks its inputs the same way
+        # the reference checks its inputs the same way
+        return swiglu_matmul_reference(x, weight, bias, x_scale, w_scale, out_dtype)
     _check(x, weight, bias, x_scale, w_scale)
     x, weight = x.contiguous(), weight.contiguous()
     tokens, width = x.shape[0], weight.shape[0] // 2
