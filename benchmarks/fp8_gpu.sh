@@ -25,7 +25,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 
 has tests && TAIL=30 stage fp8_tests python3 -m pytest -q -m gpu -k "fp8" -p no:cacheprovider \
-  tests/kernels/test_fp8.py tests/engine/test_fp8.py
+  tests/kernels/test_fp8_kernels.py tests/engine/test_fp8_dtype.py
 # the bf16 kernels' GPU tests too: their descriptor kernels now take a scales argument
 has tests && TAIL=15 stage bf16_kernel_tests python3 -m pytest -q -m gpu -p no:cacheprovider \
   tests/kernels/test_swiglu_matmul.py tests/kernels/test_qkv_rope_matmul.py

@@ -87,6 +87,8 @@ def _launch(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tenso
 
 
 if triton is not None:
+    _MAX = tl.constexpr(FP8_MAX)  # kernels read module globals only as constexprs
+    _MIN_AMAX = tl.constexpr(MIN_AMAX)
 
     @triton.jit
     def _round_to_e4m3(v):
@@ -118,7 +120,7 @@ if triton is not None:
             weight = tl.load(weight_ptr + cols, mask=cols < width, other=0.0)
             x = (weight[None, :].to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
         x32 = x.to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x32), axis=1), MIN_AMAX) / FP8_MAX
+        scale = tl.maximum(tl.max(tl.abs(x32), axis=1), _MIN_AMAX) / _MAX
         scaled = x32 / scale[:, None]
         if ROUND_FIRST:
             scaled = _round_to_e4m3(scaled)

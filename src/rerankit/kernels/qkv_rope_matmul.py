@@ -251,7 +251,7 @@ if triton is not None:
     _FP8_CONFIGS = [
         triton.Config({"BLOCK_M": 128, "HEADS": heads, "BLOCK_K": block_k, "GROUP_M": 8}, num_warps=8,
                       num_stages=stages, pre_hook=_set_block_shapes)
-        for heads, block_k, stages in ((2, 64, 5), (2, 128, 3), (1, 128, 4))
+        for heads, block_k, stages in ((2, 64, 5), (2, 128, 2), (1, 128, 4))
     ]
     _qkv_rope_fp8_kernel = triton.autotune(_FP8_CONFIGS, key=["N", "K", "HEAD_DIM", "NUM_HEADS", "NUM_KV_HEADS"],
                                            prune_configs_by={"early_config_prune": _prune})(
