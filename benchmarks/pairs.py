@@ -18,6 +18,14 @@ one W1 and one W3 call, the host time of each engine phase, GPU time by kernel k
 
     PYTHONPATH=src python benchmarks/pairs.py --out results.json --profile profiles/ --budgets 8192,16384,32768
 
+``--dtype fp8`` adds rows of the FP8 engine (``rerankit-fp8-*``) beside the bf16 ones and the transformers baselines
+of the same run, and a fidelity check per shape: the first 48 docs of W1 scored by transformers in float32 (the
+reference), transformers bf16 keep-1, rerankit bf16 and rerankit FP8, each row with its largest |score - fp32| and
+|score - bf16| and Spearman against both (``fidelity.py``). ``--tiny`` runs W1 (8 docs) on a 2-layer model on the
+CPU (FP8 in reference mode, $RERANKIT_FP8_REFERENCE=1), to check the script itself:
+
+    PYTHONPATH=src python benchmarks/pairs.py --tiny --dtype fp8
+
 Prints one JSON object per measurement, then a table.
 
 H100 80GB, torch 2.11, transformers 5.17, budget 32k (bench_out/pairs_h100.json): pairs/s MIS / packed / keep-1 /
@@ -41,6 +49,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from fidelity import FIDELITY_DOCS, fidelity_rows  # noqa: E402
 from tiny_models import build_decoder_tokenizer  # noqa: E402  (the small BPE tokenizer with chat tokens)
 
 from rerankit.engine import EmbeddedBackend  # noqa: E402
@@ -56,7 +65,10 @@ SHAPES = {
                head_dim=128, intermediate_size=9728, tie_word_embeddings=True),
     "8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                head_dim=128, intermediate_size=12288, tie_word_embeddings=False),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 intermediate_size=128, tie_word_embeddings=True),  # --tiny: the script on a CPU
 }
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCAB = 151669
 QUERY = "what is the capital of france and why is it famous"
 
@@ -95,12 +107,22 @@ def build_decoder_dir(root: Path, shape: str) -> Path:
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                          **SHAPES[shape])
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         model = Qwen3ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(folder)
     del model
-    torch.cuda.empty_cache()
+    empty_cache()
     return folder
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def empty_cache() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
 
 
 def body_flops(config, tokens: int, attended: int) -> float:
@@ -126,10 +148,10 @@ def attended_pairs(prefix: int, spans: list[int], shared: bool) -> int:
 def time_call(fn, repeats: int) -> list[float]:
     times = []
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - start)
     return times
 
@@ -138,6 +160,8 @@ def measure(fn, repeats: int, warmups: int) -> tuple[list[float], float]:
     """Warm up, then time; also the peak memory the calls allocate above what was resident."""
     for _ in range(warmups):
         fn()
+    if DEVICE != "cuda":
+        return time_call(fn, repeats), 0.0
     torch.cuda.synchronize()
     resident = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -154,7 +178,7 @@ def model_card_scores(model, tokenizer, query: str, docs: list[str], instruction
     scores = []
     for start in range(0, len(prompts), batch_size):
         inputs = tokenizer(prompts[start:start + batch_size], padding=True, return_tensors="pt",
-                           add_special_tokens=False).to("cuda")
+                           add_special_tokens=False).to(model.device)
         extra = {"logits_to_keep": 1} if keep_one else {}
         logits = model(**inputs, use_cache=False, **extra).logits[:, -1, :]
         pair = torch.stack([logits[:, no], logits[:, yes]], dim=1).float().log_softmax(dim=1)
@@ -193,15 +217,17 @@ def row_for(workload: Workload, variant: str, times: list[float], peak: float, p
 
 
 def run_workload(workload: Workload, model, tokenizer, backend: EmbeddedBackend, baseline_queries: int,
-                 results: list[dict]) -> None:
+                 results: list[dict], label: str = "rerankit", baselines: bool = True) -> None:
+    """Rows of ``backend``'s variants (named ``label``-mis, ...) and, with ``baselines``, transformers'; then a
+    check row: score differences and speed ratios."""
     layouts = encoded_layout(backend, requests_of(workload, False))
     pair_lengths = [prefix + span for prefix, spans in layouts for span in spans]
     rows = []
     overlap, prefix_cache = backend._overlap, backend._runner.prefix_cache
-    variants = [("rerankit-mis", True, overlap, True), ("rerankit-packed", False, overlap, True),
-                ("rerankit-mis-overlap", True, True, True)]
+    variants = [(f"{label}-mis", True, overlap, True), (f"{label}-packed", False, overlap, True),
+                (f"{label}-mis-overlap", True, True, True)]
     if workload.instruction is not None:  # a long head: kept across calls (the default) and computed each call
-        variants.append(("rerankit-mis-heads-computed", True, overlap, False))
+        variants.append((f"{label}-mis-heads-computed", True, overlap, False))
     for variant, multi_item, overlapped, keep_heads in variants:
         backend._overlap = overlapped  # overlap: planning thread + ramp-up chunk (EmbeddedBackend's overlap=True)
         backend._runner.prefix_cache = prefix_cache if keep_heads else None
@@ -216,7 +242,7 @@ def run_workload(workload: Workload, model, tokenizer, backend: EmbeddedBackend,
     baseline_pairs = sum(len(docs) for docs in workload.docs[:queries])
     baseline_lengths = pair_lengths[:baseline_pairs]
     baseline_flops = body_flops(model.config, sum(baseline_lengths), sum(map(causal_pairs, baseline_lengths)))
-    for variant, keep_one in (("transformers-keep1", True), ("transformers-modelcard", False)):
+    for variant, keep_one in (("transformers-keep1", True), ("transformers-modelcard", False))[:2 if baselines else 0]:
         def baseline():
             return [model_card_scores(model, tokenizer, q, docs, workload.instruction, keep_one)
                     for q, docs in zip(workload.queries[:queries], workload.docs[:queries])]
@@ -235,13 +261,15 @@ def run_workload(workload: Workload, model, tokenizer, backend: EmbeddedBackend,
     shared = torch.tensor(backend.score(first).scores)
     packed = torch.tensor(backend.score(first.model_copy(update={"multi_item": False})).scores)
     card = model_card_scores(model, tokenizer, first.query, list(first.items), workload.instruction, True).float()
-    rate = {row["variant"]: row["pairs_per_s"] for row in rows if "error" not in row}
-    check = {"workload": workload.name, "check": "scores",
+    rate = {row["variant"]: row["pairs_per_s"] for row in results + rows if "pairs_per_s" in row
+            and row.get("workload") == workload.name and "budget" not in row}
+    check = {"workload": workload.name, "check": f"scores {label}",
              "max_abs_diff_packed_vs_keep1": float((packed - card.cpu()).abs().max()),
              "max_abs_diff_mis_vs_packed": float((shared - packed).abs().max())}
-    for name in ("rerankit-packed", "rerankit-mis-overlap", "transformers-keep1", "transformers-modelcard"):
-        if name in rate:
-            check[f"mis_over_{name.split('-', 1)[1].replace('-', '_')}"] = rate["rerankit-mis"] / rate[name]
+    for name in (f"{label}-packed", f"{label}-mis-overlap", "rerankit-mis", "transformers-keep1",
+                 "transformers-modelcard"):
+        if name in rate and name != f"{label}-mis":
+            check[f"mis_over_{name.replace('-', '_')}"] = rate[f"{label}-mis"] / rate[name]
     results.append(check)
     print(json.dumps(check), flush=True)
 
@@ -393,10 +421,10 @@ def ab_row(row: dict, workloads: list[Workload], backend: EmbeddedBackend, resul
     print(json.dumps(row), flush=True)
 
 
-def decoder_workloads(words: list[str], rng: random.Random, include: set[str]) -> list[Workload]:
+def decoder_workloads(words: list[str], rng: random.Random, include: set[str], w1_docs: int = 100) -> list[Workload]:
     out = []
     if "W1" in include:
-        out.append(Workload("W1", [QUERY], [make_docs(words, 100, 64, 448, rng)], repeats=15))
+        out.append(Workload("W1", [QUERY], [make_docs(words, w1_docs, 64, 448, rng)], repeats=15))
     if "W2" in include:
         out.append(Workload("W2", [f"{QUERY} {i}" for i in range(64)],
                             [make_docs(words, 100, 64, 448, rng) for _ in range(64)], repeats=2))
@@ -444,67 +472,115 @@ def bert_large_workload(root: Path, results: list[dict], repeats: int) -> None:
     backend.close()  # the baseline's model goes with this function's frame (its last use is the closure above)
 
 
+def reference_scores(folder: Path, tokenizer, query: str, docs: list[str]) -> torch.Tensor:
+    """The fidelity reference: transformers in float32 (keep-1), loaded alone (the 8B shape takes 32 GB)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(DEVICE).eval()
+    with torch.inference_mode():
+        scores = model_card_scores(model, tokenizer, query, docs, None, True, batch_size=8).float().cpu()
+    del model
+    empty_cache()
+    return scores
+
+
+def weights_gib(backend: EmbeddedBackend) -> float:
+    """GiB of the tensors the backend holds: the transformers model's and the packed model's, each counted once."""
+    loaded, runner = backend._model(), backend._runner
+    tensors = list(loaded.model.parameters())
+    packed = getattr(runner, "model", None)
+    if isinstance(packed, torch.nn.Module):
+        tensors += list(packed.parameters()) + list(packed.buffers())
+    unique = {t.data_ptr(): t for t in tensors if t.numel()}
+    return sum(t.numel() * t.element_size() for t in unique.values()) / 2**30
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="W1,W2,W3,LI")
     parser.add_argument("--w4", action="store_true", help="also the 4B/8B shapes and the BERT-large cross-encoder")
     parser.add_argument("--w4-shapes", default="4b,8b,bert-large", help="which W4 models --w4 runs")
+    parser.add_argument("--w4-docs", type=int, default=100, help="docs of the W4 shapes' W1 query")
     parser.add_argument("--baseline-queries", type=int, default=8, help="W2 queries the baselines run")
     parser.add_argument("--budgets", default="", help="micro-batch budgets to sweep on W1, W2 and LI, e.g. 8192,32768")
     parser.add_argument("--sweep-queries", type=int, default=16, help="W2 queries in the budget sweep")
     parser.add_argument("--profile", default=None, help="folder for profiles of one W1, W3 and LI call")
     parser.add_argument("--ab", action="store_true", help="W1/W3 with the fused q/k kernel and attention tilings")
+    parser.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
+                        help="fp8: also the FP8 engine's rows, and the fidelity check against float32")
+    parser.add_argument("--tiny", action="store_true", help="W1 (8 docs) on a 2-layer model: runs on a CPU")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    results: list[dict] = [{"device": torch.cuda.get_device_name(), "torch": torch.__version__}]
+    if args.dtype == "fp8" and DEVICE != "cuda":
+        os.environ.setdefault("RERANKIT_FP8_REFERENCE", "1")  # FP8's numerics in torch (engine.fp8)
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    results: list[dict] = [{"device": name, "torch": torch.__version__}]
     print(json.dumps(results[0]), flush=True)
     root = Path(tempfile.mkdtemp(prefix="rerankit-bench-"))
     include = set(args.workloads.split(","))
     w4 = set(args.w4_shapes.split(",")) if args.w4 else set()
     shapes = ([("0.6b", include)] if include - {""} else []) + [(shape, {"W1"}) for shape in ("4b", "8b") if shape in w4]
+    if args.tiny:
+        shapes, w4 = [("tiny", {"W1"})], set()
+    dtypes = ("bfloat16", "fp8") if args.dtype == "fp8" else ("bfloat16",)
     for shape, shape_workloads in shapes:
         folder = build_decoder_dir(root, shape)
         tokenizer = AutoTokenizer.from_pretrained(folder)
         tokenizer.padding_side = "left"
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
-        begun = time.perf_counter()
-        backend = EmbeddedBackend(str(folder), device="cuda", dtype="bfloat16")
-        weights = sum(p.numel() * p.element_size() for p in backend._model().model.parameters()) / 2**30
-        results.append({"shape": shape, "runner": backend.runner, "weights_gib": weights,
-                        "max_batch_tokens": backend.max_batch_tokens, "load_s": time.perf_counter() - begun})
-        print(json.dumps(results[-1]), flush=True)
         words = single_token_words(tokenizer)
-        workloads = decoder_workloads(words, random.Random(0), shape_workloads)
-        with torch.inference_mode():
+        workloads = decoder_workloads(words, random.Random(0), shape_workloads,
+                                      8 if args.tiny else args.w4_docs if shape != "0.6b" else 100)
+        if args.tiny:
+            workloads[0].repeats = 2
+        fidelity_docs = make_docs(words, FIDELITY_DOCS if not args.tiny else 8, 64, 448, random.Random(1))
+        fp32 = reference_scores(folder, tokenizer, QUERY, fidelity_docs) if args.dtype == "fp8" else None
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(DEVICE).eval()
+        baseline_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+        fidelity: dict[str, torch.Tensor] = {}
+        for dtype in dtypes:
+            label = "rerankit" if dtype == "bfloat16" else "rerankit-fp8"
             begun = time.perf_counter()
-            backend.score_batch(requests_of(workloads[0], True) + requests_of(workloads[0], False))
-            results.append({"shape": shape, "first_call_s (compile)": time.perf_counter() - begun})
-            for workload in workloads:
-                if shape != "0.6b":
-                    workload.name = f"W4-{shape}"
-                run_workload(workload, model, tokenizer, backend, args.baseline_queries, results)
-            # What stays allocated between calls beyond the two weight copies (ours and the baselines' model): the
-            # CUDA graph pool (captured before the timed calls, so the rows' peaks miss it), heads, caches.
-            graphs = backend._runner.graphs
-            results.append({"shape": shape, "graphs_captured": graphs.captures if graphs is not None else 0,
-                            "resident_above_weights_gib": torch.cuda.memory_allocated() / 2**30 - 2 * weights})
+            backend = EmbeddedBackend(str(folder), device=DEVICE, dtype=dtype)
+            weights = weights_gib(backend)
+            results.append({"shape": shape, "dtype": dtype, "runner": backend.runner, "weights_gib": weights,
+                            "max_batch_tokens": backend.max_batch_tokens, "load_s": time.perf_counter() - begun})
             print(json.dumps(results[-1]), flush=True)
-            if shape == "0.6b" and args.budgets:
-                budgets = [int(budget) for budget in args.budgets.split(",")]
+            with torch.inference_mode():
+                begun = time.perf_counter()
+                backend.score_batch(requests_of(workloads[0], True) + requests_of(workloads[0], False))
+                results.append({"shape": shape, "dtype": dtype, "first_call_s (compile)": time.perf_counter() - begun})
                 for workload in workloads:
-                    if workload.name in ("W1", "W2", "LI"):
-                        budget_sweep(workload, backend, budgets, args.sweep_queries, results)
-            if shape == "0.6b" and args.ab:
-                kernel_ab(workloads, backend, results)
-            if shape == "0.6b" and args.profile:
-                for workload in workloads:
-                    if workload.name in AB_WORKLOADS:
-                        profile_call(workload, backend, Path(args.profile), results)
-        backend.close()
+                    if shape != "0.6b":
+                        workload.name = f"W4-{shape}"
+                    run_workload(workload, model, tokenizer, backend, args.baseline_queries, results, label,
+                                 baselines=dtype == "bfloat16")
+                # What stays allocated between calls beyond the weights (ours and the baselines' model): the CUDA
+                # graph pool (captured before the timed calls, so the rows' peaks miss it), heads, caches.
+                graphs = backend._runner.graphs
+                allocated = torch.cuda.memory_allocated() / 2**30 if DEVICE == "cuda" else float("nan")
+                results.append({"shape": shape, "dtype": dtype, "graphs_captured": graphs.captures if graphs else 0,
+                                "resident_above_weights_gib": allocated - weights - baseline_gib})
+                print(json.dumps(results[-1]), flush=True)
+                if fp32 is not None:
+                    for multi_item, kind in ((True, "mis"), (False, "packed")):
+                        scored = backend.score(ScoreRequest(query=QUERY, items=fidelity_docs, multi_item=multi_item,
+                                                            template="qwen3-reranker"))
+                        fidelity[f"{label}-{kind}"] = torch.tensor(scored.scores)
+                if shape == "0.6b" and dtype == "bfloat16":
+                    bf16_extras(args, workloads, backend, results)
+            backend.close()
+            empty_cache()
+        if fp32 is not None:
+            with torch.inference_mode():
+                fidelity["transformers-bf16-keep1"] = model_card_scores(model, tokenizer, QUERY, fidelity_docs, None,
+                                                                        True)
+            for row in fidelity_rows(workloads[0].name, fidelity, fp32, "rerankit-packed"):
+                results.append(row)
+                print(json.dumps(row), flush=True)
         del model
-        torch.cuda.empty_cache()
+        empty_cache()
     if "bert-large" in w4:
         with torch.inference_mode():
             bert_large_workload(root, results, 5)
@@ -513,14 +589,31 @@ def main() -> None:
     print_table(results)
 
 
+def bf16_extras(args, workloads: list[Workload], backend: EmbeddedBackend, results: list[dict]) -> None:
+    """The bf16 engine's budget sweep, kernel A/B and profiles, where asked."""
+    if args.budgets:
+        budgets = [int(budget) for budget in args.budgets.split(",")]
+        for workload in workloads:
+            if workload.name in ("W1", "W2", "LI"):
+                budget_sweep(workload, backend, budgets, args.sweep_queries, results)
+    if args.ab:
+        kernel_ab(workloads, backend, results)
+    if args.profile:
+        for workload in workloads:
+            if workload.name in AB_WORKLOADS:
+                profile_call(workload, backend, Path(args.profile), results)
+
+
 def print_table(results: list[dict]) -> None:
     print(f"\n{results[0]['device']}")
     print(f"{'workload':<14}{'variant':<24}{'budget':>7}{'pairs/s':>9}{'tok/s':>10}{'MFU':>7}{'peakGiB':>8}"
           f"{'p50ms':>7}{'p99ms':>7}")
     for row in results[1:]:
         if "check" in row:
-            print(f"{row['workload']:<14}check: " + ", ".join(f"{k}={v:.3g}" for k, v in row.items()
-                                                          if isinstance(v, float)))
+            what = f"{row['check']} {row.get('variant', '')}".strip()
+            print(f"{row['workload']:<14}{what}: " + ", ".join(
+                f"{k}={v}" if isinstance(v, bool) else f"{k}={v:.3g}" for k, v in row.items()
+                if isinstance(v, (float, bool))))
         elif "error" in row:
             print(f"{row['workload']:<14}{row['variant']:<24}{row['error']:>16}")
         elif "variant" in row:

@@ -10,6 +10,7 @@ from typing import Any, Iterator, Literal
 
 import torch
 
+from rerankit.engine import fp8
 from rerankit.engine.checkpoint import read_encoder_weights
 from rerankit.errors import InvalidRequest, ModelLoadError
 from rerankit.hub import hub_cached
@@ -47,7 +48,9 @@ class LoadedModel:
     max_length: int
     vocab_size: int
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the activations, and of the weights unless ``fp8``
+    fp8: bool = False  # the packed decoder's projections run in FP8 (``engine.fp8``); ``dtype`` is then bfloat16
+    fp8_weights: fp8.Fp8Weights | None = None  # an FP8 checkpoint's float8 weights, for the packed decoder to keep
 
     @property
     def supported_modes(self) -> tuple[str, ...]:
@@ -73,7 +76,9 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """The asked dtype, or bfloat16 on a GPU and float32 on the CPU."""
+    """The asked dtype, or bfloat16 on a GPU and float32 on the CPU; bfloat16 for "fp8" (the activations' dtype)."""
+    if fp8.is_fp8(dtype):
+        return torch.bfloat16
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
@@ -81,7 +86,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     try:
         return _DTYPE_NAMES[str(dtype).lower().removeprefix("torch.")]
     except KeyError:
-        raise ModelLoadError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPE_NAMES)}") from None
+        raise ModelLoadError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPE_NAMES)}, fp8") from None
 
 
 def load_model(model: str, *, device: str | torch.device | None = None,
@@ -93,7 +98,8 @@ def load_model(model: str, *, device: str | torch.device | None = None,
     the hub cannot be reached. ``weights=False`` loads the config and tokenizer only (``model`` is None): enough
     to encode requests (``rerankit render``). ``packed_only``: the caller runs the packed encoder only, so an
     encoder folder the packed encoder runs is read as plain tensors (``engine.checkpoint``), not built as a
-    transformers model.
+    transformers model. ``dtype="fp8"``: FP8 projections (``engine.fp8``), on GPUs with FP8 tensor cores only; a
+    checkpoint stored in FP8 runs so by default where the device can, else dequantized to the default dtype.
     """
     from transformers import AutoConfig, AutoTokenizer
 
@@ -111,9 +117,16 @@ def load_model(model: str, *, device: str | torch.device | None = None,
     if kind == "causal-lm" and getattr(config, "final_logit_softcapping", None) is not None:
         raise ModelLoadError(f"{model!r} soft-caps its logits, which the label-logprob head does not support")
     torch_device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, torch_device)
+    stored_fp8 = fp8.checkpoint_format(config)
+    run_fp8 = fp8.is_fp8(dtype) or (dtype is None and stored_fp8 is not None and weights
+                                     and (fp8.device_lacks_fp8(torch_device) is None or fp8.reference_mode()))
+    if run_fp8 and weights:
+        fp8.check_device(torch_device)
+    torch_dtype = resolve_dtype("fp8" if run_fp8 else dtype, torch_device)
+    if stored_fp8 is not None:  # transformers builds the plain model; its float8 weights are read here
+        config = fp8.without_quantization(config)
     network = None
-    if weights and packed_only and local and kind == "encoder":
+    if weights and packed_only and local and kind == "encoder" and stored_fp8 is None:
         from rerankit.engine.models import unsupported_reason  # make_runner's decision: it will run packed
 
         if unsupported_reason(config, torch_device) is None:
@@ -124,7 +137,12 @@ def load_model(model: str, *, device: str | torch.device | None = None,
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load {model!r}: {exc}") from exc
     if weights and network is None:
-        network = _transformers_model(model, source, kind, torch_device, torch_dtype, offline)
+        network = _transformers_model(model, source, kind, torch_device, torch_dtype, offline,
+                                      config if stored_fp8 else None)
+    fp8_weights = None
+    if weights and stored_fp8 is not None:
+        fp8_weights = fp8.read_fp8_weights(folder if local else _snapshot(model), torch_device)
+        fp8.load_dequantized(network, fp8_weights)
     pooling, normalize = _sentence_transformers_pooling(folder) if local else (None, False)
     decoder = _is_decoder(config)
     if network is None:
@@ -139,7 +157,7 @@ def load_model(model: str, *, device: str | torch.device | None = None,
         name=model, model=network, tokenizer=tokenizer, config=config, kind=kind, is_decoder=decoder,
         pooling=pooling or ("lasttoken" if decoder else "mean"), normalize_embeddings=normalize,
         max_length=_max_length(config, tokenizer, folder if local else None), vocab_size=min(rows),
-        device=torch_device, dtype=torch_dtype,
+        device=torch_device, dtype=torch_dtype, fp8=run_fp8, fp8_weights=fp8_weights if run_fp8 else None,
     )
 
 
@@ -165,13 +183,22 @@ def load_transformers_model(loaded: LoadedModel) -> None:
 
 
 def _transformers_model(model: str, source: str, kind: ModelKind, device: torch.device, dtype: torch.dtype,
-                        offline: bool) -> Any:
+                        offline: bool, config: Any = None) -> Any:
+    """The transformers model (``config``: instead of the folder's own, e.g. without its quantization)."""
+    extra = {} if config is None else {"config": config}
     try:
         with _quiet_transformers():
-            network = _auto_class(kind).from_pretrained(source, dtype=dtype, local_files_only=offline)
+            network = _auto_class(kind).from_pretrained(source, dtype=dtype, local_files_only=offline, **extra)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load {model!r}: {exc}") from exc
     return network.to(device).eval()
+
+
+def _snapshot(model: str) -> Path:
+    """The local folder of a hub checkpoint that transformers has just loaded (so it is in the cache)."""
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(model, local_files_only=True))
 
 
 @contextmanager

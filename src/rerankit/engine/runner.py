@@ -168,6 +168,8 @@ def make_runner(loaded: LoadedModel, runner: str = "auto", cuda_graphs: bool | N
     and values of long prompt heads that a packed decoder keeps across calls (``engine.prefix_cache``; 0: none)."""
     if runner not in RUNNERS:
         raise InvalidRequest("runner", f"must be one of {', '.join(RUNNERS)}, got {runner!r}")
+    if loaded.fp8:
+        _check_fp8(loaded, runner)
     if cuda_graphs and loaded.device.type != "cuda":
         raise InvalidRequest("cuda_graphs", f"CUDA graphs need a CUDA device; this model is on {loaded.device}")
     if runner == "reference":
@@ -186,9 +188,26 @@ def make_runner(loaded: LoadedModel, runner: str = "auto", cuda_graphs: bool | N
     return ReferenceRunner(loaded)
 
 
+def _check_fp8(loaded: LoadedModel, runner: str) -> None:
+    """``ModelLoadError`` unless the packed decoder can run ``loaded`` in FP8."""
+    from rerankit.engine.models import decoder
+
+    if runner == "reference":
+        raise ModelLoadError("dtype 'fp8' runs on the packed runner; the reference runner (transformers) runs "
+                             "bfloat16 or float32")
+    reason = decoder.unsupported_reason(loaded.config) or packed_reason(loaded.config, loaded.device)
+    if reason is not None:
+        raise ModelLoadError(f"dtype 'fp8' runs the packed decoders ({', '.join(decoder.MODEL_TYPES)}) only, and "
+                             f"{loaded.name!r} cannot run on one: {reason}; use dtype 'bfloat16'")
+
+
 def _packed_model(loaded: LoadedModel) -> PackedDecoder | PackedEncoder:
     """The packed model over ``loaded``'s weights; where it was read as raw tensors (``packed_only``) and they do
-    not build one (a checkpoint that names its tensors otherwise), over the transformers model instead."""
+    not build one (a checkpoint that names its tensors otherwise), over the transformers model instead. An FP8
+    decoder keeps the checkpoint's float8 weights (``loaded.fp8_weights``), which ``loaded`` then lets go of."""
+    if loaded.fp8:
+        fp8_weights, loaded.fp8_weights = loaded.fp8_weights, None
+        return build_packed_model(loaded.model, fp8=True, fp8_weights=fp8_weights)
     if is_transformers_model(loaded):
         return build_packed_model(loaded.model)
     try:

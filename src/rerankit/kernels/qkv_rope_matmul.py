@@ -11,6 +11,10 @@ views of it.
 Angles come from a float32 ``cos``/``sin`` table ``[T, D/2]`` that the caller builds once a forward
 (``rope_table``), so the epilogue reads them instead of computing a sine and a cosine per element of each tile.
 
+**FP8**: float8_e4m3fn ``x`` and weight with per-row ``x_scale`` and per-output-channel ``w_scale`` (output bf16):
+FP8 tiles into ``tl.dot`` (float32 accumulator), the scales applied in the epilogue before the bias and the rest of
+it; tiles up to 128 deep in K.
+
 One kernel: persistent, tiles through tensor descriptors (Hopper's copy engine), as ``swiglu_matmul``'s. It runs
 on CUDA tensors where ``takes_tma`` holds, or on CPU tensors when TRITON_INTERPRET=1; elsewhere
 ``qkv_rope_matmul`` computes the reference (``F.linear`` then ``qk_norm_rope``), so callers need not check.
@@ -21,10 +25,11 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from rerankit.kernels import cuda_capability, launch_tuned, sm_count, takes_head_dim
+from rerankit.kernels.fp8_matmul import project_reference
+from rerankit.kernels.fp8_quant import FP8_DTYPE
 
 try:
     import triton
@@ -47,7 +52,11 @@ def rope_table(position_ids: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _check(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads: int, num_kv_heads: int, head_dim: int,
-           cos: Tensor, sin: Tensor, q_norm: Tensor | None, k_norm: Tensor | None) -> None:
+           cos: Tensor, sin: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, x_scale: Tensor | None = None,
+           w_scale: Tensor | None = None) -> None:
+    if (x.dtype == FP8_DTYPE) != (x_scale is not None and w_scale is not None) or weight.dtype != x.dtype:
+        raise ValueError(f"float8 x and weight take x_scale and w_scale, other dtypes neither; got {x.dtype} x, "
+                         f"{weight.dtype} weight, scales {x_scale is not None} / {w_scale is not None}")
     if not takes_head_dim(head_dim):
         raise ValueError(f"qkv_rope_matmul needs a head_dim that is a power of two >= 16, got {head_dim}")
     width = (num_heads + 2 * num_kv_heads) * head_dim
@@ -69,11 +78,12 @@ def _check(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads: int, num_k
 
 def qkv_rope_matmul_reference(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads: int, num_kv_heads: int,
                               head_dim: int, cos: Tensor, sin: Tensor, q_norm: Tensor | None = None,
-                              k_norm: Tensor | None = None, eps: float = 1e-6) -> Tensor:
-    """Plain torch: ``F.linear``, then each q and k head normed and rotated as ``qk_norm_rope`` does it (float32,
-    one rounding), with the table's angles."""
-    _check(x, weight, bias, num_heads, num_kv_heads, head_dim, cos, sin, q_norm, k_norm)
-    qkv = F.linear(x, weight, bias)
+                              k_norm: Tensor | None = None, eps: float = 1e-6, *, x_scale: Tensor | None = None,
+                              w_scale: Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """Plain torch: ``F.linear`` (FP8: ``fp8_matmul_reference`` in ``out_dtype``), then each q and k head normed
+    and rotated as ``qk_norm_rope`` does it (float32, one rounding), with the table's angles."""
+    _check(x, weight, bias, num_heads, num_kv_heads, head_dim, cos, sin, q_norm, k_norm, x_scale, w_scale)
+    qkv = project_reference(x, weight, bias, x_scale, w_scale, out_dtype)
     half = head_dim // 2
     out = qkv.clone()
     for start, count, norm in ((0, num_heads, q_norm), (num_heads * head_dim, num_kv_heads, k_norm)):
@@ -89,19 +99,22 @@ def qkv_rope_matmul_reference(x: Tensor, weight: Tensor, bias: Tensor | None, nu
 
 def qkv_rope_matmul(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads: int, num_kv_heads: int,
                     head_dim: int, cos: Tensor, sin: Tensor, q_norm: Tensor | None = None,
-                    k_norm: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+                    k_norm: Tensor | None = None, eps: float = 1e-6, *, x_scale: Tensor | None = None,
+                    w_scale: Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """``x @ weight.T + bias`` ``[T, (Hq + 2 * Hkv) * D]`` with each q and k head normed (when ``q_norm``/``k_norm``
     are given) and rotated by the angles of ``cos``/``sin`` (``rope_table``, float32 ``[T, D/2]``); v heads as
-    projected. ``weight`` is the fused q/k/v weight (q rows, then k, then v). Falls back to the reference where
-    the kernel does not apply (``takes_tma``)."""
+    projected. ``weight`` is the fused q/k/v weight (q rows, then k, then v). FP8 ``x`` and ``weight`` take their
+    float32 scales ``x_scale`` [T] and ``w_scale`` [N] and give ``out_dtype``. Falls back to the reference where the
+    kernel does not apply (``takes_tma``)."""
     if triton is None or not (x.is_cuda or _INTERPRET) or not takes_tma(x, weight, head_dim):
         return qkv_rope_matmul_reference(x, weight, bias, num_heads, num_kv_heads, head_dim, cos, sin, q_norm,
-                                         k_norm, eps)
-    _check(x, weight, bias, num_heads, num_kv_heads, head_dim, cos, sin, q_norm, k_norm)
+                                         k_norm, eps, x_scale=x_scale, w_scale=w_scale, out_dtype=out_dtype)
+    _check(x, weight, bias, num_heads, num_kv_heads, head_dim, cos, sin, q_norm, k_norm, x_scale, w_scale)
+    fp8 = x.dtype == FP8_DTYPE
     x, weight = x.contiguous(), weight.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
     tokens, width = x.shape[0], weight.shape[0]
-    out = torch.empty(tokens, width, dtype=x.dtype, device=x.device)
+    out = torch.empty(tokens, width, dtype=out_dtype if fp8 else x.dtype, device=x.device)
     if tokens == 0:
         return out
     x_desc, w_desc, out_desc = (TensorDescriptor.from_tensor(t, [16, 16]) for t in (x, weight, out))
@@ -109,11 +122,12 @@ def qkv_rope_matmul(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads: i
     grid = lambda meta: (min(programs, triton.cdiv(tokens, meta["BLOCK_M"])  # noqa: E731
                              * triton.cdiv(width, meta["HEADS"] * head_dim)),)
     has_norm = q_norm is not None
-    args = (x_desc, w_desc, bias if bias is not None else cos, out_desc, cos, sin,
-            q_norm if has_norm else cos, k_norm if has_norm else cos,  # unread without HAS_NORM / HAS_BIAS
+    scales = (x_scale.float().contiguous(), w_scale.float().contiguous()) if fp8 else (cos, cos)
+    args = (x_desc, w_desc, bias if bias is not None else cos, *scales, out_desc, cos, sin,
+            q_norm if has_norm else cos, k_norm if has_norm else cos,  # unread without HAS_NORM / HAS_BIAS / SCALED
             tokens, width, x.shape[1], eps)
     meta = dict(HEAD_DIM=head_dim, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HAS_BIAS=bias is not None,
-                HAS_NORM=has_norm, NUM_SMS=programs)
+                HAS_NORM=has_norm, SCALED=fp8, NUM_SMS=programs)
     if _INTERPRET:  # one small tile, the widest of whole heads that keeps q, k and v apart: no tuning
         tile = dict(BLOCK_M=16, BLOCK_K=16, GROUP_M=2, HEADS=max(h for h in (2, 1) if _uniform(h, meta)))
         x_desc.block_shape, w_desc.block_shape = [16, 16], [tile["HEADS"] * head_dim, 16]
@@ -122,21 +136,21 @@ def qkv_rope_matmul(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads: i
     else:  # descriptors' block shapes are set per tuning config by _set_block_shapes
         descriptors = {"x_desc": x_desc, "w_desc": w_desc, "out_desc": out_desc, "HEAD_DIM": head_dim}
         key = (width, x.shape[1], head_dim, num_heads, num_kv_heads, x.dtype, bias is not None, has_norm, programs)
-        launch_tuned(_qkv_rope_kernel, key, grid, args, meta,
+        launch_tuned(_qkv_rope_fp8_kernel if fp8 else _qkv_rope_kernel, key, grid, args, meta,
                      lambda config: _set_block_shapes({**descriptors, **config.kwargs}))
     return out
 
 
 def takes_tma(x: Tensor, weight: Tensor, head_dim: int) -> bool:
-    """Whether the kernel applies: 16-bit inputs on a GPU with the copy engine (Hopper on; any dtype in the
-    interpreter), rows of x and the weight in 16-byte multiples, and a head size whose tiles fit (D <= 256)."""
+    """Whether the kernel applies: 16-bit or float8 inputs on a GPU with the copy engine (Hopper on; any dtype in
+    the interpreter), rows of x and the weight in 16-byte multiples, and a head size whose tiles fit (D <= 256)."""
     if triton is None or TensorDescriptor is None or not takes_head_dim(head_dim) or head_dim > 256:
         return False
     multiple = 16 // x.element_size()
     aligned = x.shape[-1] % multiple == 0 and weight.shape[0] % multiple == 0
     if _INTERPRET and not x.is_cuda:
         return aligned
-    return (aligned and x.element_size() == 2 and x.is_cuda and TensorDescriptor is not None
+    return (aligned and (x.element_size() == 2 or x.dtype == FP8_DTYPE) and x.is_cuda and TensorDescriptor is not None
             and cuda_capability(x.device)[0] >= 9)
 
 
@@ -144,16 +158,20 @@ if triton is not None:
     from rerankit.kernels.swiglu_matmul import grouped_tile
 
     @triton.jit
-    def _norm_rotate(acc, b_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, pid_m, pid_n, M, N, eps,
+    def _norm_rotate(acc, b_ptr, xs_ptr, ws_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, pid_m, pid_n, M, N, eps,
                      out_type: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr,
                      NUM_KV_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """The epilogue of one [BLOCK_M, BLOCK_N] tile of BLOCK_N / HEAD_DIM whole heads, all q, all k or all v
-        (``_uniform``): bias, F.linear's rounding, then for q and k heads qk_norm_rope's norm and
-        rotation in float32; v heads pass through."""
+        (``_uniform``): the FP8 scales (``SCALED``), bias, F.linear's rounding, then for q and k heads
+        qk_norm_rope's norm and rotation in float32; v heads pass through."""
         HALF: tl.constexpr = HEAD_DIM // 2
         HEADS: tl.constexpr = BLOCK_N // HEAD_DIM
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if SCALED:
+            scale_rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            acc = acc * tl.load(xs_ptr + scale_rows, mask=scale_rows < M, other=0.0)[:, None] \
+                * tl.load(ws_ptr + cols, mask=cols < N, other=0.0)[None, :]
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         acc = acc.to(out_type)
@@ -181,9 +199,9 @@ if triton is not None:
             acc = tl.reshape(tl.permute(both, (0, 1, 3, 2)), (BLOCK_M, BLOCK_N)).to(out_type)
         return acc
 
-    def _qkv_rope_body(x_desc, w_desc, b_ptr, out_desc, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, M, N, K, eps,
-                       HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, NUM_SMS: tl.constexpr,
+    def _qkv_rope_body(x_desc, w_desc, b_ptr, xs_ptr, ws_ptr, out_desc, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, M,
+                       N, K, eps, HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, SCALED: tl.constexpr, NUM_SMS: tl.constexpr,
                        BLOCK_M: tl.constexpr, HEADS: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         """Persistent: NUM_SMS programs walk the output tiles, the loop flattened so that the next tile's loads
         overlap this tile's epilogue and store (as ``swiglu_matmul``'s descriptor kernel); a tile is BLOCK_M tokens
@@ -200,9 +218,9 @@ if triton is not None:
                              w_desc.load([pid_n * BLOCK_N, step * BLOCK_K]).T, acc)
             stored += NUM_SMS
             pid_m, pid_n = grouped_tile(stored, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            out = _norm_rotate(acc, b_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, pid_m, pid_n, M, N, eps,
-                               out_desc.dtype, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, HAS_BIAS, HAS_NORM, BLOCK_M,
-                               BLOCK_N)
+            out = _norm_rotate(acc, b_ptr, xs_ptr, ws_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, pid_m, pid_n,
+                               M, N, eps, out_desc.dtype, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, HAS_BIAS, HAS_NORM,
+                               SCALED, BLOCK_M, BLOCK_N)
             out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], out)
 
     def _set_block_shapes(nargs: dict) -> None:
@@ -228,6 +246,16 @@ if triton is not None:
     ]
     _qkv_rope_kernel = triton.autotune(_CONFIGS, key=["N", "K", "HEAD_DIM", "NUM_HEADS", "NUM_KV_HEADS"],
                                        prune_configs_by={"early_config_prune": _prune})(triton.jit(_qkv_rope_body))
+    # FP8 tiles take half the shared memory of 16-bit ones: the 16-bit configs' stages at twice the K depth, and
+    # 128-deep steps (a [256, 128] weight tile is 32 KB). Not yet tuned on a GPU.
+    _FP8_CONFIGS = [
+        triton.Config({"BLOCK_M": 128, "HEADS": heads, "BLOCK_K": block_k, "GROUP_M": 8}, num_warps=8,
+                      num_stages=stages, pre_hook=_set_block_shapes)
+        for heads, block_k, stages in ((2, 64, 5), (2, 128, 2), (1, 128, 4))
+    ]
+    _qkv_rope_fp8_kernel = triton.autotune(_FP8_CONFIGS, key=["N", "K", "HEAD_DIM", "NUM_HEADS", "NUM_KV_HEADS"],
+                                           prune_configs_by={"early_config_prune": _prune})(
+        triton.jit(_qkv_rope_body))
     _qkv_rope_kernel_interpreted = triton.jit(_qkv_rope_body)
 
 

@@ -18,6 +18,12 @@ Two kernels:
   program per tile) ran 0.122 / 0.324 / 0.619 ms on the 0.6B shape.
 - **Pointers** (any shape, any GPU): two accumulators, one program per tile; 469-479 TFLOP/s on the 0.6B shape.
 
+**FP8** (``x`` and the weight float8_e4m3fn, with per-row ``x_scale`` and per-output-channel ``w_scale``, output
+bf16): the descriptor kernel only (Hopper on, or the interpreter). FP8 tiles feed ``tl.dot`` with a float32
+accumulator, the scales multiply it in the epilogue before the bias and the activation; tiles 128 deep in K (one
+byte an element: the same shared memory as the 16-bit kernel's 64). Where it does not apply (no copy engine: Ada)
+``swiglu_matmul`` computes the reference.
+
 The Triton kernels run on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1; anything else falls back to
 ``swiglu_matmul_reference``.
 """
@@ -31,6 +37,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rerankit.kernels import cuda_capability, launch_tuned, sm_count
+from rerankit.kernels.fp8_matmul import project_reference
+from rerankit.kernels.fp8_quant import FP8_DTYPE
 
 try:
     import triton
@@ -46,7 +54,11 @@ except ImportError:  # an older triton: the pointer kernel only
 _INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _check(x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+def _check(x: Tensor, weight: Tensor, bias: Tensor | None, x_scale: Tensor | None = None,
+           w_scale: Tensor | None = None) -> None:
+    if (x.dtype == FP8_DTYPE) != (x_scale is not None and w_scale is not None) or weight.dtype != x.dtype:
+        raise ValueError(f"float8 x and weight take x_scale and w_scale, other dtypes neither; got {x.dtype} x, "
+                         f"{weight.dtype} weight, scales {x_scale is not None} / {w_scale is not None}")
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"x must be [T, d] and weight [2I, d], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if weight.shape[1] != x.shape[1] or weight.shape[0] % 2:
@@ -55,25 +67,35 @@ def _check(x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
         raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
 
 
-def swiglu_matmul_reference(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """Plain torch: the fused projection, split into gate and up, ``silu(gate) * up`` (the decoder's ``swiglu``)."""
-    _check(x, weight, bias)
-    gate, up = F.linear(x, weight, bias).chunk(2, dim=-1)
-    return (F.silu(gate.float()) * up.float()).to(x.dtype)
+def swiglu_matmul_reference(x: Tensor, weight: Tensor, bias: Tensor | None = None, x_scale: Tensor | None = None,
+                            w_scale: Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """Plain torch: the fused projection (FP8: ``fp8_matmul_reference`` in ``out_dtype``), split into gate and up,
+    ``silu(gate) * up`` (the decoder's ``swiglu``)."""
+    _check(x, weight, bias, x_scale, w_scale)
+    projected = project_reference(x, weight, bias, x_scale, w_scale, out_dtype)
+    gate, up = projected.chunk(2, dim=-1)
+    return (F.silu(gate.float()) * up.float()).to(projected.dtype)
 
 
-def swiglu_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tma: bool | None = None) -> Tensor:
+def swiglu_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tma: bool | None = None,
+                  x_scale: Tensor | None = None, w_scale: Tensor | None = None,
+                  out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """``silu(x @ Wg.T + bg) * (x @ Wu.T + bu)`` [T, I] for ``weight`` = [Wg; Wu] [2I, d] and ``bias`` [2I].
 
     ``tma``: load and store the tiles through tensor descriptors (Hopper's copy engine) instead of pointer
-    arithmetic; None picks them where they apply (see ``takes_tma``).
+    arithmetic; None picks them where they apply (see ``takes_tma``). FP8 ``x`` and ``weight`` take their float32
+    scales ``x_scale`` [T] and ``w_scale`` [2I] and give ``out_dtype``; they run through descriptors only.
     """
-    if triton is None or not (x.is_cuda or _INTERPRET):  # the reference checks its inputs the same way
-        return swiglu_matmul_reference(x, weight, bias)
-    _check(x, weight, bias)
+    fp8 = x.dtype == FP8_DTYPE
+    if fp8 and tma is False:
+        raise ValueError("float8 inputs run through tensor descriptors only (tma=None or True)")
+    if triton is None or not (x.is_cuda or _INTERPRET) or (fp8 and tma is None and not takes_tma(x, weight)):
+        # the reference checks its inputs the same way
+        return swiglu_matmul_reference(x, weight, bias, x_scale, w_scale, out_dtype)
+    _check(x, weight, bias, x_scale, w_scale)
     x, weight = x.contiguous(), weight.contiguous()
     tokens, width = x.shape[0], weight.shape[0] // 2
-    out = torch.empty(tokens, width, dtype=x.dtype, device=x.device)
+    out = torch.empty(tokens, width, dtype=out_dtype if fp8 else x.dtype, device=x.device)
     if tokens == 0:
         return out
     if tma is None:
@@ -81,9 +103,10 @@ def swiglu_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tma:
     elif tma and not takes_tma(x, weight, any_device=True):
         raise ValueError(f"tensor descriptors need d and I multiples of {16 // x.element_size()} (16-byte rows), "
                          f"got d={x.shape[1]}, I={width}")
-    elif tma and x.is_cuda and x.element_size() != 2:
-        raise ValueError(f"the descriptor kernel's tiles are sized for 16-bit inputs, not {x.dtype}")
-    bias_arg = bias if bias is not None else weight
+    elif tma and x.is_cuda and x.element_size() != 2 and not fp8:
+        raise ValueError(f"the descriptor kernel's tiles are sized for 16-bit (or float8) inputs, not {x.dtype}")
+    bias_arg = bias if bias is not None else out
+    scales = (x_scale.float().contiguous(), w_scale.float().contiguous()) if fp8 else (out, out)
     if tma:
         # Block shapes are set per tuning config by _set_block_shapes; the ones given here are placeholders.
         x_desc, out_desc = (TensorDescriptor.from_tensor(t, [16, 16]) for t in (x, out))
@@ -91,13 +114,14 @@ def swiglu_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tma:
         programs = sm_count(x.device, interpreted=4)  # the persistent kernel: one program per SM
         grid = lambda meta: (min(programs, triton.cdiv(tokens, meta["BLOCK_M"])  # noqa: E731
                                  * triton.cdiv(width, meta["BLOCK_N"])),)
-        args = (x_desc, w_desc, bias_arg, out_desc, tokens, width, x.shape[1])
-        meta = dict(HAS_BIAS=bias is not None, NUM_SMS=programs)
+        args = (x_desc, w_desc, bias_arg, *scales, out_desc, tokens, width, x.shape[1])
+        meta = dict(HAS_BIAS=bias is not None, SCALED=fp8, NUM_SMS=programs)
         if _INTERPRET:
             _swiglu_tma_kernel_interpreted[grid](*args, **meta)
         else:
             descriptors = {"x_desc": x_desc, "w_desc": w_desc, "out_desc": out_desc}
-            launch_tuned(_swiglu_tma_kernel, (width, x.shape[1], x.dtype, bias is not None, programs), grid, args,
+            kernel = _swiglu_tma_fp8_kernel if fp8 else _swiglu_tma_kernel
+            launch_tuned(kernel, (width, x.shape[1], x.dtype, bias is not None, programs), grid, args,
                          meta, lambda config: _set_block_shapes({**descriptors, **config.kwargs}))
         return out
     grid = lambda meta: (triton.cdiv(tokens, meta["BLOCK_M"]) * triton.cdiv(width, meta["BLOCK_N"]),)  # noqa: E731
@@ -113,8 +137,8 @@ def swiglu_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tma:
 def takes_tma(x: Tensor, weight: Tensor, any_device: bool = False) -> bool:
     """Whether the tensor-descriptor kernel applies: a GPU with the copy engine (``has_copy_engine``) and 16-bit
     inputs (its tiles, three stages of [128, 64] x and [2, 128, 64] weight tiles, fill shared memory at two bytes an
-    element), or the interpreter (or ``any_device``); and rows of x, the weight and the output that are multiples of
-    16 bytes."""
+    element) or float8 ones (tiles twice as deep), or the interpreter (or ``any_device``); and rows of x, the
+    weight and the output that are multiples of 16 bytes."""
     if triton is None or TensorDescriptor is None:
         return False
     multiple = 16 // x.element_size()  # the copy engine's row strides are multiples of 16 bytes
@@ -122,7 +146,7 @@ def takes_tma(x: Tensor, weight: Tensor, any_device: bool = False) -> bool:
     aligned = x.shape[1] % multiple == 0 and width % multiple == 0
     if any_device or _INTERPRET:
         return aligned
-    return aligned and x.element_size() == 2 and has_copy_engine(x.device)
+    return aligned and (x.element_size() == 2 or x.dtype == FP8_DTYPE) and has_copy_engine(x.device)
 
 
 def has_copy_engine(device: torch.device) -> bool:
@@ -181,14 +205,16 @@ if triton is not None:
         out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
         tl.store(out_ptrs, activated, mask=row_ok[:, None] & col_ok[None, :])
 
-    def _swiglu_tma_body(x_desc, w_desc, b_ptr, out_desc, M, N, K, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
+    def _swiglu_tma_body(x_desc, w_desc, b_ptr, xs_ptr, ws_ptr, out_desc, M, N, K, HAS_BIAS: tl.constexpr,
+                         SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
         """Persistent: NUM_SMS programs walk the output tiles, each loop flattened so that the next tile's loads
         overlap this tile's activation and store. ``w_desc`` views the weight as [2, N, K] (gate rows, up rows):
         one copy-engine load brings the gate and the up tile of the same columns, and one [BLOCK_M, 2 * BLOCK_N]
         dot computes both (one wide tensor-core instruction per step, not two narrow ones). The accumulator's
-        halves are the gate and the up projection. Past the edges the copy engine reads zeros and the store drops
-        what lies outside."""
+        halves are the gate and the up projection. ``SCALED`` (float8 tiles): the accumulator times each row's
+        ``xs`` and each column's ``ws`` first. Past the edges the copy engine reads zeros and the store drops what
+        lies outside."""
         tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         steps = tl.cdiv(K, BLOCK_K)
         stored = tl.program_id(0) - NUM_SMS  # the epilogue's tile, counted apart from the loads' (as Triton's
@@ -202,6 +228,11 @@ if triton is not None:
             pid_m, pid_n = grouped_tile(stored, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             gate, up = tl.split(tl.permute(tl.reshape(both, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            if SCALED:
+                rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+                row_scale = tl.load(xs_ptr + rows, mask=rows < M, other=0.0)[:, None]
+                gate = gate * row_scale * tl.load(ws_ptr + cols, mask=cols < N, other=0.0)[None, :]
+                up = up * row_scale * tl.load(ws_ptr + N + cols, mask=cols < N, other=0.0)[None, :]
             activated = _activate(gate, up, b_ptr, cols, cols < N, out_desc.dtype, HAS_BIAS, N)
             out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], activated)
 
@@ -236,8 +267,19 @@ if triton is not None:
         triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4,
                       pre_hook=_set_block_shapes),
     ]
+    # FP8 tiles: one byte an element, so 128-deep K steps take the shared memory that 64-deep 16-bit ones took (three
+    # stages of [128, 128] x and [2, 128, 128] weight tiles: 144 KB). Not yet tuned on a GPU.
+    _TMA_FP8_CONFIGS = [
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=8, num_stages=3,
+                      pre_hook=_set_block_shapes),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4,
+                      pre_hook=_set_block_shapes),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=4,
+                      pre_hook=_set_block_shapes),
+    ]
     _swiglu_matmul_kernel = triton.autotune(_CONFIGS, key=["N", "K"])(triton.jit(_swiglu_matmul_body))
     _swiglu_tma_kernel = triton.autotune(_TMA_CONFIGS, key=["N", "K"])(triton.jit(_swiglu_tma_body))
+    _swiglu_tma_fp8_kernel = triton.autotune(_TMA_FP8_CONFIGS, key=["N", "K"])(triton.jit(_swiglu_tma_body))
     # The interpreter runs one small tile: tuning there would only multiply the test time.
     _INTERPRETED = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}
     _swiglu_matmul_kernel_interpreted = triton.autotune(

@@ -14,6 +14,7 @@ from torch import nn
 from rerankit.engine.models import decoder, encoder
 from rerankit.engine.models.decoder import PackedDecoder
 from rerankit.engine.models.encoder import PackedEncoder
+from rerankit.errors import ModelLoadError
 
 __all__ = ["PackedDecoder", "PackedEncoder", "build_packed_model", "supports", "unsupported_reason"]
 
@@ -40,16 +41,20 @@ def unsupported_reason(config, device: torch.device) -> str | None:
     return None
 
 
-def build_packed_model(hf_model: nn.Module, compile: bool | None = None,
-                       attention_fn=None) -> PackedDecoder | PackedEncoder | None:
+def build_packed_model(hf_model: nn.Module, compile: bool | None = None, attention_fn=None, fp8: bool = False,
+                       fp8_weights: dict | None = None) -> PackedDecoder | PackedEncoder | None:
     """A packed model over ``hf_model``'s weights (CausalLM, SequenceClassification or base model).
 
     None for an architecture we do not run, so the caller falls back to the transformers model.
-    ``compile`` None: torch.compile the per-layer math on CUDA only (see ``layers.layer_steps``).
+    ``compile`` None: torch.compile the per-layer math on CUDA only (see ``layers.layer_steps``). ``fp8``,
+    ``fp8_weights``: a decoder's FP8 projections (see ``PackedDecoder``); encoders do not take them.
     """
     config = hf_model.config
     if decoder.unsupported_reason(config) is None:
-        return PackedDecoder(hf_model, compile=compile, attention_fn=attention_fn)
+        return PackedDecoder(hf_model, compile=compile, attention_fn=attention_fn, fp8=fp8, fp8_weights=fp8_weights)
+    if fp8:
+        raise ModelLoadError(f"dtype 'fp8' runs the packed decoders ({', '.join(decoder.MODEL_TYPES)}) only, not "
+                             f"{config.model_type!r}; use dtype 'bfloat16'")
     if encoder.unsupported_reason(config) is None:
         return PackedEncoder(hf_model, compile=compile, attention_fn=attention_fn)
     return None

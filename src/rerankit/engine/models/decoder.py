@@ -187,11 +187,18 @@ class PackedDecoder(PackedBody):
     ``last_layer_reads`` (the attribute; True by default): in ``forward_read`` the last layer's attention computes
     only the read rows (``packed_attention(..., reads=)``; the Triton kernel then runs one program per read token),
     since no other row goes on past it. Custom ``attention_fn``s compute every row, and the read ones are kept.
+
+    ``fp8``: the q/k/v, o, gate/up and down weights are quantized to float8_e4m3fn per output channel (or taken as
+    they are from ``fp8_weights``, an FP8 checkpoint's, by transformers module name) and each layer runs
+    ``engine.models.fp8``'s steps instead of the ones above: activations quantized per token before each FP8 GEMM,
+    the rest in the model's dtype (bf16). The ``fp8`` attribute is then the ``Fp8Ops`` it runs: the kernels on
+    CUDA, their torch references elsewhere or with $RERANKIT_FP8_REFERENCE=1.
     """
 
     def __init__(self, hf_model: nn.Module, compile: bool | None = None,
                  attention_fn: AttentionFn | None = None, fused_qk: bool | None = None,
-                 fused_swiglu: bool | None = None) -> None:
+                 fused_swiglu: bool | None = None, fp8: bool = False,
+                 fp8_weights: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         super().__init__()
         config = hf_model.config
         reason = unsupported_reason(config)
@@ -231,6 +238,16 @@ class PackedDecoder(PackedBody):
         self.fused_qkv_rope = has_copy_engine(device) and config.hidden_size <= FUSED_QKV_ROPE_MAX_HIDDEN
         self.fused_qkv_rope_min_tokens = FUSED_QKV_ROPE_MIN_TOKENS
         self.last_layer_reads = True
+        self.fp8 = None
+        if fp8:
+            from rerankit.engine.fp8 import per_channel, reference_mode
+            from rerankit.engine.models import fp8 as fp8_layers
+
+            stored = fp8_weights or {}
+            given = {module: per_channel(*stored[name]) for name, module in hf_model.named_modules() if name in stored}
+            fp8_layers.quantize_layers(self.layers, body.layers, given)
+            kernels = device.type == "cuda" and not reference_mode()
+            self.fp8 = fp8_layers.KERNELS if kernels else fp8_layers.REFERENCE
 
     @torch.no_grad()
     def keep_prefix(self, batch: PackedBatch) -> CachedKV:
@@ -246,15 +263,20 @@ class PackedDecoder(PackedBody):
         """The forward (see ``PackedBody``); ``kv_sink`` collects each layer's (keys, values), contiguous."""
         attention = self._attention_fn or default_attention()
         hidden = F.embedding(batch.input_ids, self.embed_weight)
-        fused_qk = self.fused_qk and (graphed or batch.num_tokens >= self.fused_qk_min_tokens)
+        fused_qk = self.fused_qk and (graphed or batch.num_tokens >= self.fused_qk_min_tokens) and self.fp8 is None
         large = graphed or batch.num_tokens >= FUSED_QK_MIN_TOKENS
         finish = self._attention_output_and_mlp_unfused if self.unfused_residual and large else \
             self._attention_output_and_mlp
         if self.fused_swiglu and large:
             finish = self._attention_output_and_fused_mlp
-        if not fused_qk:
+        if not fused_qk and self.fp8 is None:
             cos, sin = rotary_cos_sin(batch.position_ids, self.inv_freq, hidden.dtype)
         rope = None
+        if self.fp8 is not None:
+            from rerankit.engine.models import fp8 as fp8_layers
+            from rerankit.kernels.qkv_rope_matmul import rope_table
+
+            rope = rope_table(batch.position_ids, self.inv_freq)
         if fused_qk and self.fused_qkv_rope and self.triton_norms and \
                 batch.num_tokens >= self.fused_qkv_rope_min_tokens:
             from rerankit.kernels.qkv_rope_matmul import rope_table, takes_tma
@@ -267,7 +289,11 @@ class PackedDecoder(PackedBody):
         last_reads = {"reads": read_positions} if read_positions is not None and self.last_layer_reads and \
             takes_reads(attention) else {}
         for index, layer in enumerate(self.layers):
-            if fused_qk:
+            if self.fp8 is not None:
+                q, k, v = fp8_layers.attention_inputs(hidden, layer, rope, batch.position_ids, self.inv_freq,
+                                                      self.num_heads, self.num_kv_heads, self.head_dim, self.eps,
+                                                      self.fp8)
+            elif fused_qk:
                 q, k, v = self._fused_attention_inputs(hidden, layer, batch.position_ids, rope)
             else:
                 q, k, v = self._attention_inputs(hidden, layer.input_norm, layer.qkv_weight, layer.qkv_bias,
@@ -285,8 +311,11 @@ class PackedDecoder(PackedBody):
                 hidden = hidden[read_positions]
                 if not reads:
                     attended = attended[read_positions]
-            hidden = finish(attended, hidden, layer.o_weight, layer.o_bias, layer.post_norm, layer.gate_up_weight,
-                            layer.gate_up_bias, layer.down_weight, layer.down_bias, self.eps)
+            if self.fp8 is not None:
+                hidden = fp8_layers.output_and_mlp(attended, hidden, layer, self.eps, self.fp8)
+            else:
+                hidden = finish(attended, hidden, layer.o_weight, layer.o_bias, layer.post_norm,
+                                layer.gate_up_weight, layer.gate_up_bias, layer.down_weight, layer.down_bias, self.eps)
         return rms_norm(hidden, self.norm_weight, self.eps)
 
     def _attention_output_and_fused_mlp(self, attended: torch.Tensor, hidden: torch.Tensor, o_weight: torch.Tensor,

@@ -1,0 +1,116 @@
+"""The decoder's FP8 layer: its four projections quantized to float8_e4m3fn, everything else in bf16.
+
+Per layer (``PackedDecoder`` with ``fp8``):
+
+    x, sx  = rms_norm_quant(hidden, input_norm)          RMSNorm, then per-token amax / 448 scales, float8 codes
+    q,k,v  = qkv_rope_matmul(x, Wqkv; sx, sWqkv)         FP8 GEMM, scales, q/k norm and rotary in its epilogue
+    a      = attention(q, k, v)                          bf16
+    hidden += fp8_matmul(quant(a), Wo)                   cuBLAS's scaled FP8 GEMM, bf16 out, added in place
+    x, sx  = rms_norm_quant(hidden, post_norm)
+    h      = swiglu_matmul(x, Wgate_up; sx, sWgate_up)   FP8 GEMM, scales and SwiGLU in its epilogue, bf16 out
+    hidden += fp8_matmul(quant(h), Wdown)
+
+Weights are quantized per output channel (amax / 448) at load, or come as they are from an FP8 checkpoint
+(``engine.fp8``). ``KERNELS`` runs the Triton and cuBLAS kernels (a GPU without Hopper's copy engine projects
+q/k/v and gate/up through cuBLAS too, then runs ``qk_norm_rope`` and the activation); ``REFERENCE`` runs each
+kernel's plain-torch reference (float32 dequantized products), on any device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rerankit.kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
+from rerankit.kernels.fp8_quant import (
+    quantize_rows,
+    quantize_rows_reference,
+    rms_norm_quant,
+    rms_norm_quant_reference,
+)
+from rerankit.kernels.qkv_rope_matmul import qkv_rope_matmul, qkv_rope_matmul_reference
+from rerankit.kernels.qkv_rope_matmul import takes_tma as qkv_takes_tma
+from rerankit.kernels.swiglu_matmul import swiglu_matmul, swiglu_matmul_reference
+from rerankit.kernels.swiglu_matmul import takes_tma as swiglu_takes_tma
+
+# The PackedDecoderLayer attribute of each fused projection, and the transformers modules fused into it.
+PROJECTIONS = {
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o": ("self_attn.o_proj",),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
+}
+
+
+@dataclass(frozen=True)
+class Fp8Ops:
+    """The steps of an FP8 layer: the kernels, or their plain-torch references."""
+
+    norm_quant: Callable
+    quant: Callable
+    matmul: Callable
+    swiglu: Callable
+    qkv_rope: Callable
+    kernels: bool
+
+
+KERNELS = Fp8Ops(rms_norm_quant, quantize_rows, fp8_matmul, swiglu_matmul, qkv_rope_matmul, kernels=True)
+REFERENCE = Fp8Ops(rms_norm_quant_reference, quantize_rows_reference, fp8_matmul_reference, swiglu_matmul_reference,
+                   qkv_rope_matmul_reference, kernels=False)
+
+
+def quantize_layers(layers: nn.ModuleList, hf_layers: nn.ModuleList,
+                    given: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Replace each layer's four projection weights by float8 codes (``<name>_weight``) and float32 scales per
+    output channel (``<name>_scale``): ``given``'s for a transformers module it holds (an FP8 checkpoint's),
+    else quantized from the module's weight. The transformers modules' 16-bit weights are released."""
+    for layer, hf_layer in zip(layers, hf_layers):
+        for name, paths in PROJECTIONS.items():
+            modules = [hf_layer.get_submodule(path) for path in paths]
+            parts = [given.get(module) or quantize_rows_reference(module.weight) for module in modules]
+            setattr(layer, f"{name}_weight", nn.Parameter(torch.cat([codes for codes, _ in parts]),
+                                                          requires_grad=False))
+            layer.register_buffer(f"{name}_scale", torch.cat([scale for _, scale in parts]), persistent=False)
+            for module in modules:  # the packed layer no longer reads them; nor can the transformers model
+                module.weight.data = module.weight.data.new_empty(0)
+
+
+def attention_inputs(hidden: torch.Tensor, layer: nn.Module, rope: tuple[torch.Tensor, torch.Tensor],
+                     position_ids: torch.Tensor, inv_freq: torch.Tensor, num_heads: int, num_kv_heads: int,
+                     head_dim: int, eps: float, ops: Fp8Ops) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Norm, quantization and the FP8 q/k/v GEMM with q/k norm and rotary: q, k, v [T, H, D] bf16."""
+    x, x_scale = ops.norm_quant(hidden, layer.input_norm, eps)
+    widths = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+    if ops.kernels and not qkv_takes_tma(x, layer.qkv_weight, head_dim):  # no copy engine: cuBLAS, then q/k
+        from rerankit.kernels.qk_norm_rope import qk_norm_rope
+
+        qkv = fp8_matmul(x, x_scale, layer.qkv_weight, layer.qkv_scale, layer.qkv_bias)
+        q, k = qk_norm_rope(qkv, num_heads, num_kv_heads, head_dim, position_ids, inv_freq, layer.q_norm,
+                            layer.k_norm, eps)
+        return q, k, qkv[:, widths[0] + widths[1]:].unflatten(-1, (num_kv_heads, head_dim))
+    qkv = ops.qkv_rope(x, layer.qkv_weight, layer.qkv_bias, num_heads, num_kv_heads, head_dim, *rope, layer.q_norm,
+                       layer.k_norm, eps, x_scale=x_scale, w_scale=layer.qkv_scale)
+    q, k, v = qkv.split(widths, dim=-1)
+    return (q.unflatten(-1, (num_heads, head_dim)), k.unflatten(-1, (num_kv_heads, head_dim)),
+            v.unflatten(-1, (num_kv_heads, head_dim)))
+
+
+def output_and_mlp(attended: torch.Tensor, hidden: torch.Tensor, layer: nn.Module, eps: float,
+                   ops: Fp8Ops) -> torch.Tensor:
+    """The rest of the layer, both residual projections added onto ``hidden`` in place (the forward's own
+    tensor): o projection, norm, FP8 SwiGLU GEMM, down projection."""
+    x, x_scale = ops.quant(attended.flatten(1))
+    hidden.add_(ops.matmul(x, x_scale, layer.o_weight, layer.o_scale, layer.o_bias))
+    x, x_scale = ops.norm_quant(hidden, layer.post_norm, eps)
+    if ops.kernels and not swiglu_takes_tma(x, layer.gate_up_weight):  # no copy engine: cuBLAS, then the activation
+        gate, up = fp8_matmul(x, x_scale, layer.gate_up_weight, layer.gate_up_scale, layer.gate_up_bias).chunk(2, -1)
+        activated = (F.silu(gate.float()) * up.float()).to(hidden.dtype)
+    else:
+        activated = ops.swiglu(x, layer.gate_up_weight, layer.gate_up_bias, x_scale=x_scale,
+                               w_scale=layer.gate_up_scale)
+    x, x_scale = ops.quant(activated)
+    return hidden.add_(ops.matmul(x, x_scale, layer.down_weight, layer.down_scale, layer.down_bias))

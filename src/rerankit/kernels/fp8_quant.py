@@ -1,0 +1,129 @@
+"""Per-row FP8 quantization, alone or fused with the RMSNorm that precedes a projection.
+
+    scale[t] = max(|x[t, :]|) / 448          (float32; 448 is float8_e4m3fn's largest finite value)
+    q[t, :]  = (x[t, :] / scale[t]) as float8_e4m3fn  (round to nearest even)
+
+so ``q * scale`` gives ``x`` back to within e4m3's 3-bit mantissa. Activations are quantized this way per token
+right before each FP8 GEMM (dynamic: the scale comes from the row itself); weights per output channel at load time
+(a weight's rows are its output channels). ``rms_norm_quant`` first normalises the row exactly as ``rms_norm``
+does (statistics in float32, the scale and the weight applied in the input dtype), so the quantized row is that
+of the bf16 row the bf16 engine would project. The kernel runs on CUDA tensors, or on CPU tensors when
+TRITON_INTERPRET=1; anything else falls back to the reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference still serves machines without triton
+    triton = None
+
+_INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+MIN_AMAX = 1e-12  # an all-zero row gets a tiny scale instead of a division by zero; its codes stay zero
+_TILE_ELEMENTS = 4096  # elements a program holds, as in rms_norm
+
+
+def quantize_rows_reference(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Plain torch: each row of ``x`` [T, d] as float8_e4m3fn codes [T, d] and its float32 scale [T]."""
+    x32 = x.float()
+    scale = x32.abs().amax(dim=-1).clamp(min=MIN_AMAX) / FP8_MAX
+    return (x32 / scale[:, None]).to(FP8_DTYPE), scale
+
+
+def rms_norm_quant_reference(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Plain torch: the decoder's ``rms_norm``, then ``quantize_rows_reference``."""
+    from rerankit.engine.models.layers import rms_norm  # at call time: kernels do not depend on the engine
+
+    return quantize_rows_reference(rms_norm(x, weight, eps))
+
+
+def dequantize_rows(codes: Tensor, scale: Tensor) -> Tensor:
+    """float32 ``codes * scale`` per row: what a quantized row stands for."""
+    return codes.float() * scale[:, None]
+
+
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``quantize_rows_reference`` in one Triton launch (codes [T, d] float8_e4m3fn, scales [T] float32)."""
+    return _launch(x, None, 0.0)
+
+
+def rms_norm_quant(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """RMSNorm of each row of ``x`` [T, d] with ``weight`` [d], quantized per row, in one Triton launch: the
+    normalised bf16 row never goes to memory."""
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"rms_norm_quant takes x [T, d] and weight [d], got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    return _launch(x, weight, eps)
+
+
+def _launch(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, d], got {tuple(x.shape)}")
+    if triton is None or not (x.is_cuda or _INTERPRET) or (weight is not None and weight.dtype != x.dtype):
+        return quantize_rows_reference(x) if weight is None else rms_norm_quant_reference(x, weight, eps)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    rows, width = x.shape
+    codes = torch.empty(rows, width, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return codes, scale
+    block_d = triton.next_power_of_2(width)
+    block_t = max(1, min(_TILE_ELEMENTS // block_d, triton.next_power_of_2(rows)))
+    _quantize_kernel[(triton.cdiv(rows, block_t),)](
+        x, x if weight is None else weight, codes, scale, rows, width, x.stride(0), eps,
+        NORM=weight is not None, ROUND_FIRST=_INTERPRET, BLOCK_T=block_t, BLOCK_D=block_d,
+        num_warps=4 if block_d <= 2048 else 8,
+    )
+    return codes, scale
+
+
+if triton is not None:
+    _MAX = tl.constexpr(FP8_MAX)  # kernels read module globals only as constexprs
+    _MIN_AMAX = tl.constexpr(MIN_AMAX)
+
+    @triton.jit
+    def _round_to_e4m3(v):
+        """``v`` (float32, |v| <= 448) rounded to the nearest e4m3 value (ties to even), still in float32: adding
+        and subtracting 1.5 x 2^23 units of the e4m3 step at v's binade rounds in float32's own arithmetic. The
+        interpreter's float8 cast truncates and does not carry a round-up into the exponent (127.6 became 64, not
+        128); on values already on the grid it is exact. The GPU's cast rounds correctly by itself."""
+        exponent = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        step = tl.maximum(exponent, -6) - 3  # e4m3: 3 mantissa bits; below 2^-6 subnormals with a step of 2^-9
+        magic = (((step + 150) << 23) | (1 << 22)).to(tl.float32, bitcast=True)  # 1.5 * 2^(23 + step)
+        return (v + magic) - magic
+
+    @triton.jit
+    def _quantize_kernel(x_ptr, weight_ptr, codes_ptr, scale_ptr, n_rows, width, stride_x, eps,
+                         NORM: tl.constexpr, ROUND_FIRST: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+        """BLOCK_T rows: load, (RMSNorm as rms_norm rounds it,) row amax, scale, float8 codes, store.
+        ``ROUND_FIRST``: round to e4m3 in float32 before the cast (the interpreter's cast does not round)."""
+        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = tl.arange(0, BLOCK_D)
+        row_ok = rows < n_rows
+        mask = row_ok[:, None] & (cols < width)[None, :]
+        rows = rows.to(tl.int64)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        if NORM:
+            x32 = x.to(tl.float32)
+            inv_rms = tl.rsqrt(tl.sum(x32 * x32, axis=1) / width + eps)
+            normed = (x32 * inv_rms[:, None]).to(x.dtype)
+            weight = tl.load(weight_ptr + cols, mask=cols < width, other=0.0)
+            x = (weight[None, :].to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+        x32 = x.to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x32), axis=1), _MIN_AMAX) / _MAX
+        scaled = x32 / scale[:, None]
+        if ROUND_FIRST:
+            scaled = _round_to_e4m3(scaled)
+        codes = scaled.to(codes_ptr.dtype.element_ty)
+        tl.store(codes_ptr + rows[:, None] * width + cols[None, :], codes, mask=mask)
+        tl.store(scale_ptr + rows, scale, mask=row_ok)

@@ -1,0 +1,137 @@
+"""dtype="fp8": a clear error where there are no FP8 tensor cores, FP8's numerics in reference mode on the CPU
+(against float32), checkpoints stored in FP8 (quant_method "fp8" with block scales, compressed-tensors per channel),
+and on a GPU with FP8 tensor cores the kernels against the references."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from rerankit.engine import EmbeddedBackend
+from rerankit.engine.fp8 import REFERENCE_ENV, per_channel
+from rerankit.engine.load import load_model
+from rerankit.errors import ModelLoadError
+from rerankit.kernels.fp8_quant import FP8_DTYPE, dequantize_rows, quantize_rows_reference
+from rerankit.schema import ScoreRequest
+
+HAS_FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+DOCS = ["Paris is the capital and most populous city of France.", "Gravity attracts two bodies.",
+        "the quick brown fox jumps over the lazy dog", "The capital of China is Beijing.", "yes no Yes No"]
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def request(multi_item=True):
+    return ScoreRequest(query="What is the capital of France?", items=DOCS, template="qwen3-reranker",
+                        multi_item=multi_item)
+
+
+@pytest.fixture
+def reference_mode(monkeypatch):
+    monkeypatch.setenv(REFERENCE_ENV, "1")
+
+
+def test_fp8_without_fp8_tensor_cores_is_a_clear_error(tiny_qwen3_lm, monkeypatch):
+    monkeypatch.delenv(REFERENCE_ENV, raising=False)
+    with pytest.raises(ModelLoadError, match=r"dtype 'fp8' needs a CUDA GPU with FP8 tensor cores \(compute "
+                                             r"capability 8.9.*cpu is not a CUDA GPU.*bfloat16"):
+        EmbeddedBackend(str(tiny_qwen3_lm), device="cpu", dtype="fp8")
+
+
+def test_fp8_runs_decoders_on_the_packed_runner_only(tiny_qwen3_lm, tiny_bert_cross_encoder, reference_mode):
+    with pytest.raises(ModelLoadError, match="packed runner"):
+        EmbeddedBackend(str(tiny_qwen3_lm), device="cpu", dtype="fp8", runner="reference")
+    with pytest.raises(ModelLoadError, match=r"packed decoders \(llama, qwen2, qwen3\) only.*model_type 'bert'"):
+        EmbeddedBackend(str(tiny_bert_cross_encoder), device="cpu", dtype="fp8")
+
+
+def test_fp8_reference_follows_float32(tiny_qwen3_lm, reference_mode):
+    """FP8 projections, the rest in bf16: the four projections' weights are float8 codes with per-channel scales,
+    and the scores stay within 0.01 of float32's (bf16's own deviation on this model is ~0.001); scoring with a
+    shared prefix (MIS) gives the pair-by-pair scores."""
+    fp8 = EmbeddedBackend(str(tiny_qwen3_lm), device="cpu", dtype="fp8")
+    layer = fp8._runner.model.layers[0]
+    assert all(getattr(layer, f"{name}_weight").dtype == FP8_DTYPE for name in ("qkv", "o", "gate_up", "down"))
+    assert layer.gate_up_scale.shape == (layer.gate_up_weight.shape[0],)
+    scores = torch.tensor(fp8.score(request()).scores)
+    fp32 = torch.tensor(EmbeddedBackend(str(tiny_qwen3_lm), device="cpu", dtype="float32").score(request()).scores)
+    assert (scores - fp32).abs().max() < 1e-2
+    assert (scores - fp32).abs().max() > 0  # FP8 rounding did happen
+    torch.testing.assert_close(torch.tensor(fp8.score(request(multi_item=False)).scores), scores,
+                               atol=2e-3, rtol=0)
+
+
+def fp8_checkpoint(source, target, quant_method):
+    """``source`` with its decoder projections stored as float8 codes: quant_method "fp8" with 32 x 32 block scales
+    (``weight_scale_inv``), or compressed-tensors with per-channel scales (``weight_scale`` [N, 1])."""
+    shutil.copytree(source, target)
+    tensors = load_file(str(target / "model.safetensors"))
+    for name in [name for name in tensors if name.endswith(tuple(f"{p}.weight" for p in PROJECTIONS))]:
+        weight = tensors[name].float()
+        if quant_method == "fp8":
+            blocks = weight.unflatten(0, (-1, 32)).unflatten(2, (-1, 32))  # [N/32, 32, K/32, 32]
+            scale = blocks.abs().amax(dim=(1, 3)) / 448
+            expanded = scale.repeat_interleave(32, 0).repeat_interleave(32, 1)
+            tensors[name] = (weight / expanded).to(FP8_DTYPE)
+            tensors[name.removesuffix("weight") + "weight_scale_inv"] = scale
+        else:
+            codes, scale = quantize_rows_reference(weight)
+            tensors[name], tensors[name.removesuffix("weight") + "weight_scale"] = codes, scale[:, None]
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = (
+        {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [32, 32]}
+        if quant_method == "fp8" else
+        {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"type": "float", "num_bits": 8,
+                                                                          "strategy": "channel"}}}})
+    (target / "config.json").write_text(json.dumps(config))
+    return tensors
+
+
+@pytest.mark.parametrize("quant_method", ["fp8", "compressed-tensors"])
+def test_fp8_checkpoints_load_directly(tiny_qwen3_lm, tmp_path, quant_method, monkeypatch):
+    """Without FP8 tensor cores the checkpoint runs dequantized (float32 on the CPU), its weights codes x scales; in
+    FP8 (reference mode: dtype None takes the stored FP8) the packed decoder keeps the stored codes (per channel) or
+    requantizes the block-scaled weight per channel, and scores follow the dequantized float32 model."""
+    folder = tmp_path / quant_method
+    tensors = fp8_checkpoint(tiny_qwen3_lm, folder, quant_method)
+    monkeypatch.delenv(REFERENCE_ENV, raising=False)
+    dequantized = load_model(str(folder), device="cpu")
+    assert not dequantized.fp8 and dequantized.dtype == torch.float32
+    q_proj = dequantized.model.model.layers[0].self_attn.q_proj.weight
+    name = "model.layers.0.self_attn.q_proj.weight"
+    scale = tensors[name.removesuffix("weight") + ("weight_scale_inv" if quant_method == "fp8" else "weight_scale")]
+    expected = dequantize_rows(*per_channel(tensors[name], scale)) if quant_method != "fp8" else \
+        tensors[name].float() * scale.repeat_interleave(32, 0).repeat_interleave(32, 1)
+    torch.testing.assert_close(q_proj, expected, atol=0, rtol=0)
+    fp32 = torch.tensor(EmbeddedBackend(str(folder), device="cpu").score(request()).scores)
+    monkeypatch.setenv(REFERENCE_ENV, "1")
+    backend = EmbeddedBackend(str(folder), device="cpu")
+    assert backend._model().fp8 and backend._model().fp8_weights is None  # handed to the packed decoder
+    qkv = backend._runner.model.layers[0].qkv_weight
+    if quant_method != "fp8":
+        stored = [tensors[f"model.layers.0.self_attn.{p}.weight"] for p in ("q_proj", "k_proj", "v_proj")]
+        assert torch.equal(qkv.float(), torch.cat(stored).float())
+    assert (torch.tensor(backend.score(request()).scores) - fp32).abs().max() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_FP8_GPU, reason="needs FP8 tensor cores (sm_89+)")
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_gpu_fp8_kernels_follow_the_references(tiny_qwen3_lm, cuda_graphs):
+    """On the GPU the Triton and cuBLAS FP8 steps (with and without CUDA graphs) give the reference steps' scores,
+    and both stay near float32's."""
+    from rerankit.engine.models import fp8 as fp8_layers
+
+    backend = EmbeddedBackend(str(tiny_qwen3_lm), device="cuda", dtype="fp8", cuda_graphs=cuda_graphs)
+    model = backend._runner.model
+    assert model.fp8 is fp8_layers.KERNELS
+    kernels = torch.tensor(backend.score(request()).scores)
+    model.fp8 = fp8_layers.REFERENCE
+    backend._runner.graphs = None
+    reference = torch.tensor(backend.score(request()).scores)
+    fp32 = torch.tensor(EmbeddedBackend(str(tiny_qwen3_lm), device="cuda", dtype="float32").score(request()).scores)
+    torch.testing.assert_close(kernels, reference, atol=5e-3, rtol=0)
+    assert (kernels - fp32).abs().max() < 2e-2

@@ -1,0 +1,187 @@
+"""FP8 kernels against their torch references: per-row quantization (alone and fused with the RMSNorm), the scaled
+FP8 projection, and the FP8 paths of the SwiGLU and q/k/v GEMMs.
+
+Small cases run the Triton kernels in Triton's interpreter on the CPU (conftest sets TRITON_INTERPRET=1 there; it
+loads, converts and multiplies float8_e4m3fn tiles); the `gpu` tests use the Qwen3 shapes on a GPU with FP8 tensor
+cores (compute capability 8.9 on; the fused GEMMs need Hopper's copy engine).
+"""
+
+import importlib.util
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("needs triton", allow_module_level=True)
+
+from rerankit.kernels import fp8_quant, qkv_rope_matmul, swiglu_matmul  # noqa: E402
+from rerankit.kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference  # noqa: E402
+from rerankit.kernels.fp8_quant import (  # noqa: E402
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize_rows,
+    quantize_rows,
+    quantize_rows_reference,
+    rms_norm_quant,
+    rms_norm_quant_reference,
+)
+from test_qkv_rope_matmul import make_inputs  # noqa: E402
+from triton_paths import forbid_reference  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HAS_FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+def quantized(rows, width, seed, scale=1.0):
+    """A float8 activation [rows, width] and its scales, from a bf16 tensor with a few large outliers."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=gen) * scale
+    x[:, :2] *= 20  # outlier channels, as real activations have
+    return quantize_rows_reference(x.bfloat16())
+
+
+def test_reference_round_trip_is_within_e4m3s_step():
+    """Each row's largest magnitude maps to 448; dequantized values are within half an e4m3 step (2^-4 relative,
+    3 mantissa bits) of the input; an all-zero row stays zero with a finite scale."""
+    x = torch.randn(9, 200) * torch.logspace(-3, 3, 9)[:, None]
+    x[4] = 0
+    codes, scale = quantize_rows_reference(x)
+    assert codes.dtype == FP8_DTYPE and scale.dtype == torch.float32 and scale.shape == (9,)
+    amax = codes.float().abs().amax(dim=1)
+    assert torch.equal(amax[[0, 1, 2, 3, 5, 6, 7, 8]], torch.full((8,), FP8_MAX))
+    back = dequantize_rows(codes, scale)
+    nonzero = x.abs() > scale[:, None] * 2 ** -6  # normal e4m3 codes (subnormals have coarser relative steps)
+    assert ((back - x).abs()[nonzero] <= x.abs()[nonzero] * 2 ** -4).all()
+    assert torch.isfinite(scale).all() and not back[4].any()
+
+
+@pytest.mark.parametrize("rows, width", [(1, 64), (7, 96), (33, 48), (3, 1000), (0, 32)])
+def test_quant_kernel_equals_the_reference(monkeypatch, rows, width):
+    """The same codes and scales as the reference, bit for bit (bf16 input, as the decoder quantizes)."""
+    x = (torch.randn(rows, width, generator=torch.Generator().manual_seed(rows + width)) * 3).bfloat16()
+    expected = quantize_rows_reference(x)
+    forbid_reference(monkeypatch, fp8_quant, "quantize_rows_reference")
+    codes, scale = quantize_rows(x.to(DEVICE))
+    assert torch.equal(scale.cpu(), expected[1]) and torch.equal(codes.cpu().float(), expected[0].float())
+
+
+@pytest.mark.parametrize("rows, width", [(1, 64), (7, 96), (3, 1000)])
+def test_fused_norm_quant_kernel_quantizes_the_norm_kernels_rows(rows, width):
+    """rms_norm_quant's codes are those of ``rms_norm``'s bf16 rows (the fused norm rounds as the norm kernel does),
+    and within one e4m3 step of the reference's (the interpreter's bf16 cast truncates, so the rows themselves may
+    differ from torch's in the last bit)."""
+    from rerankit.kernels.rms_norm import rms_norm
+
+    gen = torch.Generator().manual_seed(rows + width)
+    x = (torch.randn(rows, width, generator=gen) * 3).bfloat16().to(DEVICE)
+    weight = (torch.rand(width, generator=gen) + 0.5).bfloat16().to(DEVICE)
+    codes, scale = rms_norm_quant(x, weight, 1e-6)
+    norm_codes, norm_scale = quantize_rows(rms_norm(x, weight, 1e-6))
+    assert torch.equal(scale, norm_scale) and torch.equal(codes.float(), norm_codes.float())
+    assert_within_one_step(codes, rms_norm_quant_reference(x, weight, 1e-6)[0])
+
+
+def assert_within_one_step(codes, expected, equal_share=0.8):
+    """Codes at most one e4m3 step (2^-3 of the value) from the expected ones, most of them equal."""
+    steps = (codes.float() - expected.float()).abs() / expected.float().abs().clamp(min=2 ** -6)
+    assert steps.max() <= 2 ** -3 and (codes.float() == expected.float()).float().mean() >= equal_share
+
+
+def test_fp8_matmul_reference_is_the_dequantized_product():
+    x, x_scale = quantized(13, 64, 0)
+    weight, w_scale = quantize_rows_reference(torch.randn(48, 64) / 8)
+    bias = torch.randn(48)
+    expected = (dequantize_rows(x, x_scale) @ dequantize_rows(weight, w_scale).T + bias).bfloat16()
+    got = fp8_matmul_reference(x, x_scale, weight, w_scale, bias)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected.float(), atol=1e-2, rtol=2 ** -7)
+    torch.testing.assert_close(fp8_matmul(x, x_scale, weight, w_scale, bias), got)  # CPU: the reference
+    with pytest.raises(ValueError, match=r"w_scale \[48\], got \(13,\) and \(5,\)"):
+        fp8_matmul_reference(x, x_scale, weight, w_scale[:5])
+
+
+@pytest.fixture(params=["swiglu", "qkv_rope"])
+def fp8_gemm(request, monkeypatch):
+    """(kernel module, the reference's name): the fused GEMM on its Triton path, on the CPU's interpreter."""
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the gpu tests run the FP8 GEMMs")
+    module = swiglu_matmul if request.param == "swiglu" else qkv_rope_matmul
+    name = "swiglu_matmul_reference" if request.param == "swiglu" else "qkv_rope_matmul_reference"
+    return module, name, monkeypatch
+
+
+@pytest.mark.parametrize("tokens, hidden", [(37, 48), (1, 32)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_gemm_kernels_equal_their_references(fp8_gemm, tokens, hidden, bias):
+    """FP8 tiles into tl.dot, the scales in the epilogue: within float32 summation order of the reference, which
+    dequantizes in float32 (a row tail; float8 rows of 16-byte multiples leave no K or column tails). Output in
+    float32: the interpreter's bf16 cast truncates (the GPU tests check bf16 outputs)."""
+    module, name, monkeypatch = fp8_gemm
+    x, x_scale = quantized(tokens, hidden, tokens)
+    gen = torch.Generator().manual_seed(hidden)
+    if module is swiglu_matmul:
+        weight, w_scale = quantize_rows_reference(torch.randn(2 * 48, hidden, generator=gen) / hidden ** 0.5)
+        bias_values = torch.randn(96, generator=gen).bfloat16() if bias else None
+        args, kwargs = (x, weight, bias_values), dict(x_scale=x_scale, w_scale=w_scale, out_dtype=torch.float32)
+        expected = module.swiglu_matmul_reference(*args, **kwargs)
+        run = module.swiglu_matmul
+    else:
+        inputs, _, _ = make_inputs(tokens, hidden, 2, 1, 16, not bias, bias)
+        weight, w_scale = quantize_rows_reference(inputs["weight"])
+        bias_values = inputs["bias"].bfloat16() if bias else None
+        inputs = {**inputs, "x": x, "weight": weight, "bias": bias_values}
+        kwargs = dict(num_heads=2, num_kv_heads=1, head_dim=16, x_scale=x_scale, w_scale=w_scale,
+                      out_dtype=torch.float32)
+        args = ()
+        expected = module.qkv_rope_matmul_reference(**inputs, **kwargs)
+        run = lambda **kw: module.qkv_rope_matmul(**inputs, **kw)  # noqa: E731
+    forbid_reference(monkeypatch, module, name)
+    got = run(*args, **kwargs)
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_fp8_inputs_need_their_scales():
+    x, x_scale = quantized(4, 32, 1)
+    weight, w_scale = quantize_rows_reference(torch.randn(64, 32))
+    with pytest.raises(ValueError, match="take x_scale and w_scale"):
+        swiglu_matmul.swiglu_matmul(x, weight)
+    with pytest.raises(ValueError, match="take x_scale and w_scale"):
+        swiglu_matmul.swiglu_matmul(x.float(), weight.float(), x_scale=x_scale, w_scale=w_scale)
+    with pytest.raises(ValueError, match="descriptors only"):
+        swiglu_matmul.swiglu_matmul(x, weight, tma=False, x_scale=x_scale, w_scale=w_scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_FP8_GPU, reason="needs FP8 tensor cores (sm_89+)")
+@pytest.mark.parametrize("shape", [(1024, 3072), (2560, 9728)], ids=["0.6b", "4b"])
+@pytest.mark.parametrize("tokens", [1, 777, 5000])
+def test_gpu_fp8_gemms_follow_their_references(shape, tokens):
+    """Qwen3 shapes on the GPU: quantization (Triton), cuBLAS's scaled GEMM and the fused FP8 SwiGLU and q/k/v
+    GEMMs against the float32-dequantizing references, within a bf16 rounding or two."""
+    hidden, width = shape
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
+    norm = (torch.rand(hidden, device="cuda", generator=gen) + 0.5).bfloat16()
+    codes, scale = rms_norm_quant(x, norm, 1e-6)
+    ref_codes, ref_scale = rms_norm_quant_reference(x, norm, 1e-6)
+    torch.testing.assert_close(scale, ref_scale, atol=0, rtol=1e-6)
+    assert_within_one_step(codes, ref_codes, 0.99)  # float32 division and bf16 sums may differ in the last bit
+    weight, w_scale = quantize_rows_reference((torch.randn(2 * width, hidden, device="cuda", generator=gen)
+                                               / hidden ** 0.5).bfloat16())
+    for got, expected in (
+            (fp8_matmul(codes, scale, weight, w_scale), fp8_matmul_reference(codes, scale, weight, w_scale)),
+            (swiglu_matmul.swiglu_matmul(codes, weight, x_scale=scale, w_scale=w_scale),
+             swiglu_matmul.swiglu_matmul_reference(codes, weight, x_scale=scale, w_scale=w_scale))):
+        torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    inputs, _, _ = make_inputs(tokens, hidden, 16, 8, 128, True, False, dtype=torch.bfloat16, device="cuda")
+    qkv_weight, qkv_scale = quantize_rows_reference(inputs["weight"])
+    inputs = {**inputs, "x": codes, "weight": qkv_weight}
+    kwargs = dict(num_heads=16, num_kv_heads=8, head_dim=128, x_scale=scale, w_scale=qkv_scale)
+    if HAS_HOPPER:
+        assert qkv_rope_matmul.takes_tma(codes, qkv_weight, 128) and swiglu_matmul.takes_tma(codes, weight)
+    torch.testing.assert_close(qkv_rope_matmul.qkv_rope_matmul(**inputs, **kwargs).float(),
+                               qkv_rope_matmul.qkv_rope_matmul_reference(**inputs, **kwargs).float(),
+                               atol=2e-2, rtol=2 ** -7)
+
