@@ -96,7 +96,8 @@ class EmbeddedBackend:
     each layer's keys and values of long prompt heads (a template's system prompt and instruction of at least 256
     tokens) across calls, up to this many bytes, least recently used dropped first (``engine/prefix_cache.py``); a
     request's micro-batches then leave the head's tokens out (CUDA graphs included); 0 turns it off.
-    ``show_progress`` None shows a progress bar for calls of more than 256 items. Thread-safe: one lock serialises
+    ``show_progress`` None shows a progress bar for calls of more than 256 items. ``pipelined`` (None: on a GPU)
+    tells a server to keep two calls in flight (``pipelined_calls``). Thread-safe: one lock serialises
     use of the model; a call lets go of it once its work is queued on the device, so on a GPU a second thread's
     call plans and launches while the first one's scores are computed and copied back (``pipelined_calls``).
     """
@@ -105,7 +106,8 @@ class EmbeddedBackend:
                  mode: str | None = None, template: str | Template | None = None, instruction: str | None = None,
                  max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, runner: str = "auto",
                  multi_item: bool = True, overlap: bool = False, cuda_graphs: bool | None = None,
-                 prefix_cache_bytes: int = PREFIX_CACHE_MAX_BYTES, show_progress: bool | None = None) -> None:
+                 prefix_cache_bytes: int = PREFIX_CACHE_MAX_BYTES, show_progress: bool | None = None,
+                 pipelined: bool | None = None) -> None:
         # Options that do not need the model are checked before it loads, which can take minutes.
         if template is not None:
             get_template(template)
@@ -128,6 +130,7 @@ class EmbeddedBackend:
         self._heads: dict[tuple, heads.Head] = {}
         self.max_batch_tokens = max_batch_tokens
         self.show_progress = show_progress
+        self._pipelined = loaded.device.type == "cuda" if pipelined is None else bool(pipelined)
         self._lock = threading.Lock()
 
     @property
@@ -142,9 +145,10 @@ class EmbeddedBackend:
 
     @property
     def pipelined_calls(self) -> int:
-        """How many ``score_batch`` calls from different threads keep this backend busy: 2 on a GPU (one launching
-        while the other's last kernels run and its scores are copied back), 1 on the CPU (its work is synchronous)."""
-        return 2 if self._model().device.type == "cuda" else 1
+        """How many ``score_batch`` calls from different threads keep this backend busy (``pipelined``, by default on
+        a GPU): 2, one launching while the other's last kernels run and its scores are copied back; else 1 (on the
+        CPU the work is synchronous: a second call would only wait for the first)."""
+        return 2 if self._pipelined else 1
 
     @property
     def runner(self) -> str:
