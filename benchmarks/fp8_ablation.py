@@ -1,0 +1,100 @@
+"""Which projections' FP8 rounding moves the scores: W1 documents scored by the transformers model in float32 with
+e4m3 round trips (per-token activation scales, per-channel weight scales: what ``dtype="fp8"`` computes) applied
+to chosen projections only, in plain torch with float32 sums, so the figures hold on any device and carry no
+kernel's own error. Each row: the largest |score - float32 score|, the mean shift, and Spearman against float32;
+the first row is the whole model in bf16, for scale.
+
+    PYTHONPATH=src python benchmarks/fp8_ablation.py --shape 0.6b --docs 12     # ~10 minutes on a 2-core CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "tests")]
+from fidelity import spearman  # noqa: E402
+from pairs import build_decoder_dir, decoder_workloads, requests_of, single_token_words  # noqa: E402
+
+from rerankit.engine import EmbeddedBackend  # noqa: E402
+
+E4M3_MAX = 448.0
+
+
+def round_trip(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` quantized to float8_e4m3fn with one scale per row (row amax / 448), and back, in float32."""
+    scale = tensor.abs().amax(-1, keepdim=True).clamp(min=1e-12) / E4M3_MAX
+    return (tensor / scale).to(torch.float8_e4m3fn).float() * scale
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="0.6b", help="a Qwen3-Reranker shape of benchmarks/pairs.py")
+    parser.add_argument("--docs", type=int, default=12, help="W1 documents scored")
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    folder = build_decoder_dir(Path(tempfile.mkdtemp()), args.shape)
+    words = single_token_words(AutoTokenizer.from_pretrained(folder))
+    request = requests_of(decoder_workloads(words, random.Random(0), {"W1"}, w1_docs=args.docs)[0], True)[0]
+    bf16 = EmbeddedBackend(str(folder), device="cpu", dtype="bfloat16", runner="reference", show_progress=False)
+    bf16_scores = torch.tensor(bf16.score(request).scores, dtype=torch.float64)
+    bf16.close()
+    backend = EmbeddedBackend(str(folder), device="cpu", dtype="float32", runner="reference", show_progress=False)
+    model = backend._model().model
+    fp32 = torch.tensor(backend.score(request).scores, dtype=torch.float64)
+    linears = {name: module for name, module in model.named_modules()
+               if isinstance(module, torch.nn.Linear) and ".layers." in name}
+    originals = {name: module.weight.data.clone() for name, module in linears.items()}
+    layers = model.config.num_hidden_layers
+
+    def report(label: str, scores: torch.Tensor, seconds: float) -> None:
+        shift = scores - fp32
+        print(json.dumps({"shape": args.shape, "docs": args.docs, "variant": label,
+                          "max_abs_vs_fp32": round(float(shift.abs().max()), 4),
+                          "mean_shift": round(float(shift.mean()), 4),
+                          "spearman_vs_fp32": round(spearman(scores, fp32), 3), "seconds": round(seconds)}),
+              flush=True)
+
+    def run(label: str, picked: Callable[[str], bool], weights: bool = True, inputs: bool = True) -> None:
+        hooks = []
+        for name, module in linears.items():
+            if picked(name):
+                if weights:
+                    module.weight.data = round_trip(originals[name])
+                if inputs:
+                    hooks.append(module.register_forward_pre_hook(lambda _, given: (round_trip(given[0]),)))
+        begun = time.perf_counter()
+        try:
+            scores = torch.tensor(backend.score(request).scores, dtype=torch.float64)
+        finally:
+            for hook in hooks:
+                hook.remove()
+            for name, module in linears.items():
+                module.weight.data = originals[name]
+        report(label, scores, time.perf_counter() - begun)
+
+    def layer(name: str) -> int:
+        return int(name.split(".layers.")[1].split(".")[0])
+
+    report("bf16 (whole model)", bf16_scores, 0.0)
+    run("FP8: every projection", lambda name: True)
+    run("FP8 weights only", lambda name: True, inputs=False)
+    run("FP8 inputs only", lambda name: True, weights=False)
+    for part in ("q_proj|k_proj|v_proj", "o_proj", "gate_proj|up_proj", "down_proj"):
+        run(f"FP8: {part} only", lambda name, part=part: any(piece in name for piece in part.split("|")))
+    run("FP8: q/k/v and gate/up", lambda name: any(piece in name for piece in ("q_proj", "k_proj", "v_proj",
+                                                                                "gate_proj", "up_proj")))
+    run("FP8: all but the first and last 2 layers", lambda name: 2 <= layer(name) < layers - 2)
+
+
+if __name__ == "__main__":
+    main()
