@@ -11,7 +11,7 @@ import pytest
 
 from rerankit.defaults import default_model_path
 from rerankit.engine import EmbeddedBackend
-from rerankit.engine.replicas import DataParallelBackend, replica_devices
+from rerankit.engine.replicas import DataParallelBackend, _Replica, replica_devices, spare_replicas
 from rerankit.engine.shards import MIN_SHARD_TOKENS, Shard, cut, item_tokens, merge
 from rerankit.errors import Cancelled, InvalidRequest, ReplicaDied, RequestTooLarge
 from rerankit.reranker import make_backend
@@ -84,6 +84,20 @@ def _response(items: int):
 
     return ScoreResponse(results=[ScoreResult(index=index, score=0.0) for index in range(items)], model="m",
                          usage=Usage(prompt_tokens=items, computed_tokens=items))
+
+
+def test_calls_are_cut_only_across_replicas_with_room_for_another_task() -> None:
+    def replica(index: int, tasks: int, state: str = "ready") -> _Replica:
+        made = _Replica(index, "cuda", state=state, pipelined_calls=2)
+        made.tasks = {number: None for number in range(tasks)}
+        return made
+
+    assert spare_replicas([replica(0, 0), replica(1, 0)]) == 2  # a lone call is cut across both
+    assert spare_replicas([replica(0, 1), replica(1, 2)]) == 1  # one has room
+    assert spare_replicas([replica(0, 2), replica(1, 3)]) == 1  # both full: whole requests, to the least loaded
+    assert spare_replicas([replica(0, 0, "down"), replica(1, 0), replica(2, 0, "starting")]) == 2
+    long = ScoreRequest(query="capital of france", items=DOCS)
+    assert len(cut([long], spare_replicas([replica(0, 2), replica(1, 2)]))) == 1
 
 
 def test_data_parallel_size_is_checked_before_any_process_starts() -> None:

@@ -93,6 +93,14 @@ def replica_devices(device: str | None, data_parallel_size: int | str) -> list[s
     return ["cpu"] * size
 
 
+def spare_replicas(replicas: list[_Replica]) -> int:
+    """How many replicas a call's requests are cut across: those running with room for another task (fewer tasks in
+    flight than they run at once), at least 1. A replica busy to the full takes whole requests: a cut would not
+    start its part any sooner, and each part pays a call's fixed cost (tokenizing, launches, the prefix again)."""
+    return max(1, sum(replica.state != "down" and len(replica.tasks) < replica.pipelined_calls
+                      for replica in replicas))
+
+
 class DataParallelBackend:
     """Scores requests on ``data_parallel_size`` replicas of an ``EmbeddedBackend``, one process per device.
 
@@ -169,7 +177,8 @@ class DataParallelBackend:
         of a whole replica call raises for the call. ``should_stop`` is asked before each dispatch and while the
         call waits; once it says True the call raises ``Cancelled`` (work already sent finishes and is dropped).
         """
-        shards = cut(requests, self._live_count())
+        with self._lock:
+            shards = cut(requests, spare_replicas(self._replicas))
         tasks: list[tuple[_Task, list[int]]] = []  # each task and the positions in ``shards`` of its requests
         with self._lock:
             planned = {replica.index: replica.load for replica in self._replicas}
@@ -266,10 +275,6 @@ class DataParallelBackend:
                                                 daemon=True)
         replica.process.start()
         sender.close()  # the child holds the only writing end: its death reads as end-of-file here
-
-    def _live_count(self) -> int:
-        with self._lock:
-            return max(1, sum(replica.state != "down" for replica in self._replicas))
 
     def _least_loaded(self, planned: dict[int, int], avoid: int | None = None) -> _Replica:
         candidates = [replica for replica in self._replicas if replica.state != "down"]
