@@ -402,4 +402,6 @@ class EmbeddedBackend:
 def _on_device(device: torch.device):
     """Make ``device`` the current CUDA device for a call (a no-op elsewhere): Triton launches its kernels and
     torch captures CUDA graphs on the current device, which for a model on ``cuda:1`` is not the default one."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    if device.type == "cuda" and device.index is not None:  # plain "cuda" is the current device already
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
