@@ -134,6 +134,17 @@ def test_block_mask_is_built_once_per_batch(monkeypatch):
     assert len(built) == 2
 
 
+def test_a_gone_batchs_masks_are_dropped_by_the_next_batch():
+    batch = make_batch(LAYOUTS["mis"][0])
+    q, k, v = random_qkv(batch.num_tokens, 2, 2, 16)
+    packed_attention(q, k, v, batch, backend="sdpa")
+    assert attention._batch_state(batch).span_groups is not None
+    del batch
+    other = make_batch(LAYOUTS["mis"][0])
+    packed_attention(q, k, v, other, backend="sdpa")
+    assert all(ref() is not None for ref, _ in attention._STATES.values())
+
+
 def test_varlen_refuses_multi_item_batches():
     batch = make_batch(LAYOUTS["mis"][0])
     q, k, v = random_qkv(batch.num_tokens, 2, 2, 16)

@@ -126,6 +126,8 @@ def _batch_state(batch: PackedBatch) -> _BatchState:
         if entry is not None and entry[0]() is batch:
             return entry[1]
         state = _BatchState(multi_item=batch.is_multi_item)
+        for key in [key for key, (ref, _) in _STATES.items() if ref() is None]:
+            del _STATES[key]  # a batch that is gone: its masks (large on the CPU) go with it
         while len(_STATES) >= _MAX_STATES:
             _STATES.pop(next(iter(_STATES)))
         _STATES[id(batch)] = (weakref.ref(batch), state)
