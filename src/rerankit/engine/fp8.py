@@ -31,6 +31,7 @@ FP8_NAMES = ("fp8", "float8", "float8_e4m3fn", "e4m3")
 REFERENCE_ENV = "RERANKIT_FP8_REFERENCE"
 MIN_CAPABILITY = (8, 9)
 SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")  # quant_method "fp8"; compressed-tensors
+SAFETENSORS_FP8 = "F8_E4M3"  # float8_e4m3fn's name in a safetensors header
 
 Fp8Weights = dict[str, tuple[torch.Tensor, torch.Tensor]]  # module name -> (float8 codes [N, K], stored scales)
 
@@ -136,7 +137,9 @@ def read_fp8_weights(folder: Path, device: torch.device) -> Fp8Weights:
     for path in files:
         with safe_open(str(path), framework="pt", device=str(device)) as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                if name.endswith(".weight") or name.endswith(SCALE_SUFFIXES):
+                # the float8 weights and their scales only: the checkpoint's 16-bit tensors are not read twice
+                if name.endswith(SCALE_SUFFIXES) or (name.endswith(".weight")
+                                                     and handle.get_slice(name).get_dtype() == SAFETENSORS_FP8):
                     tensors[name] = handle.get_tensor(name)
     weights: Fp8Weights = {}
     for name, codes in tensors.items():
