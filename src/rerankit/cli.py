@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     rank.add_argument("--top-n", type=_positive_int, help="print only the N best")
     rank.add_argument("--json", action="store_true", help="print JSON instead of a table")
     rank.add_argument("--device", help="local model: cpu, cuda, cuda:1, ... (default: the GPU if there is one)")
-    rank.add_argument("--dtype", help="local model: float32, bfloat16, float16, fp8 (experimental: decoders on sm_89+ GPUs)")
+    rank.add_argument("--dtype", help="local model: float32, bfloat16, float16, "
+                      "fp8 (experimental: decoders on sm_89+ GPUs)")
     add_prompt_flags(rank)
     add_scoring_flags(rank)
     rank.add_argument("--dialect", help="server: its wire dialect, e.g. vllm-generative, cohere (default: discovered)")
