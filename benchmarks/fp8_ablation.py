@@ -30,15 +30,14 @@ from fidelity import spearman  # noqa: E402
 from pairs import build_decoder_dir, decoder_workloads, requests_of, single_token_words  # noqa: E402
 
 from rerankit.engine import EmbeddedBackend  # noqa: E402
+from rerankit.kernels.fp8_quant import dequantize_rows, quantize_rows_reference  # noqa: E402
 from rerankit.schema import ScoreRequest  # noqa: E402
-
-E4M3_MAX = 448.0
 
 
 def round_trip(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` quantized to float8_e4m3fn with one scale per row (row amax / 448), and back, in float32."""
-    scale = tensor.abs().amax(-1, keepdim=True).clamp(min=1e-12) / E4M3_MAX
-    return (tensor / scale).to(torch.float8_e4m3fn).float() * scale
+    """``tensor`` [.., d] quantized to float8_e4m3fn with one scale per row (as the engine does), and back."""
+    rows = tensor.reshape(-1, tensor.shape[-1])
+    return dequantize_rows(*quantize_rows_reference(rows)).reshape(tensor.shape)
 
 
 QUERIES = ("What is the capital of France?", "Which tower was built for a world's fair?", "How do cars work?",

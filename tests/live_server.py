@@ -14,18 +14,19 @@ from rerankit.server.connections import uvicorn_config
 from rerankit.server.limits import ServerConfig
 
 
-@contextmanager
-def live_server(app: Any, config: ServerConfig | None = None, **options: Any) -> Iterator[str]:
-    """Serve the ASGI ``app`` on loopback until the block ends, with ``config``'s connection settings, as
-    ``rerankit serve`` does (``options``: ``uvicorn_config``'s); yields the base URL."""
+def loopback_listener() -> socket.socket:
+    """A TCP socket bound to 127.0.0.1 on a port the OS picks."""
     # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted sockets only then; without it Nagle's
     # algorithm and delayed ACKs add ~40 ms to every response.
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    server = uvicorn.Server(uvicorn_config(app, config or ServerConfig(), log_level="warning", lifespan="on",
-                                           timeout_graceful_shutdown=2, **options))
+    return listener
+
+
+@contextmanager
+def serving(server: uvicorn.Server, listener: socket.socket) -> Iterator[threading.Thread]:
+    """Run ``server`` on ``listener`` in a thread until the block ends; yields the thread once it has started."""
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
@@ -33,8 +34,19 @@ def live_server(app: Any, config: ServerConfig | None = None, **options: Any) ->
         assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
         time.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield thread
     finally:
         server.should_exit = True
         thread.join(10)
         listener.close()
+
+
+@contextmanager
+def live_server(app: Any, config: ServerConfig | None = None, **options: Any) -> Iterator[str]:
+    """Serve the ASGI ``app`` on loopback until the block ends, with ``config``'s connection settings, as
+    ``rerankit serve`` does (``options``: ``uvicorn_config``'s); yields the base URL."""
+    listener = loopback_listener()
+    server = uvicorn.Server(uvicorn_config(app, config or ServerConfig(), log_level="warning", lifespan="on",
+                                           timeout_graceful_shutdown=2, **options))
+    with serving(server, listener):
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"

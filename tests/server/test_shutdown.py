@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
-import threading
 import time
 
 import httpx
 import uvicorn
 
+from live_server import loopback_listener, serving
 from server_fakes import RecordingBackend
 
 from rerankit.errors import Cancelled
@@ -51,26 +50,15 @@ async def send_then_exit(url: str, server: DrainingServer) -> list[httpx.Respons
 
 
 def test_exit_signal_drains_then_answers_what_is_left_with_a_json_503():
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    listener.bind(("127.0.0.1", 0))
+    listener = loopback_listener()
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
     app = create_app(FirstCallOnly(), ServerConfig(drain_seconds=DRAIN_S))
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=DRAIN_S + GRACE_AFTER_DRAIN_S)
     server = DrainingServer(config, app.state.batcher, DRAIN_S)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    try:
+    with serving(server, listener) as thread:
         replies = asyncio.run(send_then_exit(url, server))
         thread.join(20)
         assert not thread.is_alive(), "the server did not exit"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        listener.close()
     statuses = [reply.status_code if isinstance(reply, httpx.Response) else repr(reply) for reply in replies]
     assert set(statuses) <= {200, 503}, statuses
     assert 200 in statuses and 503 in statuses, statuses

@@ -175,17 +175,18 @@ class EmbeddedBackend:
         ``should_stop`` is asked before each micro-batch; when it says True the call raises ``Cancelled`` (a server
         stops scoring for callers that have all gone away).
         """
-        with self._lock, torch.inference_mode(), _on_device(self._model().device):
+        with self._lock:
             loaded = self._model()
-            call = _Call(requests)
-            micro_batches = self._plan(call, loaded, return_exceptions)
-            if self._overlap:  # plan on a worker thread while this one launches
-                micro_batches = prefetch(micro_batches, PREFETCH_MICRO_BATCHES, name="rerankit-plan")
-            try:
-                outputs, computed = self._execute(call, micro_batches, loaded, should_stop)
-            finally:  # a failed call stops its planning (and the planning thread) now, not when it is collected
-                micro_batches.close()
-            copy = HostCopy(outputs)  # queued before the model is released: a later call never writes what it reads
+            with torch.inference_mode(), _on_device(loaded.device):
+                call = _Call(requests)
+                micro_batches = self._plan(call, loaded, return_exceptions)
+                if self._overlap:  # plan on a worker thread while this one launches
+                    micro_batches = prefetch(micro_batches, PREFETCH_MICRO_BATCHES, name="rerankit-plan")
+                try:
+                    outputs, computed = self._execute(call, micro_batches, loaded, should_stop)
+                finally:  # a failed call stops its planning (and the planning thread) now, not when it is collected
+                    micro_batches.close()
+                copy = HostCopy(outputs)  # queued before the model is let go: no later call writes what it reads
         # The model is free from here: on a GPU the next call launches while this one's last kernels run and its
         # scores travel to the host (``pipelined_calls``).
         return responses(call.requests, call.entries, call.errors, copy, computed, loaded.name)

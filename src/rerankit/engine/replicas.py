@@ -177,10 +177,9 @@ class DataParallelBackend:
         of a whole replica call raises for the call. ``should_stop`` is asked before each dispatch and while the
         call waits; once it says True the call raises ``Cancelled`` (work already sent finishes and is dropped).
         """
-        with self._lock:
-            shards = cut(requests, spare_replicas(self._replicas))
         tasks: list[tuple[_Task, list[int]]] = []  # each task and the positions in ``shards`` of its requests
         with self._lock:
+            shards = cut(requests, spare_replicas(self._replicas))
             planned = {replica.index: replica.load for replica in self._replicas}
             grouped: dict[int, list[int]] = {}
             for number in sorted(range(len(shards)), key=lambda n: -shards[n].tokens):

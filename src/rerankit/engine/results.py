@@ -93,10 +93,10 @@ def responses(call_requests: list[ScoreRequest], entries: list, errors: list[Rer
     for name, wanted in EXTRAS:
         table: list[list] = [[None] * len(request.items) for request in call_requests]
         for first, values in copy.extras[name]:
-            rows = np.arange(first, first + len(values))
-            for row, index, item in zip(rows.tolist(), requests[rows].tolist(), items[rows].tolist()):
+            rows = slice(first, first + len(values))
+            for value, index, item in zip(values.tolist(), requests[rows].tolist(), items[rows].tolist()):
                 if getattr(call_requests[index], wanted) and not failed[index]:
-                    table[index][item] = values[row - first].tolist()
+                    table[index][item] = value
         tables[name] = table
     order = np.lexsort((items, requests))
     bounds = np.searchsorted(requests[order], np.arange(len(entries) + 1))

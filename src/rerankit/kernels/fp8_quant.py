@@ -31,6 +31,13 @@ MIN_AMAX = 1e-12  # an all-zero row gets a tiny scale instead of a division by z
 _TILE_ELEMENTS = 4096  # elements a program holds, as in rms_norm
 
 
+def check_scaled(x: Tensor, weight: Tensor, x_scale: Tensor | None, w_scale: Tensor | None) -> None:
+    """``ValueError`` unless ``x`` and ``weight`` share a dtype and come with both scales exactly when float8."""
+    if (x.dtype == FP8_DTYPE) != (x_scale is not None and w_scale is not None) or weight.dtype != x.dtype:
+        raise ValueError(f"float8 x and weight take x_scale and w_scale, other dtypes neither; got {x.dtype} x, "
+                         f"{weight.dtype} weight, scales {x_scale is not None} / {w_scale is not None}")
+
+
 def quantize_rows_reference(x: Tensor) -> tuple[Tensor, Tensor]:
     """Plain torch: each row of ``x`` [T, d] as float8_e4m3fn codes [T, d] and its float32 scale [T]."""
     x32 = x.float()

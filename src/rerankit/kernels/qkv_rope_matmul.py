@@ -29,7 +29,7 @@ from torch import Tensor
 
 from rerankit.kernels import cuda_capability, launch_tuned, sm_count, takes_head_dim
 from rerankit.kernels.fp8_matmul import project_reference
-from rerankit.kernels.fp8_quant import FP8_DTYPE
+from rerankit.kernels.fp8_quant import FP8_DTYPE, check_scaled
 
 try:
     import triton
@@ -54,9 +54,7 @@ def rope_table(position_ids: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
 def _check(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads: int, num_kv_heads: int, head_dim: int,
            cos: Tensor, sin: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, x_scale: Tensor | None = None,
            w_scale: Tensor | None = None) -> None:
-    if (x.dtype == FP8_DTYPE) != (x_scale is not None and w_scale is not None) or weight.dtype != x.dtype:
-        raise ValueError(f"float8 x and weight take x_scale and w_scale, other dtypes neither; got {x.dtype} x, "
-                         f"{weight.dtype} weight, scales {x_scale is not None} / {w_scale is not None}")
+    check_scaled(x, weight, x_scale, w_scale)
     if not takes_head_dim(head_dim):
         raise ValueError(f"qkv_rope_matmul needs a head_dim that is a power of two >= 16, got {head_dim}")
     width = (num_heads + 2 * num_kv_heads) * head_dim

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from rerankit.kernels import cuda_capability, launch_tuned, sm_count
 from rerankit.kernels.fp8_matmul import project_reference
-from rerankit.kernels.fp8_quant import FP8_DTYPE
+from rerankit.kernels.fp8_quant import FP8_DTYPE, check_scaled
 
 try:
     import triton
@@ -56,9 +56,7 @@ _INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 
 def _check(x: Tensor, weight: Tensor, bias: Tensor | None, x_scale: Tensor | None = None,
            w_scale: Tensor | None = None) -> None:
-    if (x.dtype == FP8_DTYPE) != (x_scale is not None and w_scale is not None) or weight.dtype != x.dtype:
-        raise ValueError(f"float8 x and weight take x_scale and w_scale, other dtypes neither; got {x.dtype} x, "
-                         f"{weight.dtype} weight, scales {x_scale is not None} / {w_scale is not None}")
+    check_scaled(x, weight, x_scale, w_scale)
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"x must be [T, d] and weight [2I, d], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if weight.shape[1] != x.shape[1] or weight.shape[0] % 2:
