@@ -360,6 +360,9 @@ def main() -> None:
     parser.add_argument("--ab", action="store_true", help="W1/W3 with the fused q/k kernel and attention tilings")
     parser.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
                         help="fp8: also the FP8 engine's rows, and the fidelity check against float32")
+    parser.add_argument("--fp8-projections", default="",
+                        help="with --dtype fp8: ';'-separated FP8 variants, each the projections it quantizes "
+                             "(e.g. 'qkv,o,gate_up,down;qkv,gate_up'); empty: all four")
     parser.add_argument("--tiny", action="store_true", help="W1 (8 docs) on a 2-layer model: runs on a CPU")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -376,7 +379,9 @@ def main() -> None:
     shapes = ([("0.6b", include)] if include - {""} else []) + [(shape, {"W1"}) for shape in ("4b", "8b") if shape in w4]
     if args.tiny:
         shapes, w4 = [("tiny", {"W1"})], set()
-    dtypes = ("bfloat16", "fp8") if args.dtype == "fp8" else ("bfloat16",)
+    # (dtype, the projections FP8 quantizes: None for all four)
+    dtypes = [("bfloat16", None)] + ([("fp8", names or None) for names in args.fp8_projections.split(";")]
+                                     if args.dtype == "fp8" else [])
     for shape, shape_workloads in shapes:
         folder = build_decoder_dir(root, shape)
         tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -391,18 +396,21 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(DEVICE).eval()
         baseline_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
         fidelity: dict[str, torch.Tensor] = {}
-        for dtype in dtypes:
+        for dtype, projections in dtypes:
             label = "rerankit" if dtype == "bfloat16" else "rerankit-fp8"
+            if projections:
+                label += "-" + projections.replace(",", "+")
+            os.environ["RERANKIT_FP8_PROJECTIONS"] = projections or ""  # engine.fp8.projections
             begun = time.perf_counter()
             backend = EmbeddedBackend(str(folder), device=DEVICE, dtype=dtype)
             weights = weights_gib(backend)
-            results.append({"shape": shape, "dtype": dtype, "runner": backend.runner, "weights_gib": weights,
+            results.append({"shape": shape, "dtype": label, "runner": backend.runner, "weights_gib": weights,
                             "max_batch_tokens": backend.max_batch_tokens, "load_s": time.perf_counter() - begun})
             print(json.dumps(results[-1]), flush=True)
             with torch.inference_mode():
                 begun = time.perf_counter()
                 backend.score_batch(requests_of(workloads[0], True) + requests_of(workloads[0], False))
-                results.append({"shape": shape, "dtype": dtype, "first_call_s (compile)": time.perf_counter() - begun})
+                results.append({"shape": shape, "dtype": label, "first_call_s (compile)": time.perf_counter() - begun})
                 for workload in workloads:
                     if shape != "0.6b":
                         workload.name = f"W4-{shape}"
@@ -412,7 +420,7 @@ def main() -> None:
                 # graph pool (captured before the timed calls, so the rows' peaks miss it), heads, caches.
                 graphs = backend._runner.graphs
                 allocated = torch.cuda.memory_allocated() / 2**30 if DEVICE == "cuda" else float("nan")
-                results.append({"shape": shape, "dtype": dtype, "graphs_captured": graphs.captures if graphs else 0,
+                results.append({"shape": shape, "dtype": label, "graphs_captured": graphs.captures if graphs else 0,
                                 "resident_above_weights_gib": allocated - weights - baseline_gib})
                 print(json.dumps(results[-1]), flush=True)
                 if fp32 is not None:
@@ -420,6 +428,10 @@ def main() -> None:
                         scored = backend.score(ScoreRequest(query=QUERY, items=fidelity_docs, multi_item=multi_item,
                                                             template="qwen3-reranker"))
                         fidelity[f"{label}-{kind}"] = torch.tensor(scored.scores)
+                if args.profile and (dtype == "fp8" or shape != "0.6b"):  # 0.6B bf16: W1, W3, LI below
+                    from pairs_extras import profile_call
+
+                    profile_call(workloads[0], backend, Path(args.profile), results, tag=f"-{shape}-{label}")
                 if shape == "0.6b" and dtype == "bfloat16" and (args.budgets or args.ab or args.profile):
                     from pairs_extras import bf16_extras  # imports this module: only when asked
 

@@ -35,6 +35,7 @@ def budget_sweep(workload: Workload, backend: EmbeddedBackend, budgets: list[int
 
 
 KERNEL_KINDS = (("attention", ("prefix_attention",)), ("label head", ("label_logprobs", "vocab_partial")),
+                ("swiglu gemm", ("swiglu",)), ("q/k/v gemm", ("qkv",)), ("fp8 quantization", ("quantize",)),
                 ("gemm", ("nvjet", "gemm", "cutlass", "sm90_xmma")), ("copy", ("memcpy", "memset")),
                 ("fused elementwise (compiled)", ("triton_",)))
 
@@ -60,8 +61,10 @@ def idle_split(events) -> dict:
             "after_last_kernel": (call.time_range.end - busy_end) / 1000}
 
 
-def profile_call(workload: Workload, backend: EmbeddedBackend, folder: Path, results: list[dict]) -> None:
-    """Where one call's time goes: host time of each engine phase, GPU time by kernel kind, a profiler table."""
+def profile_call(workload: Workload, backend: EmbeddedBackend, folder: Path, results: list[dict],
+                 tag: str = "") -> None:
+    """Where one call's time goes: host time of each engine phase, GPU time by kernel kind, a profiler table
+    (``profile_<workload><tag>.txt`` in ``folder``)."""
     from torch.profiler import ProfilerActivity, profile
 
     requests = requests_of(workload, True)
@@ -96,10 +99,11 @@ def profile_call(workload: Workload, backend: EmbeddedBackend, folder: Path, res
     phases["gpu_ms_by_kind"] = by_kind
     table = events.table(sort_by="self_device_time_total", row_limit=30)
     host = events.table(sort_by="self_cpu_time_total", row_limit=20)
-    (folder / f"profile_{workload.name}.txt").write_text(
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"profile_{workload.name}{tag}.txt").write_text(
         json.dumps(phases, indent=1) + "\n\n" + table + "\n\nby host time:\n" + host)
-    results.append({"workload": workload.name, "profile": phases})
-    print(json.dumps({"workload": workload.name, "profile": phases}), flush=True)
+    results.append({"workload": workload.name + tag, "profile": phases})
+    print(json.dumps({"workload": workload.name + tag, "profile": phases}), flush=True)
 
 
 def kernel_ab(workloads: list[Workload], backend: EmbeddedBackend, results: list[dict]) -> None:

@@ -29,6 +29,8 @@ from rerankit.kernels.fp8_quant import FP8_DTYPE, dequantize_rows, quantize_rows
 
 FP8_NAMES = ("fp8", "float8", "float8_e4m3fn", "e4m3")
 REFERENCE_ENV = "RERANKIT_FP8_REFERENCE"
+PROJECTIONS_ENV = "RERANKIT_FP8_PROJECTIONS"
+ALL_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 MIN_CAPABILITY = (8, 9)
 SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")  # quant_method "fp8"; compressed-tensors
 SAFETENSORS_FP8 = "F8_E4M3"  # float8_e4m3fn's name in a safetensors header
@@ -46,6 +48,17 @@ def is_fp8(dtype: str | torch.dtype | None) -> bool:
 def reference_mode() -> bool:
     """Whether $RERANKIT_FP8_REFERENCE=1: FP8's numerics in plain torch, on any device."""
     return os.environ.get(REFERENCE_ENV, "").strip() == "1"
+
+
+def projections() -> tuple[str, ...]:
+    """The decoder projections ``dtype="fp8"`` quantizes: $RERANKIT_FP8_PROJECTIONS (comma-separated names of
+    ALL_PROJECTIONS), else all four."""
+    named = [name.strip() for name in os.environ.get(PROJECTIONS_ENV, "").split(",") if name.strip()]
+    unknown = sorted(set(named) - set(ALL_PROJECTIONS))
+    if unknown:
+        raise ModelLoadError(f"${PROJECTIONS_ENV} names {unknown}; it takes a comma-separated list of "
+                             f"{', '.join(ALL_PROJECTIONS)}")
+    return tuple(name for name in ALL_PROJECTIONS if name in named) if named else ALL_PROJECTIONS
 
 
 def device_lacks_fp8(device: torch.device) -> str | None:

@@ -240,12 +240,12 @@ class PackedDecoder(PackedBody):
         self.last_layer_reads = True
         self.fp8 = None
         if fp8:
-            from rerankit.engine.fp8 import per_channel, reference_mode
+            from rerankit.engine.fp8 import per_channel, projections, reference_mode
             from rerankit.engine.models import fp8 as fp8_layers
 
             stored = fp8_weights or {}
             given = {module: per_channel(*stored[name]) for name, module in hf_model.named_modules() if name in stored}
-            fp8_layers.quantize_layers(self.layers, body.layers, given)
+            fp8_layers.quantize_layers(self.layers, body.layers, given, projections())
             kernels = device.type == "cuda" and not reference_mode()
             self.fp8 = fp8_layers.KERNELS if kernels else fp8_layers.REFERENCE
 

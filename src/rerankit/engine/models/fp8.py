@@ -27,6 +27,7 @@ from torch import nn
 
 from rerankit.kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
 from rerankit.kernels.fp8_quant import (
+    FP8_DTYPE,
     quantize_rows,
     quantize_rows_reference,
     rms_norm_quant,
@@ -34,6 +35,7 @@ from rerankit.kernels.fp8_quant import (
 )
 from rerankit.kernels.qkv_rope_matmul import qkv_rope_matmul, qkv_rope_matmul_reference
 from rerankit.kernels.qkv_rope_matmul import takes_tma as qkv_takes_tma
+from rerankit.kernels.rms_norm import rms_norm, rms_norm_reference
 from rerankit.kernels.swiglu_matmul import swiglu_matmul, swiglu_matmul_reference
 from rerankit.kernels.swiglu_matmul import takes_tma as swiglu_takes_tma
 
@@ -51,6 +53,7 @@ class Fp8Ops:
     """The steps of an FP8 layer: the kernels, or their plain-torch references."""
 
     norm_quant: Callable
+    norm: Callable
     quant: Callable
     matmul: Callable
     swiglu: Callable
@@ -58,18 +61,21 @@ class Fp8Ops:
     kernels: bool
 
 
-KERNELS = Fp8Ops(rms_norm_quant, quantize_rows, fp8_matmul, swiglu_matmul, qkv_rope_matmul, kernels=True)
-REFERENCE = Fp8Ops(rms_norm_quant_reference, quantize_rows_reference, fp8_matmul_reference, swiglu_matmul_reference,
-                   qkv_rope_matmul_reference, kernels=False)
+KERNELS = Fp8Ops(rms_norm_quant, rms_norm, quantize_rows, fp8_matmul, swiglu_matmul, qkv_rope_matmul, kernels=True)
+REFERENCE = Fp8Ops(rms_norm_quant_reference, rms_norm_reference, quantize_rows_reference, fp8_matmul_reference,
+                   swiglu_matmul_reference, qkv_rope_matmul_reference, kernels=False)
 
 
 def quantize_layers(layers: nn.ModuleList, hf_layers: nn.ModuleList,
-                    given: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Replace each layer's four projection weights by float8 codes (``<name>_weight``) and float32 scales per
+                    given: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]],
+                    projections: tuple[str, ...] = tuple(PROJECTIONS)) -> None:
+    """Replace each layer's ``projections`` weights by float8 codes (``<name>_weight``) and float32 scales per
     output channel (``<name>_scale``): ``given``'s for a transformers module it holds (an FP8 checkpoint's),
-    else quantized from the module's weight. The transformers modules' 16-bit weights are released."""
+    else quantized from the module's weight. The transformers modules' 16-bit weights are released; the other
+    projections keep their 16-bit weights (and run as the bf16 engine runs them)."""
     for layer, hf_layer in zip(layers, hf_layers):
-        for name, paths in PROJECTIONS.items():
+        for name in projections:
+            paths = PROJECTIONS[name]
             modules = [hf_layer.get_submodule(path) for path in paths]
             parts = [given.get(module) or quantize_rows_reference(module.weight) for module in modules]
             setattr(layer, f"{name}_weight", nn.Parameter(torch.cat([codes for codes, _ in parts]),
@@ -79,38 +85,66 @@ def quantize_layers(layers: nn.ModuleList, hf_layers: nn.ModuleList,
                 module.weight.data = module.weight.data.new_empty(0)
 
 
+def is_fp8_weight(weight: torch.Tensor) -> bool:
+    return weight.dtype == FP8_DTYPE
+
+
+def _normed(hidden: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor, eps: float,
+            ops: Fp8Ops) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The RMSNorm of ``hidden`` as the projection ``weight`` takes it: float8 codes and scales, or bf16 and None."""
+    if is_fp8_weight(weight):
+        return ops.norm_quant(hidden, norm, eps)
+    return ops.norm(hidden, norm, eps), None
+
+
 def attention_inputs(hidden: torch.Tensor, layer: nn.Module, rope: tuple[torch.Tensor, torch.Tensor],
                      position_ids: torch.Tensor, inv_freq: torch.Tensor, num_heads: int, num_kv_heads: int,
                      head_dim: int, eps: float, ops: Fp8Ops) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Norm, quantization and the FP8 q/k/v GEMM with q/k norm and rotary: q, k, v [T, H, D] bf16."""
-    x, x_scale = ops.norm_quant(hidden, layer.input_norm, eps)
+    """Norm, quantization and the FP8 q/k/v GEMM with q/k norm and rotary: q, k, v [T, H, D] bf16 (the bf16 GEMM
+    where q/k/v stayed 16-bit)."""
+    x, x_scale = _normed(hidden, layer.input_norm, layer.qkv_weight, eps, ops)
+    w_scale = getattr(layer, "qkv_scale", None) if x_scale is not None else None
     widths = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
     if ops.kernels and not qkv_takes_tma(x, layer.qkv_weight, head_dim):  # no copy engine: cuBLAS, then q/k
         from rerankit.kernels.qk_norm_rope import qk_norm_rope
 
-        qkv = fp8_matmul(x, x_scale, layer.qkv_weight, layer.qkv_scale, layer.qkv_bias)
+        qkv = fp8_matmul(x, x_scale, layer.qkv_weight, w_scale, layer.qkv_bias) if x_scale is not None else \
+            F.linear(x, layer.qkv_weight, layer.qkv_bias)
         q, k = qk_norm_rope(qkv, num_heads, num_kv_heads, head_dim, position_ids, inv_freq, layer.q_norm,
                             layer.k_norm, eps)
         return q, k, qkv[:, widths[0] + widths[1]:].unflatten(-1, (num_kv_heads, head_dim))
     qkv = ops.qkv_rope(x, layer.qkv_weight, layer.qkv_bias, num_heads, num_kv_heads, head_dim, *rope, layer.q_norm,
-                       layer.k_norm, eps, x_scale=x_scale, w_scale=layer.qkv_scale)
+                       layer.k_norm, eps, x_scale=x_scale, w_scale=w_scale)
     q, k, v = qkv.split(widths, dim=-1)
     return (q.unflatten(-1, (num_heads, head_dim)), k.unflatten(-1, (num_kv_heads, head_dim)),
             v.unflatten(-1, (num_kv_heads, head_dim)))
+
+
+def add_projection(hidden: torch.Tensor, x: torch.Tensor, layer: nn.Module, name: str,
+                   ops: Fp8Ops) -> torch.Tensor:
+    """``hidden += x @ W.T (+ bias)`` in place for the residual projection ``name`` (o or down): quantized per
+    token and through the FP8 GEMM where its weight is float8, else cuBLAS's bf16 GEMM accumulating into
+    ``hidden``."""
+    weight, bias = getattr(layer, f"{name}_weight"), getattr(layer, f"{name}_bias")
+    if is_fp8_weight(weight):
+        codes, scale = ops.quant(x)
+        return hidden.add_(ops.matmul(codes, scale, weight, getattr(layer, f"{name}_scale"), bias))
+    hidden.addmm_(x, weight.t())
+    return hidden if bias is None else hidden.add_(bias)
 
 
 def output_and_mlp(attended: torch.Tensor, hidden: torch.Tensor, layer: nn.Module, eps: float,
                    ops: Fp8Ops) -> torch.Tensor:
     """The rest of the layer, both residual projections added onto ``hidden`` in place (the forward's own
     tensor): o projection, norm, FP8 SwiGLU GEMM, down projection."""
-    x, x_scale = ops.quant(attended.flatten(1))
-    hidden.add_(ops.matmul(x, x_scale, layer.o_weight, layer.o_scale, layer.o_bias))
-    x, x_scale = ops.norm_quant(hidden, layer.post_norm, eps)
+    add_projection(hidden, attended.flatten(1), layer, "o", ops)
+    x, x_scale = _normed(hidden, layer.post_norm, layer.gate_up_weight, eps, ops)
+    w_scale = getattr(layer, "gate_up_scale", None) if x_scale is not None else None
     if ops.kernels and not swiglu_takes_tma(x, layer.gate_up_weight):  # no copy engine: cuBLAS, then the activation
-        gate, up = fp8_matmul(x, x_scale, layer.gate_up_weight, layer.gate_up_scale, layer.gate_up_bias).chunk(2, -1)
+        projected = fp8_matmul(x, x_scale, layer.gate_up_weight, w_scale, layer.gate_up_bias) \
+            if x_scale is not None else F.linear(x, layer.gate_up_weight, layer.gate_up_bias)
+        gate, up = projected.chunk(2, -1)
         activated = (F.silu(gate.float()) * up.float()).to(hidden.dtype)
     else:
-        activated = ops.swiglu(x, layer.gate_up_weight, layer.gate_up_bias, x_scale=x_scale,
-                               w_scale=layer.gate_up_scale)
-    x, x_scale = ops.quant(activated)
-    return hidden.add_(ops.matmul(x, x_scale, layer.down_weight, layer.down_scale, layer.down_bias))
+        activated = ops.swiglu(x, layer.gate_up_weight, layer.gate_up_bias, x_scale=x_scale, w_scale=w_scale)
+    return add_projection(hidden, activated, layer, "down", ops)
