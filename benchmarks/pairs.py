@@ -361,8 +361,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
                         help="fp8: also the FP8 engine's rows, and the fidelity check against float32")
     parser.add_argument("--fp8-projections", default="",
-                        help="with --dtype fp8: ';'-separated FP8 variants, each the projections it quantizes "
-                             "(e.g. 'qkv,o,gate_up,down;qkv,gate_up'); empty: all four")
+                        help="with --dtype fp8: ';'-separated FP8 variants, each the projections it quantizes, "
+                             "'/unfused' for o/down's quantization pass and add apart (e.g. ';/unfused;qkv,gate_up'; "
+                             "empty: all four, fused)")
     parser.add_argument("--tiny", action="store_true", help="W1 (8 docs) on a 2-layer model: runs on a CPU")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -396,11 +397,13 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(DEVICE).eval()
         baseline_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
         fidelity: dict[str, torch.Tensor] = {}
-        for dtype, projections in dtypes:
+        for dtype, variant in dtypes:
+            projections, _, residual = (variant or "").partition("/")
             label = "rerankit" if dtype == "bfloat16" else "rerankit-fp8"
-            if projections:
-                label += "-" + projections.replace(",", "+")
-            os.environ["RERANKIT_FP8_PROJECTIONS"] = projections or ""  # engine.fp8.projections
+            if variant:
+                label += "-" + variant.replace(",", "+").replace("/", "-")
+            os.environ["RERANKIT_FP8_PROJECTIONS"] = projections  # engine.fp8.projections; empty: all four
+            os.environ["RERANKIT_FP8_RESIDUAL"] = residual  # engine.models.fp8.ops_for; "unfused" for the A/B
             begun = time.perf_counter()
             backend = EmbeddedBackend(str(folder), device=DEVICE, dtype=dtype)
             weights = weights_gib(backend)

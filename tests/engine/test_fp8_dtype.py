@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rerankit.engine import EmbeddedBackend
-from rerankit.engine.fp8 import REFERENCE_ENV, per_channel
+from rerankit.engine.fp8 import PROJECTIONS_ENV, REFERENCE_ENV, per_channel
 from rerankit.engine.load import load_model
 from rerankit.errors import ModelLoadError
 from rerankit.kernels.fp8_quant import FP8_DTYPE, dequantize_rows, quantize_rows_reference
@@ -60,6 +60,40 @@ def test_fp8_reference_follows_float32(tiny_qwen3_lm, reference_mode):
     assert (scores - fp32).abs().max() > 0  # FP8 rounding did happen
     torch.testing.assert_close(torch.tensor(fp8.score(request(multi_item=False)).scores), scores,
                                atol=2e-3, rtol=0)
+
+
+def test_fp8_projections_can_be_chosen(tiny_qwen3_lm, reference_mode, monkeypatch):
+    """$RERANKIT_FP8_PROJECTIONS: the named projections become float8, the others keep their bf16 weights and run
+    as the bf16 engine runs them; the scores stay near float32's. An unknown name is a clear error."""
+    fp32 = torch.tensor(EmbeddedBackend(str(tiny_qwen3_lm), device="cpu", dtype="float32").score(request()).scores)
+    monkeypatch.setenv(PROJECTIONS_ENV, "gate_up, qkv")
+    fp8 = EmbeddedBackend(str(tiny_qwen3_lm), device="cpu", dtype="fp8")
+    layer = fp8._runner.model.layers[0]
+    assert [getattr(layer, f"{name}_weight").dtype for name in ("qkv", "o", "gate_up", "down")] == \
+        [FP8_DTYPE, torch.bfloat16, FP8_DTYPE, torch.bfloat16]
+    assert not hasattr(layer, "o_scale")
+    scores = torch.tensor(fp8.score(request()).scores)
+    assert 0 < (scores - fp32).abs().max() < 1e-2
+    monkeypatch.setenv(PROJECTIONS_ENV, "down")  # the other way round: bf16 q/k/v and gate/up, FP8 down
+    scores = torch.tensor(EmbeddedBackend(str(tiny_qwen3_lm), device="cpu", dtype="fp8").score(request()).scores)
+    assert 0 < (scores - fp32).abs().max() < 1e-2
+    monkeypatch.setenv(PROJECTIONS_ENV, "qkv,mlp")
+    with pytest.raises(ModelLoadError, match=r"RERANKIT_FP8_PROJECTIONS names \['mlp'\].*qkv, o, gate_up, down"):
+        EmbeddedBackend(str(tiny_qwen3_lm), device="cpu", dtype="fp8")
+
+
+def test_fused_and_unfused_residual_projections_agree(tiny_qwen3_lm, reference_mode, monkeypatch):
+    """o and down quantized inside their GEMM with the residual added there (one rounding), or a quantization
+    pass, the GEMM's bf16 output and an add (two): the same codes, scores within bf16 rounding of each other."""
+    from rerankit.engine.models.fp8 import RESIDUAL_ENV
+
+    fused = EmbeddedBackend(str(tiny_qwen3_lm), device="cpu", dtype="fp8")
+    assert fused._runner.model.fp8.fused_residual
+    monkeypatch.setenv(RESIDUAL_ENV, "unfused")
+    unfused = EmbeddedBackend(str(tiny_qwen3_lm), device="cpu", dtype="fp8")
+    assert not unfused._runner.model.fp8.fused_residual
+    torch.testing.assert_close(torch.tensor(fused.score(request()).scores),
+                               torch.tensor(unfused.score(request()).scores), atol=3e-3, rtol=0)
 
 
 def fp8_checkpoint(source, target, quant_method):

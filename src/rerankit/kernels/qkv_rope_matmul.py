@@ -245,11 +245,11 @@ if triton is not None:
     _qkv_rope_kernel = triton.autotune(_CONFIGS, key=["N", "K", "HEAD_DIM", "NUM_HEADS", "NUM_KV_HEADS"],
                                        prune_configs_by={"early_config_prune": _prune})(triton.jit(_qkv_rope_body))
     # FP8 tiles take half the shared memory of 16-bit ones: the 16-bit configs' stages at twice the K depth, and
-    # 128-deep steps (a [256, 128] weight tile is 32 KB). Not yet tuned on a GPU.
+    # 128-deep steps (a [256, 128] weight tile is 32 KB), and deeper pipelines: K = 1,024 is only 8-16 steps.
     _FP8_CONFIGS = [
         triton.Config({"BLOCK_M": 128, "HEADS": heads, "BLOCK_K": block_k, "GROUP_M": 8}, num_warps=8,
                       num_stages=stages, pre_hook=_set_block_shapes)
-        for heads, block_k, stages in ((2, 64, 5), (2, 128, 2), (1, 128, 4))
+        for heads, block_k, stages in ((2, 64, 5), (2, 64, 7), (2, 128, 2), (2, 128, 3), (1, 128, 4))
     ]
     _qkv_rope_fp8_kernel = triton.autotune(_FP8_CONFIGS, key=["N", "K", "HEAD_DIM", "NUM_HEADS", "NUM_KV_HEADS"],
                                            prune_configs_by={"early_config_prune": _prune})(

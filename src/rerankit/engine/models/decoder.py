@@ -247,7 +247,7 @@ class PackedDecoder(PackedBody):
             given = {module: per_channel(*stored[name]) for name, module in hf_model.named_modules() if name in stored}
             fp8_layers.quantize_layers(self.layers, body.layers, given, projections())
             kernels = device.type == "cuda" and not reference_mode()
-            self.fp8 = fp8_layers.KERNELS if kernels else fp8_layers.REFERENCE
+            self.fp8 = fp8_layers.ops_for(kernels)
 
     @torch.no_grad()
     def keep_prefix(self, batch: PackedBatch) -> CachedKV:

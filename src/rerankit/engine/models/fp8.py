@@ -1,14 +1,19 @@
-"""The decoder's FP8 layer: its four projections quantized to float8_e4m3fn, everything else in bf16.
+"""The decoder's FP8 layer: its projections quantized to float8_e4m3fn, everything else in bf16.
 
 Per layer (``PackedDecoder`` with ``fp8``):
 
     x, sx  = rms_norm_quant(hidden, input_norm)          RMSNorm, then per-token amax / 448 scales, float8 codes
     q,k,v  = qkv_rope_matmul(x, Wqkv; sx, sWqkv)         FP8 GEMM, scales, q/k norm and rotary in its epilogue
     a      = attention(q, k, v)                          bf16
-    hidden += fp8_matmul(quant(a), Wo)                   cuBLAS's scaled FP8 GEMM, bf16 out, added in place
+    hidden += fp8_residual_matmul(a, amax(a), Wo)        quantized in registers, FP8 GEMM, added in its epilogue
     x, sx  = rms_norm_quant(hidden, post_norm)
-    h      = swiglu_matmul(x, Wgate_up; sx, sWgate_up)   FP8 GEMM, scales and SwiGLU in its epilogue, bf16 out
-    hidden += fp8_matmul(quant(h), Wdown)
+    h, ah  = swiglu_matmul(x, Wgate_up; sx, sWgate_up)   FP8 GEMM, scales and SwiGLU in its epilogue, bf16 out and
+                                                         each row's amax
+    hidden += fp8_residual_matmul(h, ah, Wdown)
+
+$RERANKIT_FP8_PROJECTIONS picks which of the four projections are FP8 (``engine.fp8.projections``); the others
+run as the bf16 engine runs them. $RERANKIT_FP8_RESIDUAL=unfused quantizes o's and down's inputs in a pass of
+their own and adds cuBLAS's scaled GEMM's output after it (the path before ``fp8_residual_matmul``; for A/B).
 
 Weights are quantized per output channel (amax / 448) at load, or come as they are from an FP8 checkpoint
 (``engine.fp8``). ``KERNELS`` runs the Triton and cuBLAS kernels (a GPU without Hopper's copy engine projects
@@ -18,6 +23,8 @@ kernel's plain-torch reference (float32 dequantized products), on any device.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rerankit.kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
+from rerankit.kernels.fp8_residual_matmul import fp8_residual_matmul, fp8_residual_matmul_reference, row_amax
 from rerankit.kernels.fp8_quant import (
     FP8_DTYPE,
     quantize_rows,
@@ -58,12 +66,24 @@ class Fp8Ops:
     matmul: Callable
     swiglu: Callable
     qkv_rope: Callable
+    residual: Callable
     kernels: bool
+    fused_residual: bool = True  # o and down: quantization and the residual add inside the GEMM (fp8_residual_matmul)
 
 
-KERNELS = Fp8Ops(rms_norm_quant, rms_norm, quantize_rows, fp8_matmul, swiglu_matmul, qkv_rope_matmul, kernels=True)
+KERNELS = Fp8Ops(rms_norm_quant, rms_norm, quantize_rows, fp8_matmul, swiglu_matmul, qkv_rope_matmul,
+                 fp8_residual_matmul, kernels=True)
 REFERENCE = Fp8Ops(rms_norm_quant_reference, rms_norm_reference, quantize_rows_reference, fp8_matmul_reference,
-                   swiglu_matmul_reference, qkv_rope_matmul_reference, kernels=False)
+                   swiglu_matmul_reference, qkv_rope_matmul_reference, fp8_residual_matmul_reference, kernels=False)
+RESIDUAL_ENV = "RERANKIT_FP8_RESIDUAL"  # "unfused": o and down as a quantization pass, the GEMM and an add (A/B)
+
+
+def ops_for(kernels: bool) -> Fp8Ops:
+    """The kernels or their references, with o/down fused unless $RERANKIT_FP8_RESIDUAL=unfused."""
+    ops = KERNELS if kernels else REFERENCE
+    if os.environ.get(RESIDUAL_ENV, "").strip() == "unfused":
+        ops = dataclasses.replace(ops, fused_residual=False)
+    return ops
 
 
 def quantize_layers(layers: nn.ModuleList, hf_layers: nn.ModuleList,
@@ -120,17 +140,22 @@ def attention_inputs(hidden: torch.Tensor, layer: nn.Module, rope: tuple[torch.T
             v.unflatten(-1, (num_kv_heads, head_dim)))
 
 
-def add_projection(hidden: torch.Tensor, x: torch.Tensor, layer: nn.Module, name: str,
-                   ops: Fp8Ops) -> torch.Tensor:
-    """``hidden += x @ W.T (+ bias)`` in place for the residual projection ``name`` (o or down): quantized per
-    token and through the FP8 GEMM where its weight is float8, else cuBLAS's bf16 GEMM accumulating into
-    ``hidden``."""
+def add_projection(hidden: torch.Tensor, x: torch.Tensor, layer: nn.Module, name: str, ops: Fp8Ops,
+                   x_amax: torch.Tensor | None = None) -> torch.Tensor:
+    """``hidden += x @ W.T (+ bias)`` in place for the residual projection ``name`` (o or down). A float8 weight:
+    ``x`` quantized per row (from ``x_amax``, its rows' max |x|, when the producer gave it) inside the FP8 GEMM,
+    which adds onto ``hidden`` (``fused_residual``), or a quantization pass, the GEMM and an add. A 16-bit weight:
+    cuBLAS's GEMM accumulating into ``hidden``."""
     weight, bias = getattr(layer, f"{name}_weight"), getattr(layer, f"{name}_bias")
-    if is_fp8_weight(weight):
-        codes, scale = ops.quant(x)
-        return hidden.add_(ops.matmul(codes, scale, weight, getattr(layer, f"{name}_scale"), bias))
-    hidden.addmm_(x, weight.t())
-    return hidden if bias is None else hidden.add_(bias)
+    if not is_fp8_weight(weight):
+        hidden.addmm_(x, weight.t())
+        return hidden if bias is None else hidden.add_(bias)
+    w_scale = getattr(layer, f"{name}_scale")
+    if ops.fused_residual:
+        x = x.contiguous()
+        return ops.residual(x, row_amax(x) if x_amax is None else x_amax, weight, w_scale, hidden, bias)
+    codes, scale = ops.quant(x)
+    return hidden.add_(ops.matmul(codes, scale, weight, w_scale, bias))
 
 
 def output_and_mlp(attended: torch.Tensor, hidden: torch.Tensor, layer: nn.Module, eps: float,
@@ -145,6 +170,11 @@ def output_and_mlp(attended: torch.Tensor, hidden: torch.Tensor, layer: nn.Modul
             if x_scale is not None else F.linear(x, layer.gate_up_weight, layer.gate_up_bias)
         gate, up = projected.chunk(2, -1)
         activated = (F.silu(gate.float()) * up.float()).to(hidden.dtype)
+        amax = None
     else:
-        activated = ops.swiglu(x, layer.gate_up_weight, layer.gate_up_bias, x_scale=x_scale, w_scale=w_scale)
-    return add_projection(hidden, activated, layer, "down", ops)
+        # the SwiGLU GEMM's epilogue gives the down projection its rows' amax (FP8 in, FP8 down, fused)
+        amax = hidden.new_zeros(x.shape[0], dtype=torch.float32) if ops.kernels and x_scale is not None \
+            and ops.fused_residual and is_fp8_weight(layer.down_weight) else None
+        extra = {"amax_out": amax} if amax is not None else {}
+        activated = ops.swiglu(x, layer.gate_up_weight, layer.gate_up_bias, x_scale=x_scale, w_scale=w_scale, **extra)
+    return add_projection(hidden, activated, layer, "down", ops, amax)
