@@ -4,8 +4,6 @@ For the Qwen3-Reranker shapes and token counts of W3 / LI / W1 micro-batches, me
   gate/up + SwiGLU   swiglu_matmul FP8 | swiglu_matmul bf16 | cuBLAS _scaled_mm (rowwise) FP8 GEMM alone
   q/k/v + norm/rope  qkv_rope_matmul FP8 | qkv_rope_matmul bf16 | cuBLAS _scaled_mm FP8 GEMM alone
   o / down           cuBLAS _scaled_mm FP8 | cuBLAS bf16 F.linear
-  residual o / down  fp8_residual_matmul (quantized inside, added in its epilogue) | quantize_rows + _scaled_mm +
-                     add | cuBLAS bf16 addmm_ into the residual; o's row amax reduction timed apart
   quantization       rms_norm_quant (one launch) | quantize_rows
 with TFLOP/s of each GEMM and the largest difference of each FP8 output from its float32-dequantizing reference.
 This decides whether the decoder's FP8 layer keeps the fused kernels (``engine.models.fp8``).
@@ -22,7 +20,6 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from rerankit.kernels.fp8_matmul import fp8_matmul
-from rerankit.kernels.fp8_residual_matmul import fp8_residual_matmul, row_amax
 from rerankit.kernels.fp8_quant import quantize_rows, quantize_rows_reference, rms_norm_quant
 from rerankit.kernels.qkv_rope_matmul import qkv_rope_matmul, qkv_rope_matmul_reference, rope_table
 from rerankit.kernels.swiglu_matmul import swiglu_matmul, swiglu_matmul_reference
@@ -74,23 +71,6 @@ def run_shape(shape: str, tokens: int) -> dict:
     row["down_bf16_ms"] = bench(lambda: F.linear(inner, down))
     row["down_scaled_mm_tflops"] = down_flop / row["down_scaled_mm_ms"] / 1e9
     row["down_bf16_tflops"] = down_flop / row["down_bf16_ms"] / 1e9
-    for name, depth in (("o", heads * head_dim), ("down", width)):  # hidden += x @ W.T, three ways
-        inner_x = torch.randn(tokens, depth, device="cuda").bfloat16()
-        weight = (torch.randn(hidden, depth, device="cuda") / depth ** 0.5).bfloat16()
-        weight8, weight_scale = quantize_rows_reference(weight)
-        amax = row_amax(inner_x).float()
-        residual = torch.randn(tokens, hidden, device="cuda").bfloat16()
-        flop = 2 * tokens * depth * hidden
-        fused = lambda: fp8_residual_matmul(inner_x, amax, weight8, weight_scale, residual)  # noqa: E731
-        fused()
-        row[f"{name}_fused_ms"] = bench(fused)
-        row[f"{name}_unfused_ms"] = bench(lambda: residual.add_(fp8_matmul(*quantize_rows(inner_x), weight8,
-                                                                           weight_scale)))
-        row[f"{name}_addmm_bf16_ms"] = bench(lambda: residual.addmm_(inner_x, weight.t()))
-        row[f"{name}_row_amax_ms"] = bench(lambda: row_amax(inner_x))
-        row[f"{name}_fused_tflops"] = flop / row[f"{name}_fused_ms"] / 1e9
-        row[f"{name}_fused_over_unfused"] = row[f"{name}_unfused_ms"] / row[f"{name}_fused_ms"]
-        row[f"{name}_fused_over_bf16"] = row[f"{name}_addmm_bf16_ms"] / row[f"{name}_fused_ms"]
     row["rms_norm_quant_ms"] = bench(lambda: rms_norm_quant(x, norm, 1e-6))
     row["quantize_rows_ms"] = bench(lambda: quantize_rows(inner))
     row["swiglu_fp8_over_bf16"] = row["swiglu_bf16_ms"] / row["swiglu_fp8_ms"]
@@ -128,14 +108,6 @@ def main() -> None:
               f"{row['qkv_scaled_mm_tflops']:>8.0f} | {row['down_scaled_mm_tflops']:>9.0f}"
               f"{row['down_bf16_tflops']:>6.0f} | {1000 * row['rms_norm_quant_ms']:>9.1f}"
               f"{1000 * row['quantize_rows_ms']:>9.1f}")
-    print(f"\n{'shape':<6}{'tokens':>7} | residual ms: {'o fused':>8}{'unfused':>8}{'bf16':>7}{'amax':>7} | "
-          f"{'down fused':>10}{'unfused':>8}{'bf16':>7} | TFLOP/s o / down fused")
-    for row in rows:
-        if "error" not in row:
-            print(f"{row['shape']:<6}{row['tokens']:>7} | {'':>13}{row['o_fused_ms']:>8.3f}{row['o_unfused_ms']:>8.3f}"
-                  f"{row['o_addmm_bf16_ms']:>7.3f}{row['o_row_amax_ms']:>7.3f} | {row['down_fused_ms']:>10.3f}"
-                  f"{row['down_unfused_ms']:>8.3f}{row['down_addmm_bf16_ms']:>7.3f} | "
-                  f"{row['o_fused_tflops']:.0f} / {row['down_fused_tflops']:.0f}")
     if args.out:
         Path(args.out).write_text("".join(json.dumps(row) + "\n" for row in rows))
 

@@ -46,14 +46,19 @@ def test_fp8_runs_decoders_on_the_packed_runner_only(tiny_qwen3_lm, tiny_bert_cr
         EmbeddedBackend(str(tiny_bert_cross_encoder), device="cpu", dtype="fp8")
 
 
-def test_fp8_reference_follows_float32(tiny_qwen3_lm, reference_mode):
+def test_fp8_reference_follows_float32(tiny_qwen3_lm, reference_mode, monkeypatch):
     """FP8 projections, the rest in bf16: the four projections' weights are float8 codes with per-channel scales,
     and the scores stay within 0.01 of float32's (bf16's own deviation on this model is ~0.001); scoring with a
     shared prefix (MIS) gives the pair-by-pair scores."""
+    monkeypatch.setenv(PROJECTIONS_ENV, "qkv,o,gate_up,down")  # the tiny model's default leaves o and down bf16
     fp8 = EmbeddedBackend(str(tiny_qwen3_lm), device="cpu", dtype="fp8")
-    layer = fp8._runner.model.layers[0]
+    model = fp8._runner.model
+    layer = model.layers[0]
     assert all(getattr(layer, f"{name}_weight").dtype == FP8_DTYPE for name in ("qkv", "o", "gate_up", "down"))
     assert layer.gate_up_scale.shape == (layer.gate_up_weight.shape[0],)
+    # quantized without autograd: a scale with a graph kept float32 copies of its weight alive (8 bytes a weight)
+    assert all(buffer.grad_fn is None for buffer in model.buffers())
+    assert all(parameter.grad_fn is None for parameter in model.parameters())
     scores = torch.tensor(fp8.score(request()).scores)
     fp32 = torch.tensor(EmbeddedBackend(str(tiny_qwen3_lm), device="cpu", dtype="float32").score(request()).scores)
     assert (scores - fp32).abs().max() < 1e-2
@@ -82,18 +87,14 @@ def test_fp8_projections_can_be_chosen(tiny_qwen3_lm, reference_mode, monkeypatc
         EmbeddedBackend(str(tiny_qwen3_lm), device="cpu", dtype="fp8")
 
 
-def test_fused_and_unfused_residual_projections_agree(tiny_qwen3_lm, reference_mode, monkeypatch):
-    """o and down quantized inside their GEMM with the residual added there (one rounding), or a quantization
-    pass, the GEMM's bf16 output and an add (two): the same codes, scores within bf16 rounding of each other."""
-    from rerankit.engine.models.fp8 import RESIDUAL_ENV
+def test_o_and_down_stay_bf16_below_the_hidden_size_where_fp8_pays(monkeypatch):
+    from rerankit.engine.fp8 import ALL_PROJECTIONS, RESIDUAL_FP8_MIN_HIDDEN, projections
 
-    fused = EmbeddedBackend(str(tiny_qwen3_lm), device="cpu", dtype="fp8")
-    assert fused._runner.model.fp8.fused_residual
-    monkeypatch.setenv(RESIDUAL_ENV, "unfused")
-    unfused = EmbeddedBackend(str(tiny_qwen3_lm), device="cpu", dtype="fp8")
-    assert not unfused._runner.model.fp8.fused_residual
-    torch.testing.assert_close(torch.tensor(fused.score(request()).scores),
-                               torch.tensor(unfused.score(request()).scores), atol=3e-3, rtol=0)
+    monkeypatch.delenv(PROJECTIONS_ENV, raising=False)
+    assert projections(1024) == ("qkv", "gate_up")
+    assert projections(RESIDUAL_FP8_MIN_HIDDEN) == projections(4096) == ALL_PROJECTIONS
+    monkeypatch.setenv(PROJECTIONS_ENV, "down,qkv")
+    assert projections(1024) == projections(4096) == ("qkv", "down")
 
 
 def fp8_checkpoint(source, target, quant_method):
@@ -154,10 +155,14 @@ def test_fp8_checkpoints_load_directly(tiny_qwen3_lm, tmp_path, quant_method, mo
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_FP8_GPU, reason="needs FP8 tensor cores (sm_89+)")
 @pytest.mark.parametrize("cuda_graphs", [False, True])
-def test_gpu_fp8_kernels_follow_the_references(tiny_qwen3_lm, cuda_graphs):
-    """On the GPU the Triton and cuBLAS FP8 steps (with and without CUDA graphs) give the reference steps' scores,
-    and both stay near float32's."""
+@pytest.mark.parametrize("projections", ["", "qkv,o,gate_up,down"], ids=["default", "all"])
+def test_gpu_fp8_kernels_follow_the_references(tiny_qwen3_lm, cuda_graphs, projections, monkeypatch):
+    """On the GPU the Triton and cuBLAS FP8 steps (with and without CUDA graphs; o and down in bf16 as the tiny
+    model's default, and in FP8 with their outputs added by the next norm's kernel) give the reference steps'
+    scores, and both stay near float32's."""
     from rerankit.engine.models import fp8 as fp8_layers
+
+    monkeypatch.setenv(PROJECTIONS_ENV, projections)
 
     backend = EmbeddedBackend(str(tiny_qwen3_lm), device="cuda", dtype="fp8", cuda_graphs=cuda_graphs)
     model = backend._runner.model

@@ -82,6 +82,42 @@ def test_fused_norm_quant_kernel_quantizes_the_norm_kernels_rows(rows, width):
     assert_within_one_step(codes, rms_norm_quant_reference(x, weight, 1e-6)[0])
 
 
+@pytest.mark.parametrize("rows, width", [(5, 64), (33, 1024)])
+def test_add_norm_quant_kernel_adds_in_place_then_quantizes_the_norm(monkeypatch, rows, width):
+    """The residual add folded into the norm's kernel: x becomes x + delta (in place), and the codes and scales are
+    those of rms_norm_quant on the sum. float32 on the CPU (the interpreter's bf16 cast truncates; the GPU test
+    checks bf16)."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, width, generator=gen).to(DEVICE)
+    delta = torch.randn(rows, width, generator=gen).to(DEVICE)
+    norm = (torch.rand(width, generator=gen) + 0.5).to(DEVICE)
+    expected_x = x + delta
+    expected = fp8_quant.rms_norm_quant_reference(expected_x, norm, 1e-6)
+    if DEVICE == "cpu":
+        forbid_reference(monkeypatch, fp8_quant, "add_rms_norm_quant_reference")
+    got = fp8_quant.add_rms_norm_quant(x, delta, norm, 1e-6)
+    torch.testing.assert_close(x, expected_x, atol=0, rtol=0)
+    torch.testing.assert_close(got[1], expected[1], atol=0, rtol=1e-6)
+    assert_within_one_step(got[0], expected[0], 0.99)
+    with pytest.raises(ValueError, match=r"x and delta \[T, d\] and weight \[d\]"):
+        fp8_quant.add_rms_norm_quant(x, delta[:, :8], norm, 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_FP8_GPU, reason="needs FP8 tensor cores (sm_89+)")
+def test_gpu_add_norm_quant_rounds_the_sum_as_torch_does():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(777, 2560, device="cuda", generator=gen).bfloat16()
+    delta = torch.randn(777, 2560, device="cuda", generator=gen).bfloat16()
+    norm = (torch.rand(2560, device="cuda", generator=gen) + 0.5).bfloat16()
+    expected_x = x + delta
+    expected = rms_norm_quant(expected_x.clone(), norm, 1e-6)
+    got = fp8_quant.add_rms_norm_quant(x, delta, norm, 1e-6)
+    torch.testing.assert_close(x, expected_x, atol=0, rtol=0)
+    torch.testing.assert_close(got[1], expected[1], atol=0, rtol=0)
+    assert torch.equal(got[0].view(torch.uint8), expected[0].view(torch.uint8))
+
+
 def assert_within_one_step(codes, expected, equal_share=0.8):
     """Codes at most one e4m3 step (2^-3 of the value) from the expected ones, most of them equal."""
     steps = (codes.float() - expected.float()).abs() / expected.float().abs().clamp(min=2 ** -6)

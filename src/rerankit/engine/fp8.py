@@ -1,8 +1,9 @@
 """FP8 inference: what ``dtype="fp8"`` asks for, which devices run it, and checkpoints whose weights are already FP8.
 
-``dtype="fp8"`` quantizes the decoder's linear layers (q/k/v, o, gate/up, down) to float8_e4m3fn per output
-channel at load time; activations are quantized per token before each of those GEMMs; everything else (embeddings,
-norms, attention, the label head) runs in bf16 (``engine.models.fp8``). It needs FP8 tensor cores: compute
+``dtype="fp8"`` quantizes the decoder's linear layers (q/k/v, o, gate/up, down; on models narrower than
+RESIDUAL_FP8_MIN_HIDDEN q/k/v and gate/up only, see ``projections``) to float8_e4m3fn per output channel at load
+time; activations are quantized per token before each of those GEMMs; everything else (embeddings, norms,
+attention, the label head) runs in bf16 (``engine.models.fp8``). It needs FP8 tensor cores: compute
 capability 8.9 on (Ada, Hopper, Blackwell). ``RERANKIT_FP8_REFERENCE=1`` runs the same numerics in plain torch on
 any device instead (slow; for tests and fidelity checks on a CPU).
 
@@ -50,15 +51,25 @@ def reference_mode() -> bool:
     return os.environ.get(REFERENCE_ENV, "").strip() == "1"
 
 
-def projections() -> tuple[str, ...]:
+# o and down in FP8 cost a quantization pass each (their inputs come from attention and the SwiGLU GEMM, not from a
+# norm whose kernel quantizes). H100, 2026-11-25, 26.6k tokens a layer (`benchmarks/fp8_matmul.py` beside the A/B
+# of `pairs.py --fp8-projections`): at hidden size 1,024 (0.6B) the pass + FP8 GEMM + add took 0.210 / 0.285 ms
+# (o / down) against 0.179 / 0.258 for bf16 GEMMs accumulating into the residual; at 2,560 (4B) 0.678 / 1.442
+# against 0.826 / 1.907. Below this hidden size the default leaves them bf16.
+RESIDUAL_FP8_MIN_HIDDEN = 2048
+
+
+def projections(hidden_size: int) -> tuple[str, ...]:
     """The decoder projections ``dtype="fp8"`` quantizes: $RERANKIT_FP8_PROJECTIONS (comma-separated names of
-    ALL_PROJECTIONS), else all four."""
+    ALL_PROJECTIONS) where set; else all four from RESIDUAL_FP8_MIN_HIDDEN on, and q/k/v and gate/up below."""
     named = [name.strip() for name in os.environ.get(PROJECTIONS_ENV, "").split(",") if name.strip()]
     unknown = sorted(set(named) - set(ALL_PROJECTIONS))
     if unknown:
         raise ModelLoadError(f"${PROJECTIONS_ENV} names {unknown}; it takes a comma-separated list of "
                              f"{', '.join(ALL_PROJECTIONS)}")
-    return tuple(name for name in ALL_PROJECTIONS if name in named) if named else ALL_PROJECTIONS
+    if named:
+        return tuple(name for name in ALL_PROJECTIONS if name in named)
+    return ALL_PROJECTIONS if hidden_size >= RESIDUAL_FP8_MIN_HIDDEN else ("qkv", "gate_up")
 
 
 def device_lacks_fp8(device: torch.device) -> str | None:

@@ -52,6 +52,12 @@ def rms_norm_quant_reference(x: Tensor, weight: Tensor, eps: float) -> tuple[Ten
     return quantize_rows_reference(rms_norm(x, weight, eps))
 
 
+def add_rms_norm_quant_reference(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Plain torch: ``x += delta`` in place (the residual add, rounded to x's dtype), then
+    ``rms_norm_quant_reference`` of the sum."""
+    return rms_norm_quant_reference(x.add_(delta), weight, eps)
+
+
 def dequantize_rows(codes: Tensor, scale: Tensor) -> Tensor:
     """float32 ``codes * scale`` per row: what a quantized row stands for."""
     return codes.float() * scale[:, None]
@@ -71,10 +77,24 @@ def rms_norm_quant(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tenso
     return _launch(x, weight, eps)
 
 
-def _launch(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+def add_rms_norm_quant(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``x += delta`` in place (a residual stream and a projection's output, [T, d]), then ``rms_norm_quant`` of
+    the sum, in one Triton launch: the add's own pass (read both, write x) folds into the norm's read."""
+    if delta.shape != x.shape or weight.shape != (x.shape[-1],):
+        raise ValueError(f"add_rms_norm_quant takes x and delta [T, d] and weight [d], got {tuple(x.shape)}, "
+                         f"{tuple(delta.shape)} and {tuple(weight.shape)}")
+    if x.stride(-1) != 1 or delta.stride(-1) != 1:
+        raise ValueError("add_rms_norm_quant updates x in place: x and delta need contiguous rows")
+    return _launch(x, weight, eps, delta)
+
+
+def _launch(x: Tensor, weight: Tensor | None, eps: float, delta: Tensor | None = None) -> tuple[Tensor, Tensor]:
     if x.dim() != 2:
         raise ValueError(f"x must be [T, d], got {tuple(x.shape)}")
-    if triton is None or not (x.is_cuda or _INTERPRET) or (weight is not None and weight.dtype != x.dtype):
+    if triton is None or not (x.is_cuda or _INTERPRET) or (weight is not None and weight.dtype != x.dtype) \
+            or (delta is not None and delta.dtype != x.dtype):
+        if delta is not None:
+            return add_rms_norm_quant_reference(x, delta, weight, eps)
         return quantize_rows_reference(x) if weight is None else rms_norm_quant_reference(x, weight, eps)
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -86,8 +106,9 @@ def _launch(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tenso
     block_d = triton.next_power_of_2(width)
     block_t = max(1, min(_TILE_ELEMENTS // block_d, triton.next_power_of_2(rows)))
     _quantize_kernel[(triton.cdiv(rows, block_t),)](
-        x, x if weight is None else weight, codes, scale, rows, width, x.stride(0), eps,
-        NORM=weight is not None, ROUND_FIRST=_INTERPRET, BLOCK_T=block_t, BLOCK_D=block_d,
+        x, x if weight is None else weight, x if delta is None else delta, codes, scale, rows, width, x.stride(0),
+        0 if delta is None else delta.stride(0), eps, NORM=weight is not None, ADD=delta is not None,
+        ROUND_FIRST=_INTERPRET, BLOCK_T=block_t, BLOCK_D=block_d,
         num_warps=4 if block_d <= 2048 else 8,
     )
     return codes, scale
@@ -109,17 +130,22 @@ if triton is not None:
         return (v + magic) - magic
 
     @triton.jit
-    def _quantize_kernel(x_ptr, weight_ptr, codes_ptr, scale_ptr, n_rows, width, stride_x, eps,
-                         NORM: tl.constexpr, ROUND_FIRST: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
-        """BLOCK_T rows: load, (RMSNorm as rms_norm rounds it,) row amax, scale, float8 codes, store.
-        ``ROUND_FIRST``: round to e4m3 in float32 before the cast (the interpreter's cast does not round)."""
+    def _quantize_kernel(x_ptr, weight_ptr, delta_ptr, codes_ptr, scale_ptr, n_rows, width, stride_x, stride_d,
+                         eps, NORM: tl.constexpr, ADD: tl.constexpr, ROUND_FIRST: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        """BLOCK_T rows: load, (add ``delta`` and store the sum back, rounded as torch's add rounds it,) (RMSNorm
+        as rms_norm rounds it,) row amax, scale, float8 codes, store. ``ROUND_FIRST``: round to e4m3 in float32
+        before the cast (the interpreter's cast does not round)."""
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         cols = tl.arange(0, BLOCK_D)
         row_ok = rows < n_rows
         mask = row_ok[:, None] & (cols < width)[None, :]
         rows = rows.to(tl.int64)
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        if ADD:
+            delta = tl.load(delta_ptr + rows[:, None] * stride_d + cols[None, :], mask=mask, other=0.0)
+            x = (x.to(tl.float32) + delta.to(tl.float32)).to(x.dtype)
+            tl.store(x_ptr + rows[:, None] * stride_x + cols[None, :], x, mask=mask)
         if NORM:
             x32 = x.to(tl.float32)
             inv_rms = tl.rsqrt(tl.sum(x32 * x32, axis=1) / width + eps)

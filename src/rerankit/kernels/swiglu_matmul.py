@@ -77,27 +77,19 @@ def swiglu_matmul_reference(x: Tensor, weight: Tensor, bias: Tensor | None = Non
 
 def swiglu_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tma: bool | None = None,
                   x_scale: Tensor | None = None, w_scale: Tensor | None = None,
-                  out_dtype: torch.dtype = torch.bfloat16, amax_out: Tensor | None = None) -> Tensor:
+                  out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """``silu(x @ Wg.T + bg) * (x @ Wu.T + bu)`` [T, I] for ``weight`` = [Wg; Wu] [2I, d] and ``bias`` [2I].
 
     ``tma``: load and store the tiles through tensor descriptors (Hopper's copy engine) instead of pointer
     arithmetic; None picks them where they apply (see ``takes_tma``). FP8 ``x`` and ``weight`` take their float32
     scales ``x_scale`` [T] and ``w_scale`` [2I] and give ``out_dtype``; they run through descriptors only.
-    ``amax_out`` (float32 [T]) takes each output row's max |value| (as stored), max-ed into what it holds: the FP8
-    descriptor kernel does it in its epilogue, every other path after the fact.
     """
     fp8 = x.dtype == FP8_DTYPE
-    if amax_out is not None and not (fp8 and amax_out.dtype == torch.float32 and amax_out.shape == (x.shape[0],)):
-        raise ValueError(f"amax_out goes with float8 inputs and is float32 [{x.shape[0]}], got {amax_out.dtype} "
-                         f"{tuple(amax_out.shape)} with {x.dtype} x")
     if fp8 and tma is False:
         raise ValueError("float8 inputs run through tensor descriptors only (tma=None or True)")
     if triton is None or not (x.is_cuda or _INTERPRET) or (fp8 and tma is None and not takes_tma(x, weight)):
         # the reference checks its inputs the same way
-        out = swiglu_matmul_reference(x, weight, bias, x_scale, w_scale, out_dtype)
-        if amax_out is not None:
-            torch.maximum(amax_out, out.float().abs().amax(-1), out=amax_out)
-        return out
+        return swiglu_matmul_reference(x, weight, bias, x_scale, w_scale, out_dtype)
     _check(x, weight, bias, x_scale, w_scale)
     x, weight = x.contiguous(), weight.contiguous()
     tokens, width = x.shape[0], weight.shape[0] // 2
@@ -120,16 +112,15 @@ def swiglu_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tma:
         programs = sm_count(x.device, interpreted=4)  # the persistent kernel: one program per SM
         grid = lambda meta: (min(programs, triton.cdiv(tokens, meta["BLOCK_M"])  # noqa: E731
                                  * triton.cdiv(width, meta["BLOCK_N"])),)
-        amax_arg = amax_out if amax_out is not None else scales[0]
-        args = (x_desc, w_desc, bias_arg, *scales, amax_arg, out_desc, tokens, width, x.shape[1])
-        meta = dict(HAS_BIAS=bias is not None, SCALED=fp8, AMAX=amax_out is not None, NUM_SMS=programs)
+        args = (x_desc, w_desc, bias_arg, *scales, out_desc, tokens, width, x.shape[1])
+        meta = dict(HAS_BIAS=bias is not None, SCALED=fp8, NUM_SMS=programs)
         if _INTERPRET:
             _swiglu_tma_kernel_interpreted[grid](*args, **meta)
         else:
             descriptors = {"x_desc": x_desc, "w_desc": w_desc, "out_desc": out_desc}
             kernel = _swiglu_tma_fp8_kernel if fp8 else _swiglu_tma_kernel
-            launch_tuned(kernel, (width, x.shape[1], x.dtype, bias is not None, amax_out is not None, programs), grid,
-                         args, meta, lambda config: _set_block_shapes({**descriptors, **config.kwargs}))
+            launch_tuned(kernel, (width, x.shape[1], x.dtype, bias is not None, programs), grid, args,
+                         meta, lambda config: _set_block_shapes({**descriptors, **config.kwargs}))
         return out
     grid = lambda meta: (triton.cdiv(tokens, meta["BLOCK_M"]) * triton.cdiv(width, meta["BLOCK_N"]),)  # noqa: E731
     args = (x, weight, bias_arg, out, tokens, width, x.shape[1])
@@ -212,17 +203,16 @@ if triton is not None:
         out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
         tl.store(out_ptrs, activated, mask=row_ok[:, None] & col_ok[None, :])
 
-    def _swiglu_tma_body(x_desc, w_desc, b_ptr, xs_ptr, ws_ptr, amax_ptr, out_desc, M, N, K, HAS_BIAS: tl.constexpr,
-                         SCALED: tl.constexpr, AMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
+    def _swiglu_tma_body(x_desc, w_desc, b_ptr, xs_ptr, ws_ptr, out_desc, M, N, K, HAS_BIAS: tl.constexpr,
+                         SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
         """Persistent: NUM_SMS programs walk the output tiles, each loop flattened so that the next tile's loads
         overlap this tile's activation and store. ``w_desc`` views the weight as [2, N, K] (gate rows, up rows):
         one copy-engine load brings the gate and the up tile of the same columns, and one [BLOCK_M, 2 * BLOCK_N]
         dot computes both (one wide tensor-core instruction per step, not two narrow ones). The accumulator's
         halves are the gate and the up projection. ``SCALED`` (float8 tiles): the accumulator times each row's
-        ``xs`` and each column's ``ws`` first. ``AMAX``: each row's max |activated| max-ed into ``amax_ptr``
-        (atomically: a row's tiles run in several programs). Past the edges the copy engine reads zeros (whose
-        activation is 0) and the store drops what lies outside."""
+        ``xs`` and each column's ``ws`` first. Past the edges the copy engine reads zeros and the store drops what
+        lies outside."""
         tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         steps = tl.cdiv(K, BLOCK_K)
         stored = tl.program_id(0) - NUM_SMS  # the epilogue's tile, counted apart from the loads' (as Triton's
@@ -242,9 +232,6 @@ if triton is not None:
                 gate = gate * row_scale * tl.load(ws_ptr + cols, mask=cols < N, other=0.0)[None, :]
                 up = up * row_scale * tl.load(ws_ptr + N + cols, mask=cols < N, other=0.0)[None, :]
             activated = _activate(gate, up, b_ptr, cols, cols < N, out_desc.dtype, HAS_BIAS, N)
-            if AMAX:
-                rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-                tl.atomic_max(amax_ptr + rows, tl.max(tl.abs(activated.to(tl.float32)), axis=1), mask=rows < M)
             out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], activated)
 
     def _set_block_shapes(nargs: dict) -> None:
@@ -290,7 +277,7 @@ if triton is not None:
     ]
     _swiglu_matmul_kernel = triton.autotune(_CONFIGS, key=["N", "K"])(triton.jit(_swiglu_matmul_body))
     _swiglu_tma_kernel = triton.autotune(_TMA_CONFIGS, key=["N", "K"])(triton.jit(_swiglu_tma_body))
-    _swiglu_tma_fp8_kernel = triton.autotune(_TMA_FP8_CONFIGS, key=["N", "K", "AMAX"])(triton.jit(_swiglu_tma_body))
+    _swiglu_tma_fp8_kernel = triton.autotune(_TMA_FP8_CONFIGS, key=["N", "K"])(triton.jit(_swiglu_tma_body))
     # The interpreter runs one small tile: tuning there would only multiply the test time.
     _INTERPRETED = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}
     _swiglu_matmul_kernel_interpreted = triton.autotune(

@@ -244,10 +244,12 @@ class PackedDecoder(PackedBody):
             from rerankit.engine.models import fp8 as fp8_layers
 
             stored = fp8_weights or {}
-            given = {module: per_channel(*stored[name]) for name, module in hf_model.named_modules() if name in stored}
-            fp8_layers.quantize_layers(self.layers, body.layers, given, projections())
+            with torch.no_grad():
+                given = {module: per_channel(*stored[name]) for name, module in hf_model.named_modules()
+                         if name in stored}
+            fp8_layers.quantize_layers(self.layers, body.layers, given, projections(config.hidden_size))
             kernels = device.type == "cuda" and not reference_mode()
-            self.fp8 = fp8_layers.ops_for(kernels)
+            self.fp8 = fp8_layers.KERNELS if kernels else fp8_layers.REFERENCE
 
     @torch.no_grad()
     def keep_prefix(self, batch: PackedBatch) -> CachedKV:
@@ -288,11 +290,12 @@ class PackedDecoder(PackedBody):
         # benchmarks/forward.py); the default attention then computes only their rows.
         last_reads = {"reads": read_positions} if read_positions is not None and self.last_layer_reads and \
             takes_reads(attention) else {}
+        pending = None  # FP8: the down projection's output, added by the next layer's norm kernel
         for index, layer in enumerate(self.layers):
             if self.fp8 is not None:
-                q, k, v = fp8_layers.attention_inputs(hidden, layer, rope, batch.position_ids, self.inv_freq,
-                                                      self.num_heads, self.num_kv_heads, self.head_dim, self.eps,
-                                                      self.fp8)
+                q, k, v = fp8_layers.attention_inputs(hidden, pending, layer, rope, batch.position_ids,
+                                                      self.inv_freq, self.num_heads, self.num_kv_heads,
+                                                      self.head_dim, self.eps, self.fp8)
             elif fused_qk:
                 q, k, v = self._fused_attention_inputs(hidden, layer, batch.position_ids, rope)
             else:
@@ -312,10 +315,12 @@ class PackedDecoder(PackedBody):
                 if not reads:
                     attended = attended[read_positions]
             if self.fp8 is not None:
-                hidden = fp8_layers.output_and_mlp(attended, hidden, layer, self.eps, self.fp8)
+                hidden, pending = fp8_layers.output_and_mlp(attended, hidden, layer, self.eps, self.fp8)
             else:
                 hidden = finish(attended, hidden, layer.o_weight, layer.o_bias, layer.post_norm,
                                 layer.gate_up_weight, layer.gate_up_bias, layer.down_weight, layer.down_bias, self.eps)
+        if pending is not None:
+            hidden = hidden.add_(pending)
         return rms_norm(hidden, self.norm_weight, self.eps)
 
     def _attention_output_and_fused_mlp(self, attended: torch.Tensor, hidden: torch.Tensor, o_weight: torch.Tensor,

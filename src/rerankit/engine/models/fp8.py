@@ -2,18 +2,18 @@
 
 Per layer (``PackedDecoder`` with ``fp8``):
 
-    x, sx  = rms_norm_quant(hidden, input_norm)          RMSNorm, then per-token amax / 448 scales, float8 codes
+    x, sx  = add_rms_norm_quant(hidden, d, input_norm)   the last layer's d added, RMSNorm, per-token amax / 448
+                                                         scales, float8 codes: one kernel
     q,k,v  = qkv_rope_matmul(x, Wqkv; sx, sWqkv)         FP8 GEMM, scales, q/k norm and rotary in its epilogue
     a      = attention(q, k, v)                          bf16
-    hidden += fp8_residual_matmul(a, amax(a), Wo)        quantized in registers, FP8 GEMM, added in its epilogue
-    x, sx  = rms_norm_quant(hidden, post_norm)
-    h, ah  = swiglu_matmul(x, Wgate_up; sx, sWgate_up)   FP8 GEMM, scales and SwiGLU in its epilogue, bf16 out and
-                                                         each row's amax
-    hidden += fp8_residual_matmul(h, ah, Wdown)
+    o      = fp8_matmul(quant(a), Wo)                    cuBLAS's scaled FP8 GEMM, bf16 out
+    x, sx  = add_rms_norm_quant(hidden, o, post_norm)    hidden += o, RMSNorm, quantization: one kernel
+    h      = swiglu_matmul(x, Wgate_up; sx, sWgate_up)   FP8 GEMM, scales and SwiGLU in its epilogue, bf16 out
+    d      = fp8_matmul(quant(h), Wdown)                 added by the next layer's add_rms_norm_quant
 
-$RERANKIT_FP8_PROJECTIONS picks which of the four projections are FP8 (``engine.fp8.projections``); the others
-run as the bf16 engine runs them. $RERANKIT_FP8_RESIDUAL=unfused quantizes o's and down's inputs in a pass of
-their own and adds cuBLAS's scaled GEMM's output after it (the path before ``fp8_residual_matmul``; for A/B).
+$RERANKIT_FP8_PROJECTIONS picks which of the four projections are FP8 (``engine.fp8.projections``: by default
+o and down stay bf16 on narrow models, where their quantization pass costs more than FP8 saves); a bf16 projection
+runs as the bf16 engine runs it (o and down accumulate into the residual stream in cuBLAS).
 
 Weights are quantized per output channel (amax / 448) at load, or come as they are from an FP8 checkpoint
 (``engine.fp8``). ``KERNELS`` runs the Triton and cuBLAS kernels (a GPU without Hopper's copy engine projects
@@ -23,8 +23,6 @@ kernel's plain-torch reference (float32 dequantized products), on any device.
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,9 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from rerankit.kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
-from rerankit.kernels.fp8_residual_matmul import fp8_residual_matmul, fp8_residual_matmul_reference, row_amax
 from rerankit.kernels.fp8_quant import (
     FP8_DTYPE,
+    add_rms_norm_quant,
+    add_rms_norm_quant_reference,
     quantize_rows,
     quantize_rows_reference,
     rms_norm_quant,
@@ -61,31 +60,22 @@ class Fp8Ops:
     """The steps of an FP8 layer: the kernels, or their plain-torch references."""
 
     norm_quant: Callable
+    add_norm_quant: Callable
     norm: Callable
     quant: Callable
     matmul: Callable
     swiglu: Callable
     qkv_rope: Callable
-    residual: Callable
     kernels: bool
-    fused_residual: bool = True  # o and down: quantization and the residual add inside the GEMM (fp8_residual_matmul)
 
 
-KERNELS = Fp8Ops(rms_norm_quant, rms_norm, quantize_rows, fp8_matmul, swiglu_matmul, qkv_rope_matmul,
-                 fp8_residual_matmul, kernels=True)
-REFERENCE = Fp8Ops(rms_norm_quant_reference, rms_norm_reference, quantize_rows_reference, fp8_matmul_reference,
-                   swiglu_matmul_reference, qkv_rope_matmul_reference, fp8_residual_matmul_reference, kernels=False)
-RESIDUAL_ENV = "RERANKIT_FP8_RESIDUAL"  # "unfused": o and down as a quantization pass, the GEMM and an add (A/B)
+KERNELS = Fp8Ops(rms_norm_quant, add_rms_norm_quant, rms_norm, quantize_rows, fp8_matmul, swiglu_matmul,
+                 qkv_rope_matmul, kernels=True)
+REFERENCE = Fp8Ops(rms_norm_quant_reference, add_rms_norm_quant_reference, rms_norm_reference, quantize_rows_reference,
+                   fp8_matmul_reference, swiglu_matmul_reference, qkv_rope_matmul_reference, kernels=False)
 
 
-def ops_for(kernels: bool) -> Fp8Ops:
-    """The kernels or their references, with o/down fused unless $RERANKIT_FP8_RESIDUAL=unfused."""
-    ops = KERNELS if kernels else REFERENCE
-    if os.environ.get(RESIDUAL_ENV, "").strip() == "unfused":
-        ops = dataclasses.replace(ops, fused_residual=False)
-    return ops
-
-
+@torch.no_grad()  # else each scale's autograd graph keeps float32 copies of its weight alive (8 bytes a weight)
 def quantize_layers(layers: nn.ModuleList, hf_layers: nn.ModuleList,
                     given: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]],
                     projections: tuple[str, ...] = tuple(PROJECTIONS)) -> None:
@@ -109,20 +99,28 @@ def is_fp8_weight(weight: torch.Tensor) -> bool:
     return weight.dtype == FP8_DTYPE
 
 
-def _normed(hidden: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor, eps: float,
+def _normed(hidden: torch.Tensor, pending: torch.Tensor | None, norm: torch.Tensor, weight: torch.Tensor, eps: float,
             ops: Fp8Ops) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The RMSNorm of ``hidden`` as the projection ``weight`` takes it: float8 codes and scales, or bf16 and None."""
+    """``pending`` (an FP8 projection's output, or None) added onto ``hidden`` in place, then the RMSNorm as the
+    projection ``weight`` takes it: float8 codes and scales (the add, norm and quantization in one kernel), or bf16
+    and None."""
     if is_fp8_weight(weight):
+        if pending is not None:
+            return ops.add_norm_quant(hidden, pending, norm, eps)
         return ops.norm_quant(hidden, norm, eps)
+    if pending is not None:
+        hidden.add_(pending)
     return ops.norm(hidden, norm, eps), None
 
 
-def attention_inputs(hidden: torch.Tensor, layer: nn.Module, rope: tuple[torch.Tensor, torch.Tensor],
-                     position_ids: torch.Tensor, inv_freq: torch.Tensor, num_heads: int, num_kv_heads: int,
-                     head_dim: int, eps: float, ops: Fp8Ops) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Norm, quantization and the FP8 q/k/v GEMM with q/k norm and rotary: q, k, v [T, H, D] bf16 (the bf16 GEMM
-    where q/k/v stayed 16-bit)."""
-    x, x_scale = _normed(hidden, layer.input_norm, layer.qkv_weight, eps, ops)
+def attention_inputs(hidden: torch.Tensor, pending: torch.Tensor | None, layer: nn.Module,
+                     rope: tuple[torch.Tensor, torch.Tensor], position_ids: torch.Tensor, inv_freq: torch.Tensor,
+                     num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                     ops: Fp8Ops) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The previous layer's ``pending`` down projection added onto ``hidden`` (in place), norm, quantization and
+    the FP8 q/k/v GEMM with q/k norm and rotary: q, k, v [T, H, D] bf16 (the bf16 GEMM where q/k/v stayed
+    16-bit)."""
+    x, x_scale = _normed(hidden, pending, layer.input_norm, layer.qkv_weight, eps, ops)
     w_scale = getattr(layer, "qkv_scale", None) if x_scale is not None else None
     widths = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
     if ops.kernels and not qkv_takes_tma(x, layer.qkv_weight, head_dim):  # no copy engine: cuBLAS, then q/k
@@ -140,41 +138,34 @@ def attention_inputs(hidden: torch.Tensor, layer: nn.Module, rope: tuple[torch.T
             v.unflatten(-1, (num_kv_heads, head_dim)))
 
 
-def add_projection(hidden: torch.Tensor, x: torch.Tensor, layer: nn.Module, name: str, ops: Fp8Ops,
-                   x_amax: torch.Tensor | None = None) -> torch.Tensor:
-    """``hidden += x @ W.T (+ bias)`` in place for the residual projection ``name`` (o or down). A float8 weight:
-    ``x`` quantized per row (from ``x_amax``, its rows' max |x|, when the producer gave it) inside the FP8 GEMM,
-    which adds onto ``hidden`` (``fused_residual``), or a quantization pass, the GEMM and an add. A 16-bit weight:
-    cuBLAS's GEMM accumulating into ``hidden``."""
+def residual_projection(hidden: torch.Tensor, x: torch.Tensor, layer: nn.Module, name: str,
+                        ops: Fp8Ops) -> torch.Tensor | None:
+    """The residual projection ``name`` (o or down) of ``x``. A float8 weight: ``x`` quantized per token, the FP8
+    GEMM's bf16 output (+ bias) returned, for the next norm's kernel to add onto ``hidden``. A 16-bit weight:
+    cuBLAS's GEMM accumulates into ``hidden`` in place, and None is returned."""
     weight, bias = getattr(layer, f"{name}_weight"), getattr(layer, f"{name}_bias")
-    if not is_fp8_weight(weight):
-        hidden.addmm_(x, weight.t())
-        return hidden if bias is None else hidden.add_(bias)
-    w_scale = getattr(layer, f"{name}_scale")
-    if ops.fused_residual:
-        x = x.contiguous()
-        return ops.residual(x, row_amax(x) if x_amax is None else x_amax, weight, w_scale, hidden, bias)
-    codes, scale = ops.quant(x)
-    return hidden.add_(ops.matmul(codes, scale, weight, w_scale, bias))
+    if is_fp8_weight(weight):
+        codes, scale = ops.quant(x)
+        return ops.matmul(codes, scale, weight, getattr(layer, f"{name}_scale"), bias)
+    hidden.addmm_(x, weight.t())
+    if bias is not None:
+        hidden.add_(bias)
+    return None
 
 
 def output_and_mlp(attended: torch.Tensor, hidden: torch.Tensor, layer: nn.Module, eps: float,
-                   ops: Fp8Ops) -> torch.Tensor:
-    """The rest of the layer, both residual projections added onto ``hidden`` in place (the forward's own
-    tensor): o projection, norm, FP8 SwiGLU GEMM, down projection."""
-    add_projection(hidden, attended.flatten(1), layer, "o", ops)
-    x, x_scale = _normed(hidden, layer.post_norm, layer.gate_up_weight, eps, ops)
+                   ops: Fp8Ops) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rest of the layer: o projection, norm, SwiGLU GEMM, down projection. Returns ``hidden`` (the forward's
+    own tensor, updated in place) and the down projection's output still to be added onto it (None when it was):
+    the next layer's norm kernel adds it, or the forward after its last layer."""
+    pending = residual_projection(hidden, attended.flatten(1), layer, "o", ops)
+    x, x_scale = _normed(hidden, pending, layer.post_norm, layer.gate_up_weight, eps, ops)
     w_scale = getattr(layer, "gate_up_scale", None) if x_scale is not None else None
     if ops.kernels and not swiglu_takes_tma(x, layer.gate_up_weight):  # no copy engine: cuBLAS, then the activation
         projected = fp8_matmul(x, x_scale, layer.gate_up_weight, w_scale, layer.gate_up_bias) \
             if x_scale is not None else F.linear(x, layer.gate_up_weight, layer.gate_up_bias)
         gate, up = projected.chunk(2, -1)
         activated = (F.silu(gate.float()) * up.float()).to(hidden.dtype)
-        amax = None
     else:
-        # the SwiGLU GEMM's epilogue gives the down projection its rows' amax (FP8 in, FP8 down, fused)
-        amax = hidden.new_zeros(x.shape[0], dtype=torch.float32) if ops.kernels and x_scale is not None \
-            and ops.fused_residual and is_fp8_weight(layer.down_weight) else None
-        extra = {"amax_out": amax} if amax is not None else {}
-        activated = ops.swiglu(x, layer.gate_up_weight, layer.gate_up_bias, x_scale=x_scale, w_scale=w_scale, **extra)
-    return add_projection(hidden, activated, layer, "down", ops, amax)
+        activated = ops.swiglu(x, layer.gate_up_weight, layer.gate_up_bias, x_scale=x_scale, w_scale=w_scale)
+    return hidden, residual_projection(hidden, activated, layer, "down", ops)
