@@ -96,6 +96,7 @@ def quantize_layers(layers: nn.ModuleList, hf_layers: nn.ModuleList,
 
 
 def is_fp8_weight(weight: torch.Tensor) -> bool:
+    """Whether a layer's projection weight was quantized (float8 codes), or kept 16-bit."""
     return weight.dtype == FP8_DTYPE
 
 
