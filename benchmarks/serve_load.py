@@ -123,7 +123,8 @@ def start_server(args: argparse.Namespace, batching: bool) -> tuple[subprocess.P
     settings = {"batching": batching, "batch_window_ms": args.batch_window_ms, "max_batch_items": args.max_batch_items,
                 "max_queue_requests": max(256, 2 * args.clients)}
     code = ("from rerankit.server.main import serve; "
-            f"serve({args.model!r}, host='127.0.0.1', port={port}, device={args.device!r}, log_level='warning', "
+            f"serve({args.model!r}, host='127.0.0.1', port={port}, device={args.device!r}, dtype={args.dtype!r}, "
+            "log_level='warning', "
             f"**{settings!r})")
     src = args.server_src or str(Path(__file__).resolve().parents[1] / "src")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
@@ -187,6 +188,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="with --compare: alternating runs of each")
     parser.add_argument("--threads", type=int, default=None, help="server's OMP_NUM_THREADS (torch CPU threads)")
     parser.add_argument("--device", default=None, help="server device (cpu, cuda)")
+    parser.add_argument("--dtype", default=None, help="server dtype (bfloat16, fp8...; default: the engine's)")
     parser.add_argument("--batch-window-ms", type=float, default=5.0)
     parser.add_argument("--max-batch-items", type=int, default=512)
     parser.add_argument("--clients", type=int, default=16)
