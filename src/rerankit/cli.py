@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="open connections at most; one more is answered 503 and closed (default: 1024)")
     serve.add_argument("--header-timeout", type=_positive_float, dest="header_timeout_s",
                        help="seconds a connection has to send a request's headers, else it is closed (default: 10)")
+    serve.add_argument("--body-timeout", type=_positive_float, dest="body_timeout_s",
+                       help="seconds a request's body has to arrive whole once its headers are in, else 408 and the "
+                            "connection is closed (default: 30)")
     serve.add_argument("--timeout-keep-alive", type=_non_negative_float, dest="keep_alive_timeout_s",
                        help="seconds an idle keep-alive connection stays open (default: 5)")
     serve.add_argument("--no-batching", dest="batching", action="store_false",
@@ -326,7 +329,8 @@ def run_serve(args: argparse.Namespace) -> int:
           max_queue_requests=args.max_queue_requests, max_body_bytes=args.max_body_bytes, batching=args.batching,
           warm_up=args.warm_up, rerank_dialect=args.rerank_dialect, max_request_tokens=args.max_request_tokens,
           drain_seconds=args.drain_seconds, max_connections=args.max_connections,
-          header_timeout_s=args.header_timeout_s, keep_alive_timeout_s=args.keep_alive_timeout_s)
+          header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
+          keep_alive_timeout_s=args.keep_alive_timeout_s)
     return 0
 
 

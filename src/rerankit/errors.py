@@ -60,6 +60,13 @@ class UnsupportedMediaType(InvalidRequest):
     error_type = "unsupported_media_type"
 
 
+class BodyTimeout(InvalidRequest):
+    """A request body that did not arrive whole within the server's ``body_timeout_s``."""
+
+    status_code = 408
+    error_type = "request_timeout"
+
+
 class Unauthorized(RerankitError):
     """The server has an API key and the request did not carry it."""
 

@@ -120,8 +120,13 @@ def test_serve_hands_the_connection_flags_to_the_server(monkeypatch):
 
     given = {}
     monkeypatch.setattr(cli, "serve", lambda model, **options: given.update(options))
-    assert cli.main(["serve", "--max-connections", "7", "--header-timeout", "3", "--timeout-keep-alive", "0"]) == 0
+    assert cli.main(["serve", "--max-connections", "7", "--header-timeout", "3", "--timeout-keep-alive", "0",
+                     "--body-timeout", "12.5"]) == 0
     assert (given["max_connections"], given["header_timeout_s"], given["keep_alive_timeout_s"]) == (7, 3, 0)
+    assert given["body_timeout_s"] == 12.5
     assert cli.main(["serve"]) == 0 and given["max_connections"] is None and given["header_timeout_s"] is None
+    assert given["body_timeout_s"] is None
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--body-timeout", "-1"])
     with pytest.raises(SystemExit):
         cli.main(["serve", "--header-timeout", "0"])

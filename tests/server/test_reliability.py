@@ -215,6 +215,37 @@ def test_over_the_connection_limit_with_every_connection_busy_one_json_503_in_th
         assert httpx.post(base + "/v2/rerank", json=BODIES["/v2/rerank"], timeout=10).status_code == 200
 
 
+def test_a_dripping_body_is_answered_408_in_json_and_its_connection_closed(protocol):
+    """A client that sends its headers, then part of a declared body, gets a JSON 408 naming body_timeout_s once the
+    timeout passes, and its connection is closed; other clients are served meanwhile."""
+    config = ServerConfig(body_timeout_s=0.5, header_timeout_s=30)
+    backend = RecordingBackend()
+    with live_server(create_app(backend, config), config, protocol=protocol) as base:
+        with connect(base) as sock:
+            sock.sendall(b"POST /v2/rerank HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"query\": ")
+            assert httpx.post(base + "/v2/rerank", json=BODIES["/v2/rerank"], timeout=10).status_code == 200
+            sock.settimeout(10)
+            received, begun = b"", time.monotonic()
+            while True:
+                chunk = sock.recv(65536)
+                if not chunk:  # closed by the server after its answer
+                    break
+                received += chunk
+        head, _, body = received.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), received
+        assert time.monotonic() - begun < 10
+        error = ERROR_MODELS["cohere"].model_validate_json(body)
+        assert "body_timeout_s" in error.message
+    assert sum(request.query == QUERY for request in backend.requests) == 1  # the other client's, only
+
+
+@pytest.mark.parametrize("name", ["header_timeout_s", "body_timeout_s"])
+def test_connection_timeouts_must_be_positive(name):
+    with pytest.raises(ValueError, match=f"^{name} must be > 0, got 0$"):
+        ServerConfig(**{name: 0})
+
+
 class SlowBackend(RecordingBackend):
     """Each engine call takes half a second: longer than the header timeout of the pipelining probe."""
 

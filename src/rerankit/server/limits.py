@@ -35,7 +35,8 @@ class ServerConfig:
     Connections (``rerankit serve`` only, ``server/connections.py``): a connection opened while ``max_connections``
     are open gets one JSON 503; a connection whose request headers are not complete ``header_timeout_s`` after it
     opened (or after its last response) is closed; an idle keep-alive connection is closed after
-    ``keep_alive_timeout_s``.
+    ``keep_alive_timeout_s``. A request body not whole ``body_timeout_s`` after the route starts reading it is
+    answered 408 and its connection closed (a client dripping a body cannot hold a connection).
     """
 
     api_key: str | None = None
@@ -57,6 +58,7 @@ class ServerConfig:
     rerank_dialect: str | None = None
     max_connections: int = 1024
     header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
     keep_alive_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
@@ -68,8 +70,9 @@ class ServerConfig:
         for name in ("batch_window_ms", "keep_alive_timeout_s", "drain_seconds"):
             if not getattr(self, name) >= 0:  # also refuses nan
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not self.header_timeout_s > 0:
-            raise ValueError(f"header_timeout_s must be > 0, got {self.header_timeout_s}")
+        for name in ("header_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.rerank_dialect is not None and self.rerank_dialect not in RERANK_DIALECTS:
             raise ValueError(f"rerank_dialect must be one of {', '.join(RERANK_DIALECTS)}, got {self.rerank_dialect!r}")
 

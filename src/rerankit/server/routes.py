@@ -19,6 +19,7 @@ Errors found before the body is parsed (auth, content type, size, JSON) are in t
 
 from __future__ import annotations
 
+import asyncio
 import email.message
 import json
 import logging
@@ -29,7 +30,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
-from rerankit.errors import Cancelled, InvalidRequest, RerankitError, Unauthorized, UnsupportedMediaType
+from rerankit.errors import BodyTimeout, Cancelled, InvalidRequest, RerankitError, Unauthorized, UnsupportedMediaType
 from rerankit.remote.dialects import Dialect, get_dialect
 from rerankit.server.batcher import Batcher
 from rerankit.server.disconnect import unless_disconnected
@@ -109,17 +110,26 @@ def dialect_for(dialects: list[Dialect], body: Any, headers: Mapping[str, str] |
 
 
 async def read_body(request: Request, config: ServerConfig) -> bytes:
-    """The request body: refused (415) unless declared JSON, and (413) as soon as it passes ``max_body_bytes``."""
+    """The request body: refused (415) unless declared JSON, (413) as soon as it passes ``max_body_bytes``, and
+    (408) unless it is whole within ``body_timeout_s``."""
     check_json_content_type(request.headers.get("content-type"))
     declared = request.headers.get("content-length", "")
     if declared.isdigit():
         check_body_size(config, int(declared))
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        check_body_size(config, size)
-        chunks.append(chunk)
-    return b"".join(chunks)
+
+    async def whole() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            check_body_size(config, size)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(whole(), config.body_timeout_s)
+    except asyncio.TimeoutError:
+        raise BodyTimeout("body", f"did not arrive whole within {config.body_timeout_s:g} s "
+                                  "(body_timeout_s)") from None
 
 
 def check_json_content_type(content_type: str | None) -> None:
@@ -187,4 +197,6 @@ def error_headers(error: RerankitError, config: ServerConfig) -> dict[str, str]:
         headers["Retry-After"] = str(config.retry_after_s)
     if isinstance(error, Unauthorized):
         headers["WWW-Authenticate"] = "Bearer"
+    if isinstance(error, BodyTimeout):  # the rest of the body may still come: the connection cannot be reused
+        headers["Connection"] = "close"
     return headers
