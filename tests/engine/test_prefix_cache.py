@@ -45,6 +45,24 @@ def scores(responses) -> list[list[float]]:
     return [[result.score for result in response.results] for response in responses]
 
 
+@pytest.mark.parametrize("projections", ["", "qkv,o,gate_up,down"], ids=["default", "all"])
+def test_fp8_kept_heads_score_as_computed_heads(tiny_qwen3_lm, monkeypatch, projections):
+    """FP8 (reference numerics on the CPU): a kept head's keys and values come from the same forward, pending
+    residual adds included, as a head computed with its items."""
+    from rerankit.engine.fp8 import PROJECTIONS_ENV, REFERENCE_ENV
+
+    monkeypatch.setenv(REFERENCE_ENV, "1")
+    monkeypatch.setenv(PROJECTIONS_ENV, projections)
+    kept = EmbeddedBackend(str(tiny_qwen3_lm), device="cpu", dtype="fp8")
+    computed = EmbeddedBackend(str(tiny_qwen3_lm), device="cpu", dtype="fp8", prefix_cache_bytes=0)
+    batch = requests(1)
+    expected = computed.score_batch(batch)
+    for _ in range(2):
+        for got_scores, want in zip(scores(kept.score_batch(batch)), scores(expected)):
+            np.testing.assert_allclose(got_scores, want, atol=1e-4, rtol=0)
+    assert kept._runner.prefix_cache.hits >= 2
+
+
 def test_kept_heads_score_as_computed_heads(backends):
     kept, computed = backends
     assert kept._runner.prefix_cache is not None and computed._runner.prefix_cache is None
