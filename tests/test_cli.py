@@ -115,6 +115,7 @@ def test_json_gives_results_best_first_with_texts():
 @pytest.mark.parametrize("args, message", [
     (["--docs", "/no/such/file.txt"], "error: --docs: cannot read /no/such/file.txt"),
     (["--docs", "-", "--model", "/no/such/model"], "error: no model folder at '/no/such/model'"),
+    (["--docs", "-", "--model", "./no-such-model"], "error: no model folder at './no-such-model'"),
     (["--docs", "-", "--dialect", "cohere"], "error: --dialect: only applies to a server URL"),
     (["--docs", "-", "--model", "http://127.0.0.1:9", "--device", "cpu"], "error: --device: only applies to a local"),
 ])

@@ -18,6 +18,12 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 HUB_CHECK_SECONDS = 1.0  # how long a hub id not in the local cache waits to learn whether the hub can be reached
 
 
+def names_a_folder(model: str) -> bool:
+    """Whether ``model`` can only be a folder, not a hub id (``org/name`` or ``name``): it starts with ``.``, ``/``
+    or ``~``, or has more than one ``/``."""
+    return model.startswith((".", "/", "~")) or model.count("/") > 1
+
+
 def hub_cached(model: str) -> bool:
     """Whether hub id ``model``'s config and weights are in the local cache (it then loads with no network call);
     ``ModelLoadError`` at once, in one line, when they are not and the hub cannot be reached (``HF_HUB_OFFLINE``

@@ -42,10 +42,11 @@ def make_backend(model: str | Sequence[str] | None = None, **options: Any) -> Ba
             f"the embedded engine needs {' and '.join(missing)}: pip install 'rerankit[engine]', "
             "or pass a server URL as model"
         )
-    if isinstance(model, str) and not Path(model).expanduser().exists() and model.count("/") == 1:
-        from rerankit.hub import hub_cached
+    if isinstance(model, str) and not Path(model).expanduser().exists():
+        from rerankit.hub import hub_cached, names_a_folder
 
-        hub_cached(model)  # a hub id the cache lacks fails here, in one line, before torch loads
+        if not names_a_folder(model):  # a missing folder is load_model's error ("no model folder at ...")
+            hub_cached(model)  # a hub id the cache lacks fails here, in one line, before torch loads
     from rerankit.engine import EmbeddedBackend
 
     if model is None:

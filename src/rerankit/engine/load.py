@@ -13,7 +13,7 @@ import torch
 from rerankit.engine import fp8
 from rerankit.engine.checkpoint import read_encoder_weights
 from rerankit.errors import InvalidRequest, ModelLoadError
-from rerankit.hub import hub_cached
+from rerankit.hub import hub_cached, names_a_folder
 
 ModelKind = Literal["causal-lm", "sequence-classifier", "encoder"]
 Pooling = Literal["mean", "cls", "lasttoken"]
@@ -105,7 +105,7 @@ def load_model(model: str, *, device: str | torch.device | None = None,
 
     folder = Path(model).expanduser()
     local = folder.exists()
-    if not local and (model.startswith((".", "/", "~")) or model.count("/") > 1):
+    if not local and names_a_folder(model):
         raise ModelLoadError(f"no model folder at {model!r}")
     source = str(folder) if local else model
     offline = local or hub_cached(model)
