@@ -195,7 +195,7 @@ class DataParallelBackend:
             with self._lock:  # a replica that went down for good since the plan: the least loaded instead
                 replica = self._replicas[index]
                 if replica.state == "down":
-                    replica = self._least_loaded({r.index: r.load for r in self._replicas})
+                    replica = self._least_loaded()
                 self._send(task, replica)
             tasks.append((task, numbers))
         self._wait_for([task for task, _ in tasks], should_stop)
@@ -275,7 +275,11 @@ class DataParallelBackend:
         replica.process.start()
         sender.close()  # the child holds the only writing end: its death reads as end-of-file here
 
-    def _least_loaded(self, planned: dict[int, int], avoid: int | None = None) -> _Replica:
+    def _least_loaded(self, planned: dict[int, int] | None = None, avoid: int | None = None) -> _Replica:
+        """The running replica with the least work (``planned``: its tasks as a plan counts them so far; None: its
+        load now), ``avoid``'s only where it is the one left."""
+        if planned is None:
+            planned = {replica.index: replica.load for replica in self._replicas}
         candidates = [replica for replica in self._replicas if replica.state != "down"]
         if avoid is not None and len(candidates) > 1:
             candidates = [replica for replica in candidates if replica.index != avoid]
@@ -422,7 +426,7 @@ class DataParallelBackend:
                 continue
             task.retried = True
             try:
-                target = self._least_loaded({r.index: r.load for r in self._replicas}, avoid=replica.index)
+                target = self._least_loaded(avoid=replica.index)
             except ReplicaDied as error:
                 task.future.set_exception(error)
                 continue

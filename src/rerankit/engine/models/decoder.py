@@ -244,10 +244,12 @@ class PackedDecoder(PackedBody):
             from rerankit.engine.models import fp8 as fp8_layers
 
             stored = fp8_weights or {}
-            with torch.no_grad():
-                given = {module: per_channel(*stored[name]) for name, module in hf_model.named_modules()
-                         if name in stored}
-            fp8_layers.quantize_layers(self.layers, body.layers, given, projections(config.hidden_size))
+            chosen = projections(config.hidden_size)
+            kept = tuple(path.rpartition(".")[2] for name in chosen for path in fp8_layers.PROJECTIONS[name])
+            with torch.no_grad():  # the stored weights of the projections quantized, per channel; the others
+                given = {module: per_channel(*stored[name]) for name, module in hf_model.named_modules()  # run
+                         if name in stored and name.endswith(kept)}  # dequantized
+            fp8_layers.quantize_layers(self.layers, body.layers, given, chosen)
             kernels = device.type == "cuda" and not reference_mode()
             self.fp8 = fp8_layers.KERNELS if kernels else fp8_layers.REFERENCE
 
