@@ -234,7 +234,7 @@ async def test_warm_up_covers_every_token_bucket_a_call_can_reach():
     config = ServerConfig(max_batch_tokens=16384, max_chunk_tokens=4096, max_batch_items=64)
     batcher = Batcher(backend, config)
     await batcher.warm_up()
-    assert backend.shapes == warm_up_shapes(config, batcher.max_chunk_tokens)
+    assert backend.shapes == warm_up_shapes(config)
     # about a power of two of tokens each, from 256 up to the call budget; 64 items at most (the item budget)
     assert [items * (words + WARM_UP_ITEM_OVERHEAD) for items, words in backend.shapes] == [256, 512, 1024, 2048,
                                                                                          4096, 8192, 16384]

@@ -78,8 +78,8 @@ class Batcher:
             calls = max(1, int(getattr(backend, "data_parallel_size", 1) or 1),
                         int(getattr(backend, "pipelined_calls", 1) or 1))
         self._engine_thread = ThreadPoolExecutor(max_workers=calls, thread_name_prefix="rerankit-engine")
-        self._free_calls = asyncio.Semaphore(calls) if calls > 1 else None
-        self._calls: set[asyncio.Task] = set()  # engine calls running, where several may
+        self._free_calls = asyncio.Semaphore(calls)
+        self._calls: set[asyncio.Task] = set()  # engine calls running
         self._dispatcher: asyncio.Task | None = None
         self._live: set[Submission] = set()  # submitted and not answered yet, queued or running
         self._last_end = -math.inf  # loop time the last engine call ended
@@ -119,7 +119,7 @@ class Batcher:
         warm_up = getattr(self.backend, "warm_up", None)
         if warm_up is None:
             return
-        shapes = warm_up_shapes(self.config, self.max_chunk_tokens)
+        shapes = warm_up_shapes(self.config)
         call = (lambda: warm_up(shapes=shapes)) if _accepts(warm_up, "shapes") else warm_up
         log.info("warming up the engine over %d call shapes (compiling, capturing CUDA graphs)...", len(shapes))
         try:
@@ -173,12 +173,13 @@ class Batcher:
         caller went away) takes its chunks out of the queue."""
         self.admit()
         tokens = item_tokens(request, self.item_cap)
-        if sum(tokens) > self.config.max_request_tokens:
-            raise RequestTooLarge("items", f"hold about {sum(tokens)} tokens after truncation; the limit is "
+        total = sum(tokens)
+        if total > self.config.max_request_tokens:
+            raise RequestTooLarge("items", f"hold about {total} tokens after truncation; the limit is "
                                   f"{self.config.max_request_tokens} (max_request_tokens)",
                                   self.config.max_request_tokens)
         future = asyncio.get_running_loop().create_future()
-        chunks = ([Chunk(0, len(tokens), sum(tokens))] if self._one_by_one
+        chunks = ([Chunk(0, len(tokens), total)] if self._one_by_one
                   else split(tokens, self.chunk_tokens, self.config.max_batch_items))
         submission = Submission(request, chunks, future)
         self._queue.add(submission)
@@ -200,17 +201,13 @@ class Batcher:
                     self._idle.set()
                 self._arrived.clear()
                 await self._arrived.wait()
-            if self._free_calls is not None:
-                await self._free_calls.acquire()  # a replica is free
+            await self._free_calls.acquire()  # an engine thread (a replica) is free
             if self.config.batching and not self._one_by_one:
                 await self._wait_for_company()
             budget = (self.config.max_batch_items, self.call_tokens)
             one = self._one_by_one or not self.config.batching
             pieces = self._queue.take(*budget, max_requests=1 if one else None)
-            if self._free_calls is None:
-                if pieces:
-                    await self._run(pieces)
-            elif not pieces:
+            if not pieces:
                 self._free_calls.release()
             else:
                 call = asyncio.get_running_loop().create_task(self._run(pieces))
@@ -218,7 +215,7 @@ class Batcher:
                 call.add_done_callback(self._call_done)
 
     def _call_done(self, call: asyncio.Task) -> None:
-        """A concurrent engine call ended: its replica is free, and the server idle if nothing else is left."""
+        """An engine call ended: its thread (replica) is free, and the server idle if nothing else is left."""
         self._calls.discard(call)
         self._free_calls.release()
         if not self._calls and not self._queue:
@@ -334,14 +331,14 @@ def score_each(backend: Backend, requests: list[ScoreRequest],
     return outcomes
 
 
-def warm_up_shapes(config: ServerConfig, chunk_tokens: int) -> list[tuple[int, int]]:
+def warm_up_shapes(config: ServerConfig) -> list[tuple[int, int]]:
     """The (items, words per item) of the synthetic requests that warm the engine up: one of about ``t`` tokens for
-    each power of two ``t`` from 256 up to the call budget (the tokens of a chunk alone up to those of a full call),
+    each power of two ``t`` from 256 up to the call budget (a chunk's budget is never larger),
     so that every token bucket a call of this batcher can reach is compiled, and captured where it replays from a
     CUDA graph, before the server says it is ready. Items of ~64 tokens (``WARM_UP_ITEM_OVERHEAD`` of them the
     query and template), as many as the item budget takes; longer items past it."""
     shapes, tokens = [], 256
-    while tokens <= max(chunk_tokens, power_of_two_floor(config.max_batch_tokens)):
+    while tokens <= power_of_two_floor(config.max_batch_tokens):
         items = max(1, min(config.max_batch_items, tokens // 64))
         shapes.append((items, max(1, tokens // items - WARM_UP_ITEM_OVERHEAD)))
         tokens *= 2
