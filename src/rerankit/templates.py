@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import string
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -237,10 +237,12 @@ def template_from_dict(data: Any, source: str = "template") -> Template:
     unknown = sorted(set(data) - set(known))
     if unknown:
         raise InvalidRequest(f"{source}.{unknown[0]}", f"is not a template piece; the pieces are {', '.join(known)}")
-    missing = [name for name in ("name", "prefix_format", "item_format", "suffix_format", "labels") if name not in data]
+    required = [field.name for field in fields(Template)
+                if field.default is MISSING and field.default_factory is MISSING]
+    missing = [name for name in required if name not in data]
     if missing:
-        raise InvalidRequest(f"{source}.{missing[0]}", "is missing (a template needs name, prefix_format, "
-                                                       "item_format, suffix_format and labels)")
+        raise InvalidRequest(f"{source}.{missing[0]}", f"is missing (a template needs {', '.join(required[:-1])} "
+                                                       f"and {required[-1]})")
     return Template(**data)
 
 

@@ -17,7 +17,6 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from rerankit.errors import InvalidRequest, RerankitError
 from rerankit.offline import offline_backend, score_pairs
-from rerankit.reranker import make_backend
 from rerankit.server.main import API_KEY_ENV
 
 INSTALL = "pip install 'rerankit[ray]'"
@@ -33,12 +32,13 @@ def _require_ray() -> None:
 
 
 class RerankitServer:
-    """One Ray Serve replica: an engine (``make_backend``) and rerankit's FastAPI app over it (every dialect)."""
+    """One Ray Serve replica: an engine (``offline_backend``: ``make_backend`` without progress bars) and rerankit's
+    FastAPI app over it (every dialect)."""
 
     def __init__(self, model: str | None, engine_options: dict[str, Any], server_settings: dict[str, Any]) -> None:
         from rerankit.server.limits import ServerConfig
 
-        self.backend = make_backend(model, **engine_options)
+        self.backend = offline_backend(model, **engine_options)  # as ``rerankit serve``: no progress bars in a log
         self.config = ServerConfig(**server_settings)
 
     def __serve_build_asgi_app__(self) -> Any:
