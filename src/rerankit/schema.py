@@ -168,6 +168,13 @@ class ScoreRequest(_Strict):
         return isinstance(self.items[0], list)
 
 
+    def with_items(self, start: int, stop: int) -> "ScoreRequest":
+        """This request over ``items[start:stop]`` only (same query and options); itself when that is every item."""
+        if start == 0 and stop >= len(self.items):
+            return self
+        return self.model_copy(update={"items": self.items[start:stop]})
+
+
 class ScoreResult(BaseModel):
     """The score of one input item; ``index`` is its position in the request's ``items``."""
 

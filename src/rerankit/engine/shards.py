@@ -30,10 +30,7 @@ class Shard:
 
     def request_of(self, requests: list[ScoreRequest]) -> ScoreRequest:
         """The sub-request this shard scores (the whole request when it is not cut)."""
-        request = requests[self.position]
-        if self.start == 0 and self.stop == len(request.items):
-            return request
-        return request.model_copy(update={"items": request.items[self.start:self.stop]})
+        return requests[self.position].with_items(self.start, self.stop)
 
 
 def cut(requests: list[ScoreRequest], replicas: int) -> list[Shard]:

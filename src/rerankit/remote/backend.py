@@ -152,11 +152,7 @@ class RemoteBackend:
 
 def split_items(request: ScoreRequest, max_items: int) -> list[ScoreRequest]:
     """The request cut into requests of at most ``max_items`` consecutive items."""
-    items = request.items
-    if len(items) <= max_items:
-        return [request]
-    return [request.model_copy(update={"items": items[start:start + max_items]})
-            for start in range(0, len(items), max_items)]
+    return [request.with_items(start, start + max_items) for start in range(0, max(len(request.items), 1), max_items)]
 
 
 def merge_responses(parts: list[ScoreResponse]) -> ScoreResponse:

@@ -116,10 +116,7 @@ class Piece:
 
     def request(self) -> ScoreRequest:
         """What the engine scores: the request itself, or its slice of items with the same query and options."""
-        request = self.submission.request
-        if self.submission.whole:
-            return request
-        return request.model_copy(update={"items": request.items[self.chunk.start:self.chunk.end]})
+        return self.submission.request.with_items(self.chunk.start, self.chunk.end)
 
 
 class FairQueue:
