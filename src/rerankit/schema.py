@@ -21,16 +21,15 @@ TokenIds = list[int]
 MAX_LABELS = 128
 
 
-def _invalid_from(exc: ValidationError) -> InvalidRequest:
-    """The first pydantic error as an ``InvalidRequest`` naming the field path."""
+def invalid_from(exc: ValidationError, whole: str = "request") -> InvalidRequest:
+    """The first pydantic error as an ``InvalidRequest`` naming the field path (``whole`` where it has none); an
+    ``InvalidRequest`` a validator raised with its own field (a template's piece) as it is."""
     first = exc.errors()[0]
     cause = first.get("ctx", {}).get("error")
-    if isinstance(cause, InvalidRequest):  # raised by a validator with its own field (a template's piece)
+    if isinstance(cause, InvalidRequest):
         return cause
-    field = ".".join(str(part) for part in first.get("loc", ())) or "request"
-    message = str(first.get("msg", "invalid value"))
-    if message.startswith("Value error, "):
-        message = message[len("Value error, "):]
+    field = ".".join(str(part) for part in first.get("loc", ())) or whole
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     return InvalidRequest(field, message)
 
 
@@ -43,7 +42,7 @@ class _Strict(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as exc:
-            raise _invalid_from(exc) from None
+            raise invalid_from(exc) from None
 
     @classmethod
     def parse(cls, data: Any) -> "_Strict":
@@ -51,7 +50,7 @@ class _Strict(BaseModel):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            raise _invalid_from(exc) from None
+            raise invalid_from(exc) from None
 
 
 class ScoreRequest(_Strict):

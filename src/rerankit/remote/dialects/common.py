@@ -17,7 +17,7 @@ from typing import Annotated, Any, Callable, Iterable, Union
 from pydantic import BaseModel, ConfigDict, ValidationError, WithJsonSchema
 
 from rerankit.errors import InvalidRequest, RemoteError
-from rerankit.schema import ErrorDetail, ScoreRequest, ScoreResponse, ScoreResult, Usage
+from rerankit.schema import ErrorDetail, ScoreRequest, ScoreResponse, ScoreResult, Usage, invalid_from
 from rerankit.templates import RAW, get_template
 
 log = logging.getLogger("rerankit.server")
@@ -243,10 +243,7 @@ def parse_wire(model: type[WireBody], body: Any) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(part) for part in first.get("loc", ())) or "body"
-        message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-        raise InvalidRequest(field, message) from None
+        raise invalid_from(exc, "body") from None
 
 
 def build_request(wire_names: dict[str, str] | None = None, **fields: Any) -> ScoreRequest:
