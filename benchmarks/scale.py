@@ -31,12 +31,11 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "tests"), str(HERE.parent / "src")]
 from pairs import Workload, build_decoder_dir, decoder_workloads, requests_of, single_token_words  # noqa: E402
-from serve_load import free_port, percentile, run_load  # noqa: E402
+from serve_load import free_port, percentile, run_load, wait_healthy  # noqa: E402
 
 from rerankit.engine import EmbeddedBackend  # noqa: E402
 from rerankit.engine.replicas import DataParallelBackend  # noqa: E402
@@ -107,19 +106,10 @@ def serve_row(folder: Path, replicas: int, args: argparse.Namespace) -> dict:
                "--port", str(port), "--log-level", "warning", "--data-parallel-size", str(replicas),
                "--max-queue-requests", str(max(256, 2 * args.clients))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")])}
-    begun = time.perf_counter()
     server = subprocess.Popen(command, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        while True:
-            if server.poll() is not None or time.perf_counter() - begun > 900:
-                raise SystemExit(f"rerankit serve --data-parallel-size {replicas} did not come up")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        ready = time.perf_counter() - begun
+        ready = wait_healthy(server, url, 900)
         load = asyncio.run(run_load(url, "/rerank", args.clients, args.duration, args.serve_docs, args.serve_words,
                                     None))
     finally:

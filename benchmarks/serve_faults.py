@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import httpx
+from serve_load import free_port, wait_healthy
 
 SENTENCE = "the river runs through the old town where the market opens every morning before dawn and "
 QUERY = "where does the market open"
@@ -34,12 +35,6 @@ QUERY = "where does the market open"
 
 def docs(count: int, size: int) -> list[str]:
     return [(f"document {n}: " + SENTENCE * (size // len(SENTENCE) + 1))[:size] for n in range(count)]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
@@ -51,18 +46,8 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "PYTHONPATH": args.src, "OMP_NUM_THREADS": str(args.threads)}
     server = subprocess.Popen([sys.executable, "-c", code], env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if server.poll() is not None:
-            raise SystemExit(f"the server exited with status {server.returncode}")
-        if time.monotonic() > deadline:
-            server.kill()
-            raise SystemExit("the server did not answer /health within 180 s")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return server, url
-        except httpx.HTTPError:
-            time.sleep(0.3)
+    wait_healthy(server, url)
+    return server, url
 
 
 def stop_server(server: subprocess.Popen) -> None:

@@ -132,17 +132,24 @@ def start_server(args: argparse.Namespace, batching: bool) -> tuple[subprocess.P
         env["OMP_NUM_THREADS"] = str(args.threads)
     server = subprocess.Popen([sys.executable, "-c", code], env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
+    wait_healthy(server, url)
+    return server, url
+
+
+def wait_healthy(server: subprocess.Popen, url: str, limit_s: float = 180) -> float:
+    """Seconds until the server at ``url`` answers /health; ``SystemExit`` if it exits first, or (killed) if it has
+    not answered within ``limit_s``."""
+    begun = time.monotonic()
+    while time.monotonic() - begun < limit_s:
         if server.poll() is not None:
             raise SystemExit(f"the server exited with status {server.returncode}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return server, url
+                return time.monotonic() - begun
         except httpx.HTTPError:
             time.sleep(0.2)
-    server.terminate()
-    raise SystemExit("the server did not answer /health within 180 s")
+    server.kill()
+    raise SystemExit(f"the server did not answer /health within {limit_s:g} s")
 
 
 def measure(args: argparse.Namespace, batching: bool) -> dict:
