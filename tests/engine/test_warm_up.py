@@ -101,7 +101,7 @@ def test_warm_up_asks_for_every_token_rows_by_the_backends_own_default_mode(monk
     assert backend.runner == "packed"
     calls: list[dict] = []
     monkeypatch.setattr(backend, "_model", lambda: _OnCuda(backend._loaded))
-    monkeypatch.setattr(backend, "score_batch", lambda requests: None)
+    monkeypatch.setattr(backend, "_warm_call", lambda requests: None)
     monkeypatch.setattr(backend_module, "warm_up_runner", lambda runner, max_length, **flags: calls.append(flags))
     backend.warm_up()
     assert calls and calls[0]["every_token"]  # the backend's mean-pooled bi-encoder, not the model's default

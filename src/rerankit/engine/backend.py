@@ -211,11 +211,11 @@ class EmbeddedBackend:
             for sizes in splits:
                 requests = [ScoreRequest(query="warm up", items=[text] * size) for size in sizes]
                 try:
-                    self.score_batch(requests)
+                    self._warm_call(requests)
                 except InvalidRequest as error:
                     if error.field != "template":
                         raise
-                    self.score_batch([request.model_copy(update={"label_token_ids": [0, 1]})  # raw scoring
+                    self._warm_call([request.model_copy(update={"label_token_ids": [0, 1]})  # raw scoring
                                      for request in requests])
         if isinstance(self._runner, PackedRunner) and on_gpu:
             loaded = self._model()
@@ -225,6 +225,12 @@ class EmbeddedBackend:
                                every_token=not heads.reads_only(self._defaults.mode or loaded.default_mode,
                                                                 loaded.pooling))
         return time.perf_counter() - begun
+
+    def _warm_call(self, requests: list[ScoreRequest]) -> None:
+        if len(requests) == 1:
+            self.score(requests[0])
+        else:
+            self.score_batch(requests)
 
     def close(self) -> None:
         """Drop the model; later calls raise ``ModelLoadError``."""
