@@ -1,7 +1,8 @@
 """A vLLM-style server on 127.0.0.1 that misbehaves on cue, for the transport's fault and deadline tests.
 
 Each POST takes the next fault of the server's script (then its ``default``, "ok" unless told): a reset or a close
-in the middle of the body, a slow or never-ending reply, bytes dripped one at a time, a wrong or oversized body,
+in the middle of the body, a slow or never-ending reply, no reply until the client closes its connection ("hold":
+counted in ``abandoned``), bytes dripped one at a time, a wrong or oversized body,
 an HTTP status with a vLLM error body (and ``Retry-After``). "ok" answers ``/generative_scoring`` with
 score = item number / 1000 ("drip-ok": the same answer, a byte at a time).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import select
 import socket
 import struct
 import threading
@@ -51,6 +53,7 @@ class FaultServer(ThreadingHTTPServer):
         self.in_flight = 0
         self.max_in_flight = 0
         self.sent = 0
+        self.abandoned = 0  # "hold" requests whose client closed the connection
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
@@ -108,6 +111,9 @@ class _Handler(BaseHTTPRequestHandler):
             self.connection.close()
             self.close_connection = True
             return
+        if fault == "hold":
+            self._hold()
+            return
         if fault == "hang":
             self.server.stopping.wait(HANG_SECONDS)
             return
@@ -145,6 +151,16 @@ class _Handler(BaseHTTPRequestHandler):
             self._drip(raw)
             return
         self._send_json(200, payload)
+
+    def _hold(self) -> None:
+        """Answer nothing; return once the client has closed the connection (counted) or the server stops."""
+        self.close_connection = True
+        while not self.server.stopping.is_set():
+            readable, _, _ = select.select([self.connection], [], [], 0.02)
+            if readable and not self.connection.recv(1, socket.MSG_PEEK):
+                with self.server.lock:
+                    self.server.abandoned += 1
+                return
 
     def _drip(self, raw: bytes) -> None:
         for byte in raw:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
@@ -212,34 +211,39 @@ async def test_a_backend_taking_two_calls_gets_two_engine_calls_at_once(pipeline
 
 
 class ProxyBackend:
-    """Like a ``RemoteBackend``: ``score``/``ascore`` only; holds each call until ``width`` calls are inside."""
+    """Like a ``RemoteBackend``: ``score``/``async ascore`` only; holds each call until ``max_concurrency`` calls
+    are inside. ``hold=True``: holds every call until it is cancelled (a far server that never answers)."""
 
     model_name = "proxy"
     max_concurrency = 3
 
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.all_inside = threading.Event()
+    def __init__(self, hold: bool = False) -> None:
+        self.hold = hold
+        self.all_inside = asyncio.Event()
+        self.cancelled = asyncio.Event()
         self.inside = self.most_inside = 0
         self.requests: list[ScoreRequest] = []
 
     def score(self, request: ScoreRequest):
-        with self.lock:
-            self.requests.append(request)
-            self.inside += 1
-            self.most_inside = max(self.most_inside, self.inside)
-            if self.inside == self.max_concurrency:
-                self.all_inside.set()
-        try:
-            self.all_inside.wait(5)
-            return ScoreResponse(model=self.model_name,
-                                 results=[ScoreResult(index=i, score=1.0) for i in range(len(request.items))])
-        finally:
-            with self.lock:
-                self.inside -= 1
+        raise AssertionError("a backend with a coroutine ascore is awaited, never called on a thread")
 
     async def ascore(self, request: ScoreRequest):
-        return self.score(request)
+        self.requests.append(request)
+        self.inside += 1
+        self.most_inside = max(self.most_inside, self.inside)
+        if self.inside == self.max_concurrency:
+            self.all_inside.set()
+        try:
+            if self.hold:
+                await asyncio.Event().wait()
+            await asyncio.wait_for(self.all_inside.wait(), 5)
+            return ScoreResponse(model=self.model_name,
+                                 results=[ScoreResult(index=i, score=1.0) for i in range(len(request.items))])
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        finally:
+            self.inside -= 1
 
 
 async def test_a_backend_without_score_batch_gets_whole_requests_several_calls_at_once():
@@ -252,6 +256,39 @@ async def test_a_backend_without_score_batch_gets_whole_requests_several_calls_a
     assert backend.most_inside == 3  # all three in flight together, none waited for another
     assert len(responses[0].results) == 20
     assert sorted(len(r.items) for r in backend.requests) == [1, 1, 20]  # one request a call, never cut
+
+
+async def test_a_proxied_request_is_cancelled_upstream_as_soon_as_its_caller_goes():
+    backend = ProxyBackend(hold=True)
+    batcher = await started(backend)
+    caller = asyncio.create_task(batcher.submit(request("leaves")))
+    while not backend.inside:
+        await asyncio.sleep(0.01)
+    caller.cancel()  # the route does this when its client disconnects
+    await asyncio.wait_for(backend.cancelled.wait(), 2)  # the far call is cancelled, not left to its deadline
+    assert backend.inside == 0
+    for _ in range(100):  # the call slot comes back
+        if batcher.metrics.stopped_calls:
+            break
+        await asyncio.sleep(0.01)
+    assert batcher.metrics.stopped_calls == 1
+    backend.hold = False
+    backend.max_concurrency = 1  # one call inside is all it waits for now
+    answered = await asyncio.wait_for(batcher.submit(request("stays")), 5)
+    assert answered.scores == [1.0]
+    await batcher.stop()
+
+
+async def test_stop_cancels_a_proxied_request_in_flight_and_answers_shutting_down():
+    backend = ProxyBackend(hold=True)
+    batcher = await started(backend)
+    caller = asyncio.create_task(batcher.submit(request("held")))
+    while not backend.inside:
+        await asyncio.sleep(0.01)
+    await asyncio.wait_for(batcher.stop(), 5)
+    assert backend.cancelled.is_set()
+    with pytest.raises(ShuttingDown):
+        await caller
 
 
 class SlowOrBadBackend(RecordingBackend):

@@ -11,7 +11,9 @@ last call, not from a request's arrival, is what keeps calls large under load: a
 engine ran has always "waited out" a window counted from its arrival, so it went at once, alone or nearly alone.
 
 Cancellation. A caller that goes away cancels its ``submit``: its chunks leave the queue, and an engine call whose
-every request has gone stops before its next micro-batch (``should_stop``, where the backend takes it).
+every request has gone stops before its next micro-batch (``should_stop``, where the backend takes it). A proxied
+request (a backend with an ``async def ascore`` and no ``score_batch``) runs as a task on the event loop, cancelled
+the moment its caller goes: its HTTP call to the far server is closed, not left to run out its deadline.
 
 Shutdown. ``drain(seconds)`` refuses new work (``ShuttingDown``), lets queued and running work go on for
 ``seconds``, then answers everything left with ``ShuttingDown``.
@@ -92,6 +94,14 @@ class Batcher:
         self._tokens_per_s: float | None = None  # the engine's recent best, from the calls' estimated tokens
         self.item_cap = getattr(backend, "max_length", None)  # the model's longest input, where the backend says
         self._takes_should_stop = _accepts(getattr(backend, "score_batch", None), "should_stop")
+        # A proxy with a coroutine ``ascore`` is awaited on the loop (cancellable); one without, on a thread.
+        self._awaits_backend = self._one_by_one and inspect.iscoroutinefunction(getattr(backend, "ascore", None))
+
+    @property
+    def proxies(self) -> bool:
+        """Whether the backend forwards whole requests to another server (no ``score_batch``): that server cuts
+        items by its own limits."""
+        return self._one_by_one
 
     @property
     def chunk_tokens(self) -> int:
@@ -258,8 +268,12 @@ class Batcher:
         loop = asyncio.get_running_loop()
         begun = loop.time()
         try:
-            outcomes = await loop.run_in_executor(self._engine_thread, score_each, self.backend, requests,
-                                                  should_stop if self._takes_should_stop else None)
+            if self._awaits_backend:
+                outcomes = list(await asyncio.gather(*(self._ascore(piece, request)
+                                                       for piece, request in zip(pieces, requests))))
+            else:
+                outcomes = await loop.run_in_executor(self._engine_thread, score_each, self.backend, requests,
+                                                      should_stop if self._takes_should_stop else None)
             if len(outcomes) != len(pieces):  # answered by position: a piece without its own outcome never returns
                 error = RuntimeError(f"the engine returned {len(outcomes)} outcomes for {len(pieces)} requests")
                 log.error("%s", error)
@@ -287,6 +301,28 @@ class Batcher:
         self._last_requests = answered
         if len(pieces) and all(isinstance(outcome, Cancelled) for outcome in outcomes):
             self.metrics.stopped_calls += 1
+
+    async def _ascore(self, piece: Piece, request: ScoreRequest) -> ScoreResponse | Exception:
+        """``request`` through the backend's ``ascore`` as a task of its own, cancelled as soon as the piece's
+        caller has gone (cancelled, or failed by a drain that gave up): ``Cancelled`` then, the error it raised
+        otherwise. Cancelling this call itself (``stop``) cancels the task too."""
+        scoring = asyncio.ensure_future(self.backend.ascore(request))
+
+        def caller_gone(_: asyncio.Future) -> None:
+            scoring.cancel()
+
+        piece.submission.future.add_done_callback(caller_gone)
+        try:
+            return await scoring
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if not scoring.cancelled() or (current is not None and current.cancelling()):
+                raise
+            return Cancelled("the caller went away; its request to the backend was cancelled")
+        except Exception as exc:  # noqa: BLE001 - handed to the request's caller, who maps it to a status
+            return exc
+        finally:
+            piece.submission.future.remove_done_callback(caller_gone)
 
     def _observe_speed(self, tokens: int, seconds: float) -> None:
         rate = tokens / max(seconds, 1e-6)

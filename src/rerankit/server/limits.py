@@ -94,17 +94,19 @@ def check_body_size(config: ServerConfig, size: int) -> None:
                               config.max_body_bytes)
 
 
-def bound_request(config: ServerConfig, request: ScoreRequest) -> ScoreRequest:
+def bound_request(config: ServerConfig, request: ScoreRequest, cut_items: bool = True) -> ScoreRequest:
     """The request within the server's limits: too many items is a 413; items are cut to ``max_tokens_per_item``.
 
     The token limit becomes the request's own cut (the lower of the two), so the engine cuts long items
     where the request allows it and refuses them (``InvalidRequest``) where it says ``truncation="none"``.
+    ``cut_items=False`` (a proxy): the request keeps its own cut, or none; the far server cuts by its own limit
+    (most peers' routes take no per-item cut, and would refuse every request that carried the server's).
     """
     if len(request.items) > config.max_items_per_request:
         raise RequestTooLarge("items", f"holds {len(request.items)} items; the limit is "
                               f"{config.max_items_per_request} (max_items_per_request)",
                               config.max_items_per_request)
     limit = config.max_tokens_per_item
-    if request.max_tokens_per_item is not None and request.max_tokens_per_item <= limit:
+    if not cut_items or (request.max_tokens_per_item is not None and request.max_tokens_per_item <= limit):
         return request
     return request.model_copy(update={"max_tokens_per_item": limit})

@@ -68,7 +68,7 @@ def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
             body = parse_json(await read_body(request, config))
             dialect = dialect_for(dialects, body, request.headers, default)
             score_request = dialect.parse_request(body)
-            score_request = bound_request(config, score_request)
+            score_request = bound_request(config, score_request, cut_items=not batcher.proxies)
             response = await unless_disconnected(request.receive, batcher.submit(score_request))
             payload = dialect.encode_response(response, score_request, model_name, dialect.echoed_documents(body))
             status, items, tokens = 200, len(response.results), response.usage.prompt_tokens
