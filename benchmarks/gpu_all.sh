@@ -2,9 +2,9 @@
 # Everything that needs the GPU machine: GPU tests, pair-scoring benchmarks (W1-W4, MIS workload), kernel
 # benchmarks, and rerankit serve under load with and without batching. Results land in ${OUT:-gpu_out}.
 # Stages: tests, pairs, w4, kernels, serve (default: all; together they outrun one 10-minute device call, and only
-# 8 files come back from one call: name one or two stages per call). On the lent H100 (2026-11-23): tests ~140 s,
+# 8 files come back from one call: name one or two stages per call). On an H100 (2026-11-23): tests ~140 s,
 # pairs ~200 s, w4 with the 8B shape ~110 s, serve ~150 s.
-# The lent device machine has torch/triton/transformers but no pydantic or fastapi: build cp312 wheels here first
+# On a GPU machine with torch/triton/transformers but no pydantic or fastapi, build cp312 wheels first
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_17_x86_64 -d .whl pydantic pydantic_core annotated-types typing-inspection \
 #     typing_extensions fastapi starlette uvicorn opentelemetry-api annotated-doc click h11

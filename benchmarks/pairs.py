@@ -206,7 +206,7 @@ def row_for(workload: Workload, variant: str, times: list[float], peak: float, p
     row = {"workload": workload.name, "variant": variant, "pairs": pairs, "tokens": tokens,
            "pairs_per_s": pairs / median, "tokens_per_s": tokens / median,
            "body_mfu": flops / median / PEAK_BF16_FLOPS, "peak_gib": peak, "median_s": median}
-    if not workload.latency:  # every call, in order: a lent host's hiccups show here, not only in the median
+    if not workload.latency:  # every call, in order: a host's hiccups show here, not only in the median
         row["call_ms"] = [round(1000 * t, 2) for t in times]
     if workload.latency:
         ordered = sorted(times)

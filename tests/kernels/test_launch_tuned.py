@@ -2,7 +2,7 @@
 
 from types import SimpleNamespace
 
-from rerankit.kernels import launch_tuned
+from rerankit.kernels import MAX_TUNED_TOKENS, MIN_TUNED_TOKENS, launch_tuned, token_bucket
 
 
 class FakeTuner:
@@ -35,3 +35,17 @@ def test_first_launch_tunes_later_ones_take_the_chosen_config():
     assert [call[0] for call in tuner.calls] == ["tuner", "direct", "direct", "tuner"]
     assert tuner.calls[1] == ("direct", (7,), (1, 2), {"FLAG": True, "BLOCK_M": 64, "num_warps": 4})
     assert shapes == [config, config]  # the block shapes are set for each direct launch
+
+
+def test_token_buckets_are_powers_of_two_clamped_to_the_tuned_range():
+    assert [token_bucket(t) for t in (1, 100, 2048, 2049, 5120, 8192, 26624, 65536, 10**6)] == \
+        [MIN_TUNED_TOKENS, MIN_TUNED_TOKENS, 2048, 4096, 8192, 8192, 32768, 65536, MAX_TUNED_TOKENS]
+
+
+def test_a_gemm_is_tuned_again_in_each_bucket_of_token_counts():
+    config = SimpleNamespace(kwargs={}, all_kwargs=lambda: {})
+    tuner = FakeTuner(config)
+    for tokens in (256, 1900, 26624, 30000, 5000):  # buckets: 2k, 2k, 32k, 32k, 8k
+        launch_tuned(tuner, ("qkv", token_bucket(tokens)), (1,), (tokens,), {}, lambda config: None)
+    assert [(call[0], call[2][0]) for call in tuner.calls] == [
+        ("tuner", 256), ("direct", 1900), ("tuner", 26624), ("direct", 30000), ("tuner", 5000)]

@@ -215,7 +215,7 @@ def _host_tensors(arrays: list[np.ndarray], dtype: type, pin_memory: bool) -> li
     them (one pinned allocation per micro-batch and dtype, not one per field).
 
     The pinned block comes from torch's caching host allocator (``torch.empty(..., pin_memory=True)``) and numpy
-    fills it in place. On the lent H100's host, ``Tensor.pin_memory()`` between tokenizer calls took 3.6 ms a call
+    fills it in place. On an H100 host, ``Tensor.pin_memory()`` between tokenizer calls took 3.6 ms a call
     where this takes 0.2 (0.02 alone), and the tokenizer calls after it ran 2.5x slower (12.6 vs 5.1 ms for W1's
     documents); W1's planning took 17.7 ms with it and 9.2 ms unpinned.
     """

@@ -33,15 +33,29 @@ def sm_count(device: torch.device, interpreted: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else interpreted
 
 
+# The GEMMs are tuned per bucket of token counts: a tile and pipeline depth that suit 26k tokens (W1's micro-batch:
+# hundreds of tiles a program) are not those that suit 2k (a tile or two a program), and a config tuned at the first
+# call's size (a server's warm-up starts small) used to serve every size after it.
+MIN_TUNED_TOKENS = 2048  # below: one bucket (launch-bound sizes)
+MAX_TUNED_TOKENS = 65536  # above: one bucket (hundreds of tiles a program either way)
+
+
+def token_bucket(tokens: int) -> int:
+    """The tuning bucket of a GEMM over ``tokens`` rows: the power of two at or above it, from MIN_TUNED_TOKENS to
+    MAX_TUNED_TOKENS."""
+    return min(MAX_TUNED_TOKENS, max(MIN_TUNED_TOKENS, 1 << max(tokens - 1, 1).bit_length()))
+
+
 _TUNED: dict = {}  # (autotuner, key) -> the config its tuning chose
 _TUNING = threading.Lock()  # a tuner's best_config is the last launch's: read it before another thread launches
 
 
 def launch_tuned(kernel, key: tuple, grid, args: tuple, kwargs: dict, set_block_shapes) -> None:
     """Launch ``triton.autotune``'d ``kernel`` on ``args``/``kwargs``: through its tuner the first time for ``key``
-    (which must determine the tuner's own key), then straight through the compiled function with the config the
-    tuner chose. The tuner rebuilds dicts of every argument and runs the config's pre-hook on each call, ~35-70 us
-    of host time a launch on the lent H100 hosts, where an eager LI forward's launches can take longer than the
+    (which must determine the tuner's own key, or be finer: a key holding ``token_bucket(M)`` for a tuner keyed on
+    ``M`` tunes once per bucket, at the bucket's first size), then straight through the compiled function with the
+    config the tuner chose. The tuner rebuilds dicts of every argument and runs the config's pre-hook on each call,
+    ~35-70 us of host time a launch on an H100 host, where an eager LI forward's launches can take longer than the
     GPU. ``set_block_shapes(config)`` does the pre-hook's work (the descriptors' block shapes) for a direct launch."""
     config = _TUNED.get((id(kernel), key))
     if config is None:

@@ -4,7 +4,7 @@
 
 The math is Inductor's compiled ``rms_norm`` to the rounding (``rms_norm_reference`` is the decoder's own function);
 what it saves is host time. An eager micro-batch launches every layer's steps from Python, and a call of a
-``torch.compile``'d step costs ~110 us of guards and wrapper on the lent H100's host against ~20-30 us for a
+``torch.compile``'d step costs ~110 us of guards and wrapper on an H100 host against ~20-30 us for a
 Triton launch: the decoder's two norms a layer, 28 layers, are ~5 ms of launching a forward. The Triton kernel runs
 on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1; anything else falls back to the reference.
 """
