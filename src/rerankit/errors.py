@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import copyreg
 import re
 
 
@@ -15,6 +17,11 @@ class RerankitError(Exception):
         super().__init__(message)
         self.message = message
 
+    def __reduce__(self) -> tuple:
+        # Rebuilt from its args and attributes without calling __init__ (subclasses take other arguments): every
+        # subclass crosses processes (the data-parallel replicas) and ``copy.copy`` as it is.
+        return copyreg.__newobj__, (type(self), *self.args), self.__dict__
+
 
 class InvalidRequest(RerankitError, ValueError):
     """The request cannot be scored as given; ``field`` names the offending field."""
@@ -27,6 +34,13 @@ class InvalidRequest(RerankitError, ValueError):
         self.field = field
         self.reason = message
 
+    def renamed(self, field: str) -> "InvalidRequest":
+        """A copy (same class, same attributes: a 413's limit) that names ``field`` instead."""
+        twin = copy.copy(self)
+        Exception.__init__(twin, f"{field}: {self.reason}")
+        twin.field, twin.message = field, f"{field}: {self.reason}"
+        return twin
+
 
 def shift_item_index(error: BaseException, start: int) -> BaseException:
     """``error`` with the index of its ``items[k]`` field moved up by ``start`` (where a slice of a request's items
@@ -34,12 +48,7 @@ def shift_item_index(error: BaseException, start: int) -> BaseException:
     match = re.match(r"items\[(\d+)\]", getattr(error, "field", "")) if isinstance(error, InvalidRequest) else None
     if match is None or start == 0:
         return error
-    field = f"items[{int(match.group(1)) + start}]{error.field[match.end():]}"
-    shifted = type(error).__new__(type(error))
-    shifted.__dict__.update(vars(error))
-    Exception.__init__(shifted, f"{field}: {error.reason}")
-    shifted.field, shifted.message = field, f"{field}: {error.reason}"
-    return shifted
+    return error.renamed(f"items[{int(match.group(1)) + start}]{error.field[match.end():]}")
 
 
 class RequestTooLarge(InvalidRequest):
@@ -98,6 +107,24 @@ class Overloaded(RerankitError):
     """The server's queue is full; try again later."""
 
     status_code = 429
+    error_type = "overloaded"
+
+
+class UpstreamError(RerankitError):
+    """A far server's error as a proxy answers it: ``status_code``, the far server's message and ``field``."""
+
+    error_type = "upstream_error"
+
+    def __init__(self, status_code: int, message: str, field: str | None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.field = field
+
+
+class TooManyConnections(RerankitError):
+    """A connection over the server's ``max_connections`` while every other one has a request running."""
+
+    status_code = 503
     error_type = "overloaded"
 
 

@@ -11,9 +11,11 @@ import pytest
 
 from rerankit.defaults import default_model_path
 from rerankit.engine import EmbeddedBackend
+from rerankit.engine.replica_worker import portable
 from rerankit.engine.replicas import DataParallelBackend, _Replica, replica_devices, spare_replicas
 from rerankit.engine.shards import MIN_SHARD_TOKENS, Shard, cut, item_tokens, merge
-from rerankit.errors import Cancelled, InvalidRequest, ReplicaDied, RequestTooLarge
+from rerankit.errors import (Cancelled, InvalidRequest, ModelLoadError, ReplicaDied, RequestTooLarge,
+                             RerankitError)
 from rerankit.reranker import make_backend
 from rerankit.schema import ScoreRequest
 
@@ -145,8 +147,31 @@ def test_a_refused_request_keeps_its_typed_error_and_the_others_are_scored(
     outcomes = replicas.score_batch([good, bad], return_exceptions=True)
     assert outcomes[0].scores == pytest.approx(single.score(good).scores, abs=1e-6)
     assert isinstance(outcomes[1], InvalidRequest) and outcomes[1].field
+    own = single.score_batch([bad], return_exceptions=True)[0]  # the same error, raised in this process
+    assert type(outcomes[1]) is type(own) and vars(outcomes[1]) == vars(own) and outcomes[1].args == own.args
     with pytest.raises(InvalidRequest):
         replicas.score_batch([good, bad])
+
+
+class KeywordOnlyError(Exception):
+    """Pickles, but cannot be rebuilt from its args: as some third-party exceptions."""
+
+    def __init__(self, message: str, *, detail: str) -> None:
+        super().__init__(message)
+        self.detail = detail
+
+
+def test_an_error_that_cannot_cross_processes_is_sent_as_a_rerankit_error_naming_it() -> None:
+    error = RequestTooLarge("items", "too many", 3)
+    plain = ValueError("bad")
+    assert portable(error) is error and portable(plain) is plain
+    replaced = portable(KeywordOnlyError("no room", detail="x"))
+    assert type(replaced) is RerankitError and "KeywordOnlyError: no room" in replaced.message
+
+
+def test_a_replica_that_cannot_load_fails_the_constructor_with_its_error(tmp_path) -> None:
+    with pytest.raises(ModelLoadError, match="did not start: .*no model folder"):
+        DataParallelBackend(str(tmp_path / "absent"), data_parallel_size=1, device="cpu", startup_timeout_s=120)
 
 
 def test_should_stop_cancels_the_call(replicas: DataParallelBackend) -> None:

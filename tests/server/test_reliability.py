@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 from live_server import live_server
 from server_fakes import RecordingBackend
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -26,7 +27,8 @@ from wire_models import ERROR_MODELS
 
 from rerankit.schema import ScoreRequest
 from rerankit.server.app import create_app
-from rerankit.server.limits import ServerConfig
+from rerankit.server.connections import over_capacity_app
+from rerankit.server.limits import RERANK_DIALECTS, ServerConfig
 from rerankit.server.routes import ROUTES
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -197,9 +199,11 @@ def test_over_the_connection_limit_the_connection_idle_longest_makes_room(ce, pr
                 sock.close()
 
 
-def test_over_the_connection_limit_with_every_connection_busy_one_json_503_in_the_routes_dialect(protocol):
+@pytest.mark.parametrize("rerank_dialect, dialect", [(None, "cohere"), ("vllm-rerank", "vllm-rerank")])
+def test_over_the_connection_limit_with_every_connection_busy_one_json_503_in_the_routes_dialect(
+        protocol, rerank_dialect, dialect):
     backend = RecordingBackend(hold_first_call=True)
-    config = ServerConfig(max_connections=1, header_timeout_s=30)
+    config = ServerConfig(max_connections=1, header_timeout_s=30, rerank_dialect=rerank_dialect)
     with live_server(create_app(backend, config), config, protocol=protocol) as base:
         with ThreadPoolExecutor(1) as pool:
             busy = pool.submit(httpx.post, base + "/v2/rerank", json=BODIES["/v2/rerank"], timeout=30)
@@ -210,9 +214,32 @@ def test_over_the_connection_limit_with_every_connection_busy_one_json_503_in_th
                 backend.gate.set()
             assert busy.result(timeout=30).status_code == 200
         assert refused.status_code == 503
-        ERROR_MODELS["cohere"].model_validate(refused.json())
-        assert "max_connections" in refused.json()["message"] and refused.headers["retry-after"] == "1"
+        ERROR_MODELS[dialect].model_validate(refused.json())
+        assert "max_connections" in refused.text and refused.headers["retry-after"] == "1"
+        assert refused.headers["connection"] == "close"
         assert httpx.post(base + "/v2/rerank", json=BODIES["/v2/rerank"], timeout=10).status_code == 200
+
+
+def keys(body):
+    """The nested field names of a JSON body: its wire format, apart from the values."""
+    return {key: keys(value) for key, value in body.items()} if isinstance(body, dict) else None
+
+
+@pytest.mark.parametrize("rerank_dialect", [None, *RERANK_DIALECTS])
+def test_the_over_capacity_503_is_in_the_format_of_the_routes_own_errors(rerank_dialect):
+    """For every path and ``rerank_dialect``: the 503 has the format of the 415 the route itself answers."""
+    config = ServerConfig(rerank_dialect=rerank_dialect)
+    route, refuse = TestClient(create_app(RecordingBackend(), config)), TestClient(over_capacity_app(config))
+    for path in [*ROUTES, "/health"]:
+        refused = refuse.post(path, json={})
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1", path
+        if path in ROUTES:
+            own = route.post(path, content=b"{}", headers={"content-type": "text/plain"})
+            assert own.status_code == 415
+        else:
+            own = route.post(path)  # 405, from the app's own error handler
+        assert keys(refused.json()) == keys(own.json()), path
+        assert "max_connections" in refused.text
 
 
 def test_a_dripping_body_is_answered_408_in_json_and_its_connection_closed(protocol):

@@ -5,15 +5,14 @@ a list of ``ScoreRequest``) or "warm_up" (payload: its shapes, or None), and ``N
 on its own pipe: ``("ready", model_name, load_seconds, max_length, pipelined_calls)`` or ``("load_failed", error)``
 once, then ``("done", task_id, result)`` or ``("failed", task_id, error)`` per task. A replica on a GPU runs two
 tasks at once (``EmbeddedBackend.pipelined_calls``: one launches while the other's scores come back), so its GPU
-does not wait for the host between calls; the parent keeps that many tasks in flight on it. Errors travel packed (``pack_error``):
-rerankit's errors take other arguments than their message, so the default pickling of exceptions cannot rebuild
-them.
+does not wait for the host between calls; the parent keeps that many tasks in flight on it. Errors travel as they are
+(``RerankitError`` pickles whole); one that cannot cross is replaced by a ``RerankitError`` naming it (``portable``).
 """
 
 from __future__ import annotations
 
-import importlib
 import multiprocessing
+import pickle
 import queue
 import threading
 import time
@@ -24,41 +23,16 @@ from typing import Any
 PARENT_CHECK_S = 1.0  # how often an idle replica checks that its parent still runs (it exits with it)
 
 
-PackedError = tuple[str, str, str, str, dict[str, Any]]
-
-
-def pack_error(error: BaseException) -> PackedError:
-    """An exception as plain data: its class's module and name, its message and its attributes."""
-    attributes = {name: value for name, value in vars(error).items() if _plain(value)}
-    return ("error", type(error).__module__, type(error).__qualname__, _message(error), attributes)
-
-
-def unpack_error(packed: PackedError) -> Exception:
-    """The exception ``pack_error`` packed, of its own class where that class can be imported here."""
-    _, module, name, message, attributes = packed
+def portable(error: BaseException) -> BaseException:
+    """``error`` itself where it survives pickling (every ``RerankitError`` does); else a ``RerankitError`` naming
+    its class and message, so that a reply never fails to send or to be read."""
     try:
-        cls = getattr(importlib.import_module(module), name)
-        error = cls.__new__(cls)
-        Exception.__init__(error, message)
-        error.__dict__.update(attributes)
+        pickle.loads(pickle.dumps(error))
         return error
-    except (ImportError, AttributeError, TypeError):
+    except Exception:  # noqa: BLE001 - any error of a third-party exception's pickling
         from rerankit.errors import RerankitError
 
-        return RerankitError(f"{module}.{name}: {message}")
-
-
-def is_packed_error(value: Any) -> bool:
-    """True for what ``pack_error`` returns."""
-    return isinstance(value, tuple) and len(value) == 5 and value[0] == "error"
-
-
-def _message(error: BaseException) -> str:
-    return error.args[0] if len(error.args) == 1 and isinstance(error.args[0], str) else str(error)
-
-
-def _plain(value: Any) -> bool:
-    return value is None or isinstance(value, (str, int, float, bool))
+        return RerankitError(f"{type(error).__module__}.{type(error).__qualname__}: {error}")
 
 
 def replica_main(model: str, options: dict[str, Any], threads: int | None, inbox: multiprocessing.Queue,
@@ -79,7 +53,7 @@ def replica_main(model: str, options: dict[str, Any], threads: int | None, inbox
     try:
         backend = EmbeddedBackend(model, **options)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it as its own
-        outbox.send(("load_failed", pack_error(exc)))
+        outbox.send(("load_failed", portable(exc)))
         return
     workers = max(1, backend.pipelined_calls)
     outbox.send(("ready", backend.model_name, time.perf_counter() - begun, backend.max_length, workers))
@@ -90,11 +64,11 @@ def replica_main(model: str, options: dict[str, Any], threads: int | None, inbox
             if kind == "warm_up":
                 result: Any = backend.warm_up(shapes=payload)
             else:
-                result = [pack_error(outcome) if isinstance(outcome, BaseException) else outcome
+                result = [portable(outcome) if isinstance(outcome, BaseException) else outcome
                           for outcome in backend.score_batch(payload, return_exceptions=True)]
             reply = ("done", task_id, result)
         except Exception as exc:  # noqa: BLE001 - an error of the whole call (out of memory): the parent's
-            reply = ("failed", task_id, pack_error(exc))
+            reply = ("failed", task_id, portable(exc))
         with sending:
             outbox.send(reply)
 

@@ -24,7 +24,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_ready
 from typing import Any, Callable
 
-from rerankit.engine.replica_worker import is_packed_error, replica_main, unpack_error
+from rerankit.engine.replica_worker import replica_main
 from rerankit.engine.shards import cut, merge
 from rerankit.errors import Cancelled, InvalidRequest, ModelLoadError, RerankitError, ReplicaDied
 from rerankit.schema import ScoreRequest, ScoreResponse
@@ -202,7 +202,7 @@ class DataParallelBackend:
         outcomes: list[Any] = [None] * len(shards)
         for task, numbers in tasks:
             for number, outcome in zip(numbers, task.future.result()):
-                outcomes[number] = unpack_error(outcome) if is_packed_error(outcome) else outcome
+                outcomes[number] = outcome
         merged = merge(requests, shards, outcomes)
         if not return_exceptions:
             for outcome in merged:
@@ -382,7 +382,7 @@ class DataParallelBackend:
                      replica.startup_seconds, load_seconds)
             self._ready.notify_all()
         elif kind == "load_failed":
-            replica.failure = unpack_error(message[1])
+            replica.failure = message[1]
             replica.state = "down"
             log.error("replica %d on %s failed to load: %s", replica.index, replica.device, replica.failure)
             self._retry_all(replica)
@@ -395,7 +395,7 @@ class DataParallelBackend:
             if kind == "done":
                 task.future.set_result(payload)
             else:
-                task.future.set_exception(unpack_error(payload))
+                task.future.set_exception(payload)
 
     def _died(self, replica: _Replica, how: str) -> None:
         if replica.state == "down":

@@ -13,13 +13,12 @@ import asyncio
 import logging
 from typing import Any
 
-from starlette.responses import JSONResponse
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from rerankit.remote.dialects import get_dialect
-from rerankit.remote.dialects.common import openai_error
+from rerankit.errors import TooManyConnections
+from rerankit.server.app import app_error_response
 from rerankit.server.limits import ServerConfig
-from rerankit.server.routes import ROUTES
+from rerankit.server.routes import ROUTES, default_dialect, error_response
 
 log = logging.getLogger("rerankit.server")
 
@@ -103,16 +102,17 @@ def guarded_protocol(config: ServerConfig, base: type[asyncio.Protocol] = AutoHT
 
 
 def over_capacity_app(config: ServerConfig) -> Any:
-    """The ASGI app answering a connection over ``max_connections``: one JSON 503 (the route's dialect), then close."""
-    message = (f"the server holds its limit of {config.max_connections} connections (max_connections), each with a "
-               "request running; retry later")
-    headers = {"Retry-After": str(config.retry_after_s), "Connection": "close"}
+    """The ASGI app answering a connection over ``max_connections``: one JSON 503, then close. A scoring path answers
+    it as its own errors (``routes.default_dialect``, ``routes.error_response``); any other path as the app does."""
+    error = TooManyConnections(f"the server holds its limit of {config.max_connections} connections "
+                               "(max_connections), each with a request running; retry later")
+    dialects = {path: default_dialect(path, config) for path in ROUTES}
 
     async def over_capacity(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        dialects = ROUTES.get(scope.get("path", ""))
-        body = (get_dialect(dialects[0]).error_body(503, message) if dialects
-                else {"error": openai_error(503, message, None, "overloaded")})
-        await JSONResponse(body, status_code=503, headers=headers)(scope, receive, send)
+        dialect = dialects.get(scope.get("path", ""))
+        response = error_response(dialect, error, config) if dialect else app_error_response(error, config)
+        response.headers["Connection"] = "close"
+        await response(scope, receive, send)
 
     return over_capacity
 

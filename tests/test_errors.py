@@ -1,0 +1,63 @@
+"""Every ``RerankitError`` pickles whole: the data-parallel replicas send errors to the parent as they are."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import pickle
+
+import pytest
+
+from rerankit import errors
+from rerankit.errors import InvalidRequest, RerankitError, shift_item_index
+
+# Every RerankitError class errors.py defines, a subclass added later included.
+ERROR_CLASSES = sorted((value for value in vars(errors).values()
+                        if isinstance(value, type) and issubclass(value, RerankitError)), key=lambda cls: cls.__name__)
+
+
+def build(cls: type[RerankitError]) -> RerankitError:
+    """An instance of ``cls`` with a distinct value for each argument of its ``__init__``: a number where the
+    annotation names int (``limit``, ``status_code``), else a string naming the argument."""
+    arguments = {}
+    for position, (name, parameter) in enumerate(inspect.signature(cls.__init__).parameters.items()):
+        if name != "self":
+            annotation = str(parameter.annotation)
+            arguments[name] = 400 + position if "int" in annotation else f"{name} of {cls.__name__}"
+    return cls(**arguments)
+
+
+def assert_same(copied: BaseException, error: BaseException) -> None:
+    assert type(copied) is type(error)
+    assert copied.args == error.args and str(copied) == str(error)
+    assert vars(copied) == vars(error) and vars(copied)  # message, field, reason, limit, status_code, url...
+    assert (copied.status_code, copied.error_type) == (error.status_code, error.error_type)
+
+
+def test_every_error_class_is_covered() -> None:
+    assert len(ERROR_CLASSES) >= 10 and RerankitError in ERROR_CLASSES and InvalidRequest in ERROR_CLASSES
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+@pytest.mark.parametrize("cls", ERROR_CLASSES, ids=lambda cls: cls.__name__)
+def test_every_error_round_trips_through_pickle_with_its_attributes(cls, protocol) -> None:
+    error = build(cls)
+    assert_same(pickle.loads(pickle.dumps(error, protocol=protocol)), error)
+
+
+@pytest.mark.parametrize("cls", ERROR_CLASSES, ids=lambda cls: cls.__name__)
+def test_every_error_copies(cls) -> None:
+    error = build(cls)
+    assert_same(copy.copy(error), error)
+    assert_same(copy.deepcopy(error), error)
+
+
+def test_attributes_set_after_init_and_notes_travel_too() -> None:
+    error = errors.RequestTooLarge("items[3].text", "is too long", 64)
+    error.add_note("while scoring shard 2")
+    shifted = shift_item_index(error, 10)  # built without __init__, as the replicas' merge builds it
+    copied = pickle.loads(pickle.dumps(shifted))
+    assert_same(copied, shifted)
+    assert copied.field == "items[13].text" and copied.limit == 64 and copied.__notes__ == ["while scoring shard 2"]
+    remote = errors.RemoteError("busy", status_code=503, url="http://far/rerank", body='{"error": "busy"}')
+    assert_same(pickle.loads(pickle.dumps(remote)), remote)
