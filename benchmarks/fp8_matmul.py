@@ -108,6 +108,10 @@ def main() -> None:
               f"{row['qkv_scaled_mm_tflops']:>8.0f} | {row['down_scaled_mm_tflops']:>9.0f}"
               f"{row['down_bf16_tflops']:>6.0f} | {1000 * row['rms_norm_quant_ms']:>9.1f}"
               f"{1000 * row['quantize_rows_ms']:>9.1f}")
+    from rerankit.kernels import _TUNED  # what the tuners chose, per kernel and key (token bucket last)
+
+    for (_, key), config in _TUNED.items():
+        print(json.dumps({"tuned": [str(part) for part in key], "config": str(config)}))
     if args.out:
         Path(args.out).write_text("".join(json.dumps(row) + "\n" for row in rows))
 

@@ -116,8 +116,8 @@ def qkv_rope_matmul(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads: i
     if tokens == 0:
         return out
     x_desc, w_desc, out_desc = (TensorDescriptor.from_tensor(t, [16, 16]) for t in (x, weight, out))
-    programs = sm_count(x.device, interpreted=4)  # the persistent kernel: PER_SM programs per SM
-    grid = lambda meta: (min(programs * meta.get("PER_SM", 1), triton.cdiv(tokens, meta["BLOCK_M"])  # noqa: E731
+    programs = sm_count(x.device, interpreted=4)  # the persistent kernel: one program per SM
+    grid = lambda meta: (min(programs, triton.cdiv(tokens, meta["BLOCK_M"])  # noqa: E731
                              * triton.cdiv(width, meta["HEADS"] * head_dim)),)
     has_norm = q_norm is not None
     scales = (x_scale.float().contiguous(), w_scale.float().contiguous()) if fp8 else (cos, cos)
@@ -125,9 +125,9 @@ def qkv_rope_matmul(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads: i
             q_norm if has_norm else cos, k_norm if has_norm else cos,  # unread without HAS_NORM / HAS_BIAS / SCALED
             tokens, width, x.shape[1], eps)
     meta = dict(HEAD_DIM=head_dim, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HAS_BIAS=bias is not None,
-                HAS_NORM=has_norm, SCALED=fp8)
+                HAS_NORM=has_norm, SCALED=fp8, NUM_SMS=programs)
     if _INTERPRET:  # one small tile, the widest of whole heads that keeps q, k and v apart: no tuning
-        tile = dict(BLOCK_M=16, BLOCK_K=16, GROUP_M=2, HEADS=max(h for h in (2, 1) if _uniform(h, meta)), PER_SM=1)
+        tile = dict(BLOCK_M=16, BLOCK_K=16, GROUP_M=2, HEADS=max(h for h in (2, 1) if _uniform(h, meta)))
         x_desc.block_shape, w_desc.block_shape = [16, 16], [tile["HEADS"] * head_dim, 16]
         out_desc.block_shape = [16, tile["HEADS"] * head_dim]
         _qkv_rope_kernel_interpreted[grid](*args, **meta, **tile)
@@ -200,25 +200,22 @@ if triton is not None:
 
     def _qkv_rope_body(x_desc, w_desc, b_ptr, xs_ptr, ws_ptr, out_desc, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, M,
                        N, K, eps, HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, SCALED: tl.constexpr,
-                       BLOCK_M: tl.constexpr, HEADS: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                       PER_SM: tl.constexpr):
-        """Persistent: the grid's programs (PER_SM an SM) walk the output tiles, the loop flattened so that the next
-        tile's loads overlap this tile's epilogue and store (as ``swiglu_matmul``'s descriptor kernel); with two
-        programs an SM one's epilogue also overlaps the other's tensor-core work. A tile is BLOCK_M tokens of HEADS
-        heads. Past the edges the copy engine reads zeros and the store drops what lies outside."""
+                       HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, SCALED: tl.constexpr, NUM_SMS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, HEADS: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        """Persistent: NUM_SMS programs walk the output tiles, the loop flattened so that the next tile's loads
+        overlap this tile's epilogue and store (as ``swiglu_matmul``'s descriptor kernel); a tile is BLOCK_M tokens
+        of HEADS heads. Past the edges the copy engine reads zeros and the store drops what lies outside."""
         BLOCK_N: tl.constexpr = HEADS * HEAD_DIM
-        programs = tl.num_programs(0)
         tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         steps = tl.cdiv(K, BLOCK_K)
-        stored = tl.program_id(0) - programs  # the epilogue's tile, counted apart from the loads'
-        for tile in tl.range(tl.program_id(0), tiles, programs, flatten=True):
+        stored = tl.program_id(0) - NUM_SMS  # the epilogue's tile, counted apart from the loads'
+        for tile in tl.range(tl.program_id(0), tiles, NUM_SMS, flatten=True):
             pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for step in range(steps):
                 acc = tl.dot(x_desc.load([pid_m * BLOCK_M, step * BLOCK_K]),
                              w_desc.load([pid_n * BLOCK_N, step * BLOCK_K]).T, acc)
-            stored += programs
+            stored += NUM_SMS
             pid_m, pid_n = grouped_tile(stored, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             out = _norm_rotate(acc, b_ptr, xs_ptr, ws_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, pid_m, pid_n,
                                M, N, eps, out_desc.dtype, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, HAS_BIAS, HAS_NORM,
@@ -242,25 +239,18 @@ if triton is not None:
     # steps or up to 5 of 32-wide ones (221 KB). H100, Qwen3-0.6B, 14.6k tokens: 32-wide K in 4 stages 0.219 ms,
     # 64-wide in 2 stages 0.251, one head a tile 0.246-0.274 (4-warp and 64-token tiles 0.318-0.355).
     _CONFIGS = [
-        triton.Config({"BLOCK_M": 128, "HEADS": heads, "BLOCK_K": block_k, "GROUP_M": 8, "PER_SM": 1}, num_warps=8,
+        triton.Config({"BLOCK_M": 128, "HEADS": heads, "BLOCK_K": block_k, "GROUP_M": 8}, num_warps=8,
                       num_stages=stages, pre_hook=_set_block_shapes)
         for heads, block_k, stages in ((2, 32, 5), (2, 32, 4), (2, 64, 2), (1, 64, 4), (1, 32, 6))
     ]
     _qkv_rope_kernel = triton.autotune(_CONFIGS, key=["M", "N", "K", "HEAD_DIM", "NUM_HEADS", "NUM_KV_HEADS"],
                                        prune_configs_by={"early_config_prune": _prune})(triton.jit(_qkv_rope_body))
     # FP8 tiles take half the shared memory of 16-bit ones: the 16-bit configs' stages at twice the K depth, and
-    # 128-deep steps (a [256, 128] weight tile is 32 KB), and deeper pipelines: K = 1,024 is only 8-16 steps. At
-    # K = 1,024 a tile's epilogue (norm, rotary) weighs as much as its 8 FP8 K steps, and one program an SM leaves
-    # the tensor cores idle through it: two programs an SM (one head, 4 warps, half the shared memory each) overlap
-    # one's epilogue with the other's steps.
+    # 128-deep steps (a [256, 128] weight tile is 32 KB), and deeper pipelines: K = 1,024 is only 8-16 steps.
     _FP8_CONFIGS = [
-        triton.Config({"BLOCK_M": 128, "HEADS": heads, "BLOCK_K": block_k, "GROUP_M": 8, "PER_SM": 1}, num_warps=8,
+        triton.Config({"BLOCK_M": 128, "HEADS": heads, "BLOCK_K": block_k, "GROUP_M": 8}, num_warps=8,
                       num_stages=stages, pre_hook=_set_block_shapes)
         for heads, block_k, stages in ((2, 64, 5), (2, 64, 7), (2, 128, 2), (2, 128, 3), (1, 128, 4))
-    ] + [
-        triton.Config({"BLOCK_M": block_m, "HEADS": 1, "BLOCK_K": 128, "GROUP_M": 8, "PER_SM": 2}, num_warps=warps,
-                      num_stages=stages, pre_hook=_set_block_shapes)
-        for block_m, warps, stages in ((128, 4, 2), (128, 8, 2), (64, 4, 3))
     ]
     _qkv_rope_fp8_kernel = triton.autotune(_FP8_CONFIGS, key=["M", "N", "K", "HEAD_DIM", "NUM_HEADS",
                                                                "NUM_KV_HEADS"],

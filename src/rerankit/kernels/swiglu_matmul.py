@@ -109,19 +109,19 @@ def swiglu_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tma:
         # Block shapes are set per tuning config by _set_block_shapes; the ones given here are placeholders.
         x_desc, out_desc = (TensorDescriptor.from_tensor(t, [16, 16]) for t in (x, out))
         w_desc = TensorDescriptor.from_tensor(weight.view(2, width, x.shape[1]), [2, 16, 16])
-        programs = sm_count(x.device, interpreted=4)  # the persistent kernel: PER_SM programs per SM
-        grid = lambda meta: (min(programs * meta.get("PER_SM", 1), triton.cdiv(tokens, meta["BLOCK_M"])  # noqa: E731
+        programs = sm_count(x.device, interpreted=4)  # the persistent kernel: one program per SM
+        grid = lambda meta: (min(programs, triton.cdiv(tokens, meta["BLOCK_M"])  # noqa: E731
                                  * triton.cdiv(width, meta["BLOCK_N"])),)
         args = (x_desc, w_desc, bias_arg, *scales, out_desc, tokens, width, x.shape[1])
-        meta = dict(HAS_BIAS=bias is not None, SCALED=fp8)
+        meta = dict(HAS_BIAS=bias is not None, SCALED=fp8, NUM_SMS=programs)
         if _INTERPRET:
             _swiglu_tma_kernel_interpreted[grid](*args, **meta)
         else:
             descriptors = {"x_desc": x_desc, "w_desc": w_desc, "out_desc": out_desc}
             kernel = _swiglu_tma_fp8_kernel if fp8 else _swiglu_tma_kernel
             key = (width, x.shape[1], x.dtype, bias is not None, programs, token_bucket(tokens))
-            launch_tuned(kernel, key, grid, args, meta,
-                         lambda config: _set_block_shapes({**descriptors, **config.kwargs}))
+            launch_tuned(kernel, key, grid, args,
+                         meta, lambda config: _set_block_shapes({**descriptors, **config.kwargs}))
         return out
     grid = lambda meta: (triton.cdiv(tokens, meta["BLOCK_M"]) * triton.cdiv(width, meta["BLOCK_N"]),)  # noqa: E731
     args = (x, weight, bias_arg, out, tokens, width, x.shape[1])
@@ -129,7 +129,8 @@ def swiglu_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tma:
         _swiglu_matmul_kernel_interpreted[grid](*args, HAS_BIAS=bias is not None)
     else:
         launch_tuned(_swiglu_matmul_kernel, (width, x.shape[1], x.dtype, bias is not None, token_bucket(tokens)),
-                     grid, args, dict(HAS_BIAS=bias is not None), lambda config: None)
+                     grid, args,
+                     dict(HAS_BIAS=bias is not None), lambda config: None)
     return out
 
 
@@ -206,25 +207,24 @@ if triton is not None:
 
     def _swiglu_tma_body(x_desc, w_desc, b_ptr, xs_ptr, ws_ptr, out_desc, M, N, K, HAS_BIAS: tl.constexpr,
                          SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr, PER_SM: tl.constexpr):
-        """Persistent: the grid's programs (PER_SM an SM) walk the output tiles, each loop flattened so that the
-        next tile's loads overlap this tile's activation and store. ``w_desc`` views the weight as [2, N, K] (gate
-        rows, up rows): one copy-engine load brings the gate and the up tile of the same columns, and one
-        [BLOCK_M, 2 * BLOCK_N] dot computes both (one wide tensor-core instruction per step, not two narrow
-        ones). The accumulator's halves are the gate and the up projection. ``SCALED`` (float8 tiles): the
-        accumulator times each row's ``xs`` and each column's ``ws`` first. Past the edges the copy engine reads
-        zeros and the store drops what lies outside."""
+                         GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
+        """Persistent: NUM_SMS programs walk the output tiles, each loop flattened so that the next tile's loads
+        overlap this tile's activation and store. ``w_desc`` views the weight as [2, N, K] (gate rows, up rows):
+        one copy-engine load brings the gate and the up tile of the same columns, and one [BLOCK_M, 2 * BLOCK_N]
+        dot computes both (one wide tensor-core instruction per step, not two narrow ones). The accumulator's
+        halves are the gate and the up projection. ``SCALED`` (float8 tiles): the accumulator times each row's
+        ``xs`` and each column's ``ws`` first. Past the edges the copy engine reads zeros and the store drops what
+        lies outside."""
         tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         steps = tl.cdiv(K, BLOCK_K)
-        programs = tl.num_programs(0)
-        stored = tl.program_id(0) - programs  # the epilogue's tile, counted apart from the loads' (as Triton's
-        for tile in tl.range(tl.program_id(0), tiles, programs, flatten=True):  # persistent matmul tutorial does)
+        stored = tl.program_id(0) - NUM_SMS  # the epilogue's tile, counted apart from the loads' (as Triton's
+        for tile in tl.range(tl.program_id(0), tiles, NUM_SMS, flatten=True):  # persistent matmul tutorial does)
             pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             both = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
             for step in range(steps):
                 w = w_desc.load([0, pid_n * BLOCK_N, step * BLOCK_K]).reshape(2 * BLOCK_N, BLOCK_K)
                 both = tl.dot(x_desc.load([pid_m * BLOCK_M, step * BLOCK_K]), w.T, both)
-            stored += programs
+            stored += NUM_SMS
             pid_m, pid_n = grouped_tile(stored, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             gate, up = tl.split(tl.permute(tl.reshape(both, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -262,25 +262,20 @@ if triton is not None:
     # then served LI's 14.6k at 0.294 ms against 0.279 for 3 stages, so it is not offered; 32-wide K steps in 5-7
     # stages ran 0.311-0.312 there.
     _TMA_CONFIGS = [
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "PER_SM": 1}, num_warps=8,
-                      num_stages=3, pre_hook=_set_block_shapes),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "PER_SM": 1}, num_warps=4,
-                      num_stages=4, pre_hook=_set_block_shapes),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3,
+                      pre_hook=_set_block_shapes),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4,
+                      pre_hook=_set_block_shapes),
     ]
     # FP8 tiles: one byte an element, so 128-deep K steps take the shared memory that 64-deep 16-bit ones took (three
-    # stages of [128, 128] x and [2, 128, 128] weight tiles: 144 KB); and two programs an SM, with half the
-    # shared memory each, so that one's activation and store overlap the other's tensor-core steps.
+    # stages of [128, 128] x and [2, 128, 128] weight tiles: 144 KB). Not yet tuned on a GPU.
     _TMA_FP8_CONFIGS = [
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "PER_SM": 1}, num_warps=8,
-                      num_stages=3, pre_hook=_set_block_shapes),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "PER_SM": 1}, num_warps=8,
-                      num_stages=4, pre_hook=_set_block_shapes),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "PER_SM": 1}, num_warps=4,
-                      num_stages=4, pre_hook=_set_block_shapes),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "PER_SM": 2}, num_warps=4,
-                      num_stages=3, pre_hook=_set_block_shapes),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "PER_SM": 2}, num_warps=8,
-                      num_stages=3, pre_hook=_set_block_shapes),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=8, num_stages=3,
+                      pre_hook=_set_block_shapes),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4,
+                      pre_hook=_set_block_shapes),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=4,
+                      pre_hook=_set_block_shapes),
     ]
     _swiglu_matmul_kernel = triton.autotune(_CONFIGS, key=["M", "N", "K"])(triton.jit(_swiglu_matmul_body))
     _swiglu_tma_kernel = triton.autotune(_TMA_CONFIGS, key=["M", "N", "K"])(triton.jit(_swiglu_tma_body))
@@ -290,5 +285,4 @@ if triton is not None:
     _swiglu_matmul_kernel_interpreted = triton.autotune(
         [triton.Config(_INTERPRETED)], key=["N", "K"])(triton.jit(_swiglu_matmul_body))
     _swiglu_tma_kernel_interpreted = triton.autotune(
-        [triton.Config({**_INTERPRETED, "PER_SM": 1}, pre_hook=_set_block_shapes)], key=["N", "K"])(
-        triton.jit(_swiglu_tma_body))
+        [triton.Config(_INTERPRETED, pre_hook=_set_block_shapes)], key=["N", "K"])(triton.jit(_swiglu_tma_body))

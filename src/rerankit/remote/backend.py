@@ -11,8 +11,9 @@ from typing import Any, Sequence
 
 import httpx
 
-from rerankit.errors import InvalidRequest
+from rerankit.errors import InvalidRequest, RerankitError
 from rerankit.remote.client import DEFAULT_DEADLINE, DEFAULT_MAX_RESPONSE_BYTES, ClientConfig, Timeout, Transport
+from rerankit.remote.deadline import Deadline
 from rerankit.remote.dialects import Dialect, get_dialect
 from rerankit.remote.discover import Discovery, adiscover, discover
 from rerankit.schema import ScoreRequest, ScoreResponse, Usage
@@ -85,6 +86,18 @@ class RemoteBackend:
         dialect, path, chunks, bodies = self._encode(request)
         return self._decode(dialect, chunks, await self.transport.apost_all(path, bodies, deadline))
 
+    async def aserved_model(self, seconds: float = 2.0) -> str | None:
+        """The server's model: the one given or learnt, else the first of its ``/v1/models``, asked now within
+        ``seconds`` (a server that lists none is not asked again); None when nothing names it."""
+        if self._model is None and self._served_model is None:
+            get = partial(self.transport.aget, deadline=Deadline(seconds))
+            try:
+                found = await adiscover(get, self.transport.endpoints.order(), model_only=True)
+            except RerankitError:  # unreachable, or too slow: asked again next time
+                return None
+            self._served_model = found.model
+        return self._model or self._served_model
+
     def close(self) -> None:
         """Close the connection pools."""
         self.transport.close()
@@ -144,10 +157,12 @@ class RemoteBackend:
         return dialect, path, chunks, bodies
 
     def _decode(self, dialect: Dialect, chunks: list[ScoreRequest], replies: list[Any]) -> ScoreResponse:
-        parts = [dialect.decode(reply, chunk, self.model_name) for chunk, reply in zip(chunks, replies)]
-        merged = merge_responses(parts)
-        self._served_model = self._served_model or merged.model
-        return merged
+        # Learnt only from a reply that names it: one that does not (TEI, SGLang's /v1/rerank) is decoded with
+        # model_name, which may be the URL.
+        named = [reply.get("model") for reply in replies if isinstance(reply, dict)]
+        self._served_model = self._served_model or next((name for name in named if isinstance(name, str) and name),
+                                                        None)
+        return merge_responses([dialect.decode(reply, chunk, self.model_name) for chunk, reply in zip(chunks, replies)])
 
 
 def split_items(request: ScoreRequest, max_items: int) -> list[ScoreRequest]:

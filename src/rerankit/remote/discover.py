@@ -25,6 +25,9 @@ _OWNER_ROUTES: dict[str, tuple[Route, ...]] = {
     "vllm": (("vllm-generative", "/generative_scoring"), ("vllm-score", "/score")),
     "sglang": (("sglang-rerank", "/v1/rerank"), ("sglang-score", "/v1/score")),
 }
+# Routes a family offers beyond what its paths tell: ``rerankit serve`` speaks SGLang's /v1/score too (its path is
+# vLLM's as well), the one route that answers every label's probability and pooled hidden states.
+_OWNER_EXTRA_ROUTES: dict[str, tuple[Route, ...]] = {"rerankit": (("sglang-score", "/v1/score"),)}
 PROBED = ("/openapi.json", "/v1/models", "/info")
 
 
@@ -60,6 +63,8 @@ def _probe() -> Probe:
     model, owner = _first_model((yield "/v1/models"))
     if not routes:
         routes = list(_OWNER_ROUTES.get(owner or "", ()))
+    if routes:
+        routes += [route for route in _OWNER_EXTRA_ROUTES.get(owner or "", ()) if route not in routes]
     if not routes:
         info = yield "/info"
         if info.status == 200 and isinstance(info.body, dict) and "reranker" in str(info.body.get("model_type")):

@@ -12,6 +12,7 @@ import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator
+from urllib.parse import urlsplit, urlunsplit
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -33,14 +34,21 @@ PACKAGED_MODEL_NAME = "all-MiniLM-L6-v2"
 def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
     """An app serving ``backend`` under every dialect's routes; the caller keeps ownership of ``backend``."""
     config = config or ServerConfig()
-    model_name = config.served_model_name or public_model_name(backend.model_name)
     batcher = Batcher(backend, config)
     metrics = batcher.metrics
+    # A proxy publishes its far server's model, once it knows it (never the far server's URL, if it can help it).
+    fixed_name = config.served_model_name or (None if batcher.proxies else public_model_name(backend.model_name))
+    learn_name = None if fixed_name else getattr(backend, "aserved_model", None)
+
+    def model_name() -> str:
+        return fixed_name or public_model_name(backend.model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if config.warm_up:
             await batcher.warm_up()  # before the server accepts connections: /health answers once it is done
+        if learn_name is not None:
+            await learn_name()  # a proxy's far server's model, if it answers now (else asked again by /v1/models)
         if config.freeze_gc:
             gc.collect()
             gc.freeze()  # what is alive now (weights' modules, compiled code) stays: full collections skip it
@@ -49,7 +57,7 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
         await batcher.stop()
 
     app = FastAPI(title="rerankit", version=__version__, lifespan=lifespan,
-                  description=f"Reranking with {model_name}: vLLM, SGLang, Cohere and TEI scoring routes.")
+                  description=f"Reranking with {model_name()}: vLLM, SGLang, Cohere and TEI scoring routes.")
     app.state.batcher = batcher  # serve() drains it on SIGTERM/SIGINT
 
     for path, dialects in ROUTES.items():
@@ -68,8 +76,10 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
     async def models(request: Request) -> JSONResponse:
         """The one served model, OpenAI-style."""
         check_api_key(config, request.headers.get("authorization"))
+        if learn_name is not None:
+            await learn_name()
         return JSONResponse({"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "rerankit"}]})
+            {"id": model_name(), "object": "model", "created": int(time.time()), "owned_by": "rerankit"}]})
 
     @app.get("/metrics", tags=["server"], response_class=PlainTextResponse)
     async def prometheus() -> PlainTextResponse:
@@ -78,7 +88,7 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
 
     @app.exception_handler(RerankitError)
     async def rerankit_error(request: Request, exc: RerankitError) -> JSONResponse:
-        return error_json(exc.status_code, exc.message, exc.error_type, error_headers(exc, config))
+        return app_error_response(exc, config)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -96,12 +106,16 @@ def request_body(dialects: tuple[str, ...]) -> dict[str, Any]:
 
 
 def public_model_name(model: str | None) -> str:
-    """The name a server publishes for ``model``: a local folder's name, never its path; a hub id or URL as is.
+    """The name a server publishes for ``model``: a local folder's name, never its path; a hub id as is; a URL
+    without its user and password.
 
     None is the packaged MiniLM (``make_backend``'s default).
     """
     if model is None:
         return PACKAGED_MODEL_NAME
+    if model.startswith(("http://", "https://")):
+        url = urlsplit(model)
+        return urlunsplit(url._replace(netloc=url.netloc.rpartition("@")[2]))
     folder = Path(model)
     if not folder.is_dir():
         return model
@@ -112,6 +126,11 @@ def public_model_name(model: str | None) -> str:
     if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
         return folder.parent.parent.name.removeprefix("models--").replace("--", "/")
     return folder.name
+
+
+def app_error_response(error: RerankitError, config: ServerConfig) -> JSONResponse:
+    """A ``RerankitError`` on a route of no dialect: ``error_json`` with the error's type and ``error_headers``."""
+    return error_json(error.status_code, error.message, error.error_type, error_headers(error, config))
 
 
 def error_json(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> JSONResponse:

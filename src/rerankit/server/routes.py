@@ -15,6 +15,10 @@ fields they do not know and so bodies cannot be told apart by their fields alone
    ``rerank_dialect`` where the path speaks it (``rerankit serve --rerank-dialect``), else the path's first.
 
 Errors found before the body is parsed (auth, content type, size, JSON) are in the path's default dialect's format.
+
+A proxy (``rerankit serve --model http://...``) answers what its far server refused as that server did (its status,
+message and field) where the fault is the request's (400, 413, 422) or the far server is busy (429, 503), and 502
+otherwise; a field the far server's dialect cannot carry is named as the client's body calls it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import asyncio
 import email.message
 import json
 import logging
+import re
 import time
 from typing import Any, Awaitable, Callable, Mapping
 
@@ -30,8 +35,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
-from rerankit.errors import BodyTimeout, Cancelled, InvalidRequest, RerankitError, Unauthorized, UnsupportedMediaType
-from rerankit.remote.dialects import Dialect, get_dialect
+from rerankit.errors import (BodyTimeout, Cancelled, InvalidRequest, RemoteError, RerankitError, Unauthorized,
+                             UnsupportedMediaType, UpstreamError)
+from rerankit.remote.dialects import Dialect, get_dialect, read_error
 from rerankit.server.batcher import Batcher
 from rerankit.server.disconnect import unless_disconnected
 from rerankit.server.limits import ServerConfig, bound_request, check_api_key, check_body_size
@@ -50,35 +56,44 @@ ROUTES: dict[str, tuple[str, ...]] = {
 # Header -> value -> dialect, for SDKs that say who they are.
 SDK_HEADERS = {"x-fern-sdk-name": {"cohere": "cohere"}}
 METHODS: dict[str, tuple[str, ...]] = {"/v1/rerank": ("POST", "PUT")}  # SGLang takes PUT there too
+# A far server's statuses that a proxy passes on: the request's fault, or the far server busy (with Retry-After).
+PASSED_ON = frozenset({400, 413, 422, 429, 503})
 
 
 def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
-                     model_name: str) -> Callable[[Request], Awaitable[JSONResponse]]:
-    """The handler of one scoring path."""
+                     model_name: str | Callable[[], str]) -> Callable[[Request], Awaitable[JSONResponse]]:
+    """The handler of one scoring path; ``model_name`` is the name replies give (or what tells it, when it may
+    change: a proxy's, learnt from its far server)."""
+    published = model_name if callable(model_name) else lambda: model_name
     dialects = [get_dialect(name) for name in ROUTES[path]]
-    default = next((dialect for dialect in dialects if dialect.name == config.rerank_dialect), dialects[0])
+    default = default_dialect(path, config)
     metrics = batcher.metrics
 
     async def endpoint(request: Request) -> Response:
         started = time.perf_counter()
-        dialect, status, items, tokens = default, 500, 0, 0
+        dialect, status, items, tokens, forwarded = default, 500, 0, 0, False
         try:
             check_api_key(config, request.headers.get("authorization"))
             batcher.admit()  # a full queue or a drain refuses before the body is read, parsed and checked
             body = parse_json(await read_body(request, config))
             dialect = dialect_for(dialects, body, request.headers, default)
             score_request = dialect.parse_request(body)
-            score_request = bound_request(config, score_request, cut_items=not batcher.proxies)
-            response = await unless_disconnected(request.receive, batcher.submit(score_request))
-            payload = dialect.encode_response(response, score_request, model_name, dialect.echoed_documents(body))
+            asked = bound_request(config, dialect.engine_request(score_request), cut_items=not batcher.proxies)
+            forwarded = batcher.proxies
+            response = await unless_disconnected(request.receive, batcher.submit(asked))
+            payload = dialect.encode_response(response, score_request, published(),
+                                             dialect.echoed_documents(body))
             status, items, tokens = 200, len(response.results), response.usage.prompt_tokens
             return JSONResponse(payload)
         except (Cancelled, ClientDisconnect):  # the client left (mid-body, or while queued): nobody reads an answer
             status = Cancelled.status_code
             return Response(status_code=status)
         except RerankitError as exc:
-            status = exc.status_code
-            return error_response(dialect, exc, config)
+            error = proxied_error(exc, dialect) if forwarded else exc
+            status = error.status_code
+            if status == 502:
+                log.warning("proxied request on %s failed: %s", path, exc.message)
+            return error_response(dialect, error, config)
         except Exception:  # a bug or an engine failure: logged, answered in the dialect's format, server lives on
             log.exception("scoring request on %s failed", path)
             return JSONResponse(dialect.error_body(500, "internal server error"), status_code=500)
@@ -182,11 +197,51 @@ def _check_texts(value: Any) -> None:
             stack.extend(value)
 
 
+def default_dialect(path: str, config: ServerConfig) -> Dialect:
+    """The dialect of ``path``'s errors before its body is parsed: the server's ``rerank_dialect`` where ``path``
+    speaks it, else the path's first."""
+    dialects = [get_dialect(name) for name in ROUTES[path]]
+    return next((dialect for dialect in dialects if dialect.name == config.rerank_dialect), dialects[0])
+
+
 def error_response(dialect: Dialect, error: RerankitError, config: ServerConfig) -> JSONResponse:
     """The error in ``dialect``'s format with the error's status and ``error_headers``."""
     param = getattr(error, "field", None)
     return JSONResponse(dialect.error_body(error.status_code, error.message, param), status_code=error.status_code,
                         headers=error_headers(error, config))
+
+
+def proxied_error(error: RerankitError, dialect: Dialect) -> RerankitError:
+    """The error of a request a proxy forwarded, as its client is answered.
+
+    A far server's refusal (400, 413, 422) or busy status (429, 503) keeps its status, message and field, without
+    the far server's URL; any other (its API key, a wrong path, its own failure, no answer) is the proxy's fault:
+    502, with what went wrong. A field is named as ``dialect``'s bodies name it (``items`` are Cohere's
+    ``documents``), whether the far server refused it or its dialect cannot carry it.
+    """
+    if isinstance(error, RemoteError):
+        if error.status_code not in PASSED_ON:
+            return UpstreamError(502, error.message, None)
+        message = error.message.removeprefix(f"HTTP {error.status_code} from {error.url}: ")
+        try:
+            param = read_error(json.loads(error.body or ""))[1]
+        except (ValueError, RecursionError):
+            param = None
+        head, colon, rest = message.partition(": ")
+        if colon and head == (param or head):  # the message leads with its field (rerankit's do, in every dialect)
+            message = f"{wire_field(head, dialect)}: {rest}"
+        return UpstreamError(error.status_code, message, wire_field(param, dialect))
+    if isinstance(error, InvalidRequest) and wire_field(error.field, dialect) != error.field:
+        return error.renamed(wire_field(error.field, dialect))
+    return error
+
+
+def wire_field(field: str | None, dialect: Dialect) -> str | None:
+    """A ``ScoreRequest`` field (``items[3]``, ``max_tokens_per_item``) as ``dialect``'s bodies name it; anything
+    else as it is."""
+    root = re.match(r"[A-Za-z_]+(?=$|[.\[])", field or "")
+    wire = dialect.wire_names.get(root.group()) if root else None
+    return field if root is None or wire is None else wire + field[root.end():]
 
 
 def error_headers(error: RerankitError, config: ServerConfig) -> dict[str, str]:

@@ -149,5 +149,7 @@ COHERE = Dialect(
     encode_request=encode_request, decode_response=decode_response, parse_request=parse_request,
     encode_response=encode_response, error_body=error_body, request_body=RerankBody,
     echoed_documents=echoed_documents, requires_model=True,
+    wire_names={"items": "documents", "max_tokens_per_item": "max_tokens_per_doc",
+                "long_documents": "max_chunks_per_doc", "long_document_max_windows": "max_chunks_per_doc"},
     # Fields only Cohere v1 has; a Jina client sends return_documents with model (SGLang's body has no model).
     markers=(frozenset({"rank_fields"}), frozenset({"max_chunks_per_doc"}), frozenset({"model", "return_documents"})))

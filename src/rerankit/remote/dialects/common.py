@@ -6,13 +6,14 @@ and the server routes all run the same code.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
 import uuid
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Annotated, Any, Callable, Iterable, Union
+from typing import Annotated, Any, Callable, Iterable, Mapping, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError, WithJsonSchema
 
@@ -79,6 +80,9 @@ class Dialect:
     a request body; ``markers`` are the sets of fields that, all present and not null, show a body is in this
     dialect (a server path shared by several dialects weighs them, see ``rerankit.server.routes``);
     ``requires_model``: the server refuses a body without ``model`` (Cohere), so the client finds one to send.
+    ``engine_request``: what the server asks its backend for a parsed request, which ``encode_response`` still gets
+    (SGLang's ``apply_softmax`` on a classifier only picks how the reply writes the score).
+    ``wire_names``: the body's name of a ``ScoreRequest`` field where they differ, for a refusal that names it.
     """
 
     name: str
@@ -93,6 +97,8 @@ class Dialect:
     echoed_documents: Callable[[Any], list[Any] | None] = lambda body: None
     markers: tuple[frozenset[str], ...] = ()
     requires_model: bool = False
+    engine_request: Callable[[ScoreRequest], ScoreRequest] = lambda request: request
+    wire_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def evidence(self, present: set[str]) -> int:
         """How many of the ``present`` fields this dialect's markers claim (0: the body says nothing of it)."""

@@ -49,9 +49,14 @@ class RerankBody(WireBody):
 
 
 def encode_request(request: ScoreRequest, model: str | None) -> tuple[str, dict[str, Any]]:
-    """``/rerank`` body asking for activated scores; Infinity cuts long documents itself (no per-document cap)."""
+    """``/rerank`` body asking for activated scores; Infinity cuts long documents itself (no per-document cap).
+
+    ``truncation="none"`` is sent as the other values are (as Cohere's is): Infinity has no way to refuse a long
+    document, and vLLM's bodies, which leave the cut out, say "none" (vLLM refuses a prompt over its limit); refusing
+    it would refuse every such body a proxy in front of Infinity (``rerankit serve --model``) passes on.
+    """
     refuse_for_own_head(request, ENDPOINT, mode=(None, "cross-encoder"), instruction=(None,),
-                        max_tokens_per_item=(None,), truncation=("end",))
+                        max_tokens_per_item=(None,), truncation=("end", "none"))
     body = {"query": request.query, "documents": list(request.items), "return_documents": False,
             "raw_scores": False}
     return "/rerank", with_model(body, model)
@@ -90,6 +95,6 @@ INFINITY = Dialect(
     name="infinity", paths=("/rerank", "/v1/rerank"), max_items=256,
     encode_request=encode_request, decode_response=decode_response, parse_request=parse_request,
     encode_response=encode_response, error_body=error_body, request_body=RerankBody,
-    echoed_documents=echoed_documents,
+    echoed_documents=echoed_documents, wire_names={"items": "documents"},
     # infinity_client sends raw_scores, return_documents and model in every body: all three are its claim.
     markers=(frozenset({"raw_scores"}), frozenset({"raw_scores", "return_documents", "model"})))

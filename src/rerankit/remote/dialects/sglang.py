@@ -48,6 +48,8 @@ SCORE = "SGLang /v1/score"
 # The largest logit answered: sigmoid(100) is 1.0 in float64, so a saturated score still round-trips.
 LOGIT_LIMIT = 100.0
 RERANK = "SGLang /v1/rerank"
+# The label ids are what make a body generative (mode, raw template) and ask for every label's probability.
+LABELLED = {"mode": "label_token_ids", "template": "label_token_ids", "return_label_logprobs": "label_token_ids"}
 
 
 class ScoreBody(WireBody):
@@ -207,6 +209,14 @@ def parse_rerank_request(body: Any) -> ScoreRequest:
                          items=text_list(wire.documents, "documents"), instruction=wire.instruct, top_n=wire.top_n)
 
 
+def engine_request(request: ScoreRequest) -> ScoreRequest:
+    """What the backend is asked for a parsed ``/v1/score`` body: for a classifier (no label ids) the engine's score,
+    whatever ``apply_softmax`` says, as that only picks how the reply writes it (the score, or its logit)."""
+    if request.label_token_ids is None and not request.apply_softmax:
+        return request.model_copy(update={"apply_softmax": True})
+    return request
+
+
 def encode_score_response(response_: ScoreResponse, request: ScoreRequest, model: str | None = None,
                           documents: list[Any] | None = None) -> dict[str, Any]:
     """``/v1/score`` body: every label's probability per item; for a classifier its activated score, or with
@@ -245,7 +255,7 @@ SGLANG_SCORE = Dialect(
     name="sglang-score", paths=("/v1/score",), max_items=256,
     encode_request=encode_score_request, decode_response=decode_score_response,
     parse_request=parse_score_request, encode_response=encode_score_response, error_body=error_body,
-    request_body=ScoreBody,
+    request_body=ScoreBody, engine_request=engine_request, wire_names=LABELLED,
     markers=tuple(frozenset({field}) for field in (
         "query", "label_token_ids", "apply_softmax", "temperature", "return_token_logprobs", "item_first",
         "return_pooled_hidden_states", "score_extraction_token", "embed_override_token_id")))
@@ -254,4 +264,5 @@ SGLANG_RERANK = Dialect(
     encode_request=encode_rerank_request, decode_response=decode_rerank_response,
     parse_request=parse_rerank_request, encode_response=encode_rerank_response, error_body=error_body,
     request_body=RerankBody, echoed_documents=echoed_documents,
+    wire_names={"items": "documents", "instruction": "instruct"},
     markers=(frozenset({"instruct"}), frozenset({"return_documents"})))

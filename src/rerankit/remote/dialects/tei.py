@@ -92,6 +92,6 @@ TEI = Dialect(
     name="tei", paths=("/rerank",), max_items=32,
     encode_request=encode_request, decode_response=decode_response, parse_request=parse_request,
     encode_response=encode_response, error_body=error_body, request_body=RerankBody,
-    echoed_documents=echoed_documents,
+    echoed_documents=echoed_documents, wire_names={"items": "texts", "truncation": "truncation_direction"},
     markers=(frozenset({"texts"}), frozenset({"return_text"}), frozenset({"truncate"}),
              frozenset({"truncation_direction"})))

@@ -56,6 +56,8 @@ SCORE_PAIRS = (("queries", "documents"), ("queries", "items"), ("data_1", "data_
 _POOLING_ONLY = ("user", "truncate_prompt_tokens", "truncation_side", "max_tokens_per_query", "instruction",
                  "chat_template_kwargs", "use_activation", "softmax", "activation", "request_id",
                  "mm_processor_kwargs", "cache_salt", "padding")
+# The /score and /rerank fields that set a ScoreRequest's differently named ones.
+_POOLING_NAMES = {"max_tokens_per_item": "max_tokens_per_doc", "truncation": "truncate_prompt_tokens"}
 
 
 class GenerativeScoringBody(WireBody):
@@ -250,16 +252,17 @@ VLLM_GENERATIVE = Dialect(
     name="vllm-generative", paths=("/generative_scoring",), max_items=256,
     encode_request=encode_generative_request, decode_response=decode_data_response,
     parse_request=parse_generative_request, encode_response=encode_data_response, error_body=error_body,
-    request_body=GenerativeScoringBody)
+    request_body=GenerativeScoringBody, wire_names={"mode": "label_token_ids", "template": "label_token_ids"})
 VLLM_SCORE = Dialect(
     name="vllm-score", paths=("/score", "/v1/score"), max_items=256,
     encode_request=encode_score_request, decode_response=decode_data_response,
     parse_request=parse_score_request, encode_response=encode_data_response, error_body=error_body,
-    request_body=ScoreBody,
+    request_body=ScoreBody, wire_names={"query": "queries", "items": "documents", **_POOLING_NAMES},
     markers=tuple(frozenset({field}) for field in ("queries", "data_1", "text_1", "documents", *_POOLING_ONLY)))
 VLLM_RERANK = Dialect(
     name="vllm-rerank", paths=("/rerank", "/v1/rerank", "/v2/rerank"), max_items=256,
     encode_request=encode_rerank_request, decode_response=decode_rerank_response,
     parse_request=parse_rerank_request, encode_response=encode_rerank_response, error_body=error_body,
     request_body=RerankBody, echoed_documents=lambda body: echoed(body, "documents", True),
+    wire_names={"items": "documents", **_POOLING_NAMES},
     markers=tuple(frozenset({field}) for field in _POOLING_ONLY))
