@@ -60,3 +60,29 @@ def tiny_bert_embedder(tmp_path_factory: pytest.TempPathFactory):
     from tiny_models import make_bert_embedder
 
     return make_bert_embedder(tmp_path_factory.mktemp("models"))
+
+
+# The embedded backends over the tiny models, shared by the server and proxy tests (started once a session).
+@pytest.fixture(scope="session")
+def lm(tiny_qwen3_lm):
+    from rerankit.engine import EmbeddedBackend
+
+    backend = EmbeddedBackend(str(tiny_qwen3_lm))
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="session")
+def ce(tiny_bert_cross_encoder):
+    from rerankit.engine import EmbeddedBackend
+
+    backend = EmbeddedBackend(str(tiny_bert_cross_encoder))
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="session")
+def label_ids(tiny_qwen3_lm):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_qwen3_lm).convert_tokens_to_ids(["yes", "no"])

@@ -39,31 +39,6 @@ NO_TOKEN_COUNTS = {"tei", "sglang-rerank"}  # far dialects whose replies carry n
 
 
 @pytest.fixture(scope="module")
-def lm(tiny_qwen3_lm):
-    from rerankit.engine import EmbeddedBackend
-
-    backend = EmbeddedBackend(str(tiny_qwen3_lm))
-    yield backend
-    backend.close()
-
-
-@pytest.fixture(scope="module")
-def ce(tiny_bert_cross_encoder):
-    from rerankit.engine import EmbeddedBackend
-
-    backend = EmbeddedBackend(str(tiny_bert_cross_encoder))
-    yield backend
-    backend.close()
-
-
-@pytest.fixture(scope="module")
-def label_ids(tiny_qwen3_lm):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_qwen3_lm).convert_tokens_to_ids(["yes", "no"])
-
-
-@pytest.fixture(scope="module")
 def far_lm(lm):
     with live_server(create_app(lm, ServerConfig(served_model_name="tiny-lm", batch_window_ms=0))) as url:
         yield url

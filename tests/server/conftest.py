@@ -19,24 +19,6 @@ CE_CONFIG = ServerConfig(served_model_name="tiny-ce", max_tokens_per_item=64, ma
 
 
 @pytest.fixture(scope="session")
-def lm(tiny_qwen3_lm):
-    from rerankit.engine import EmbeddedBackend
-
-    backend = EmbeddedBackend(str(tiny_qwen3_lm))
-    yield backend
-    backend.close()
-
-
-@pytest.fixture(scope="session")
-def ce(tiny_bert_cross_encoder):
-    from rerankit.engine import EmbeddedBackend
-
-    backend = EmbeddedBackend(str(tiny_bert_cross_encoder))
-    yield backend
-    backend.close()
-
-
-@pytest.fixture(scope="session")
 def lm_url(lm):
     with live_server(create_app(lm, LM_CONFIG)) as url:
         yield url
@@ -46,10 +28,3 @@ def lm_url(lm):
 def ce_url(ce):
     with live_server(create_app(ce, CE_CONFIG)) as url:
         yield url
-
-
-@pytest.fixture(scope="session")
-def label_ids(tiny_qwen3_lm):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_qwen3_lm).convert_tokens_to_ids(["yes", "no"])

@@ -258,12 +258,18 @@ async def test_a_backend_without_score_batch_gets_whole_requests_several_calls_a
     assert sorted(len(r.items) for r in backend.requests) == [1, 1, 20]  # one request a call, never cut
 
 
-async def test_a_proxied_request_is_cancelled_upstream_as_soon_as_its_caller_goes():
+async def proxied_call_in_flight() -> tuple[ProxyBackend, Batcher, asyncio.Task]:
+    """A batcher over a far server that never answers, with one caller's request inside it."""
     backend = ProxyBackend(hold=True)
     batcher = await started(backend)
-    caller = asyncio.create_task(batcher.submit(request("leaves")))
+    caller = asyncio.create_task(batcher.submit(request("held")))
     while not backend.inside:
         await asyncio.sleep(0.01)
+    return backend, batcher, caller
+
+
+async def test_a_proxied_request_is_cancelled_upstream_as_soon_as_its_caller_goes():
+    backend, batcher, caller = await proxied_call_in_flight()
     caller.cancel()  # the route does this when its client disconnects
     await asyncio.wait_for(backend.cancelled.wait(), 2)  # the far call is cancelled, not left to its deadline
     assert backend.inside == 0
@@ -280,11 +286,7 @@ async def test_a_proxied_request_is_cancelled_upstream_as_soon_as_its_caller_goe
 
 
 async def test_stop_cancels_a_proxied_request_in_flight_and_answers_shutting_down():
-    backend = ProxyBackend(hold=True)
-    batcher = await started(backend)
-    caller = asyncio.create_task(batcher.submit(request("held")))
-    while not backend.inside:
-        await asyncio.sleep(0.01)
+    backend, batcher, caller = await proxied_call_in_flight()
     await asyncio.wait_for(batcher.stop(), 5)
     assert backend.cancelled.is_set()
     with pytest.raises(ShuttingDown):
