@@ -91,16 +91,19 @@ class ModelLoadError(RerankitError):
 
 
 class RemoteError(RerankitError):
-    """A remote server answered with an error, or could not be reached after retries."""
+    """A remote server answered with an error, or could not be reached after retries; ``reason`` and ``field`` are
+    what its error body said."""
 
     error_type = "remote_error"
 
     def __init__(self, message: str, status_code: int | None = None, url: str | None = None,
-                 body: str | None = None) -> None:
+                 body: str | None = None, field: str | None = None) -> None:
         super().__init__(message if status_code is None else f"HTTP {status_code} from {url}: {message}")
         self.status_code = status_code if status_code is not None else 502
         self.url = url
         self.body = body
+        self.reason = message  # the far server's own words (without the status and URL)
+        self.field = field  # the field its error body named, if any
 
 
 class Overloaded(RerankitError):

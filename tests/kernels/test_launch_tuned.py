@@ -46,6 +46,6 @@ def test_a_gemm_is_tuned_again_in_each_bucket_of_token_counts():
     config = SimpleNamespace(kwargs={}, all_kwargs=lambda: {})
     tuner = FakeTuner(config)
     for tokens in (256, 1900, 26624, 30000, 5000):  # buckets: 2k, 2k, 32k, 32k, 8k
-        launch_tuned(tuner, ("qkv", token_bucket(tokens)), (1,), (tokens,), {}, lambda config: None)
+        launch_tuned(tuner, ("qkv",), (1,), (tokens,), {}, lambda config: None, tokens=tokens)
     assert [(call[0], call[2][0]) for call in tuner.calls] == [
         ("tuner", 256), ("direct", 1900), ("tuner", 26624), ("direct", 30000), ("tuner", 5000)]

@@ -50,13 +50,16 @@ _TUNED: dict = {}  # (autotuner, key) -> the config its tuning chose
 _TUNING = threading.Lock()  # a tuner's best_config is the last launch's: read it before another thread launches
 
 
-def launch_tuned(kernel, key: tuple, grid, args: tuple, kwargs: dict, set_block_shapes) -> None:
+def launch_tuned(kernel, key: tuple, grid, args: tuple, kwargs: dict, set_block_shapes,
+                 tokens: int | None = None) -> None:
     """Launch ``triton.autotune``'d ``kernel`` on ``args``/``kwargs``: through its tuner the first time for ``key``
-    (which must determine the tuner's own key, or be finer: a key holding ``token_bucket(M)`` for a tuner keyed on
-    ``M`` tunes once per bucket, at the bucket's first size), then straight through the compiled function with the
+    (which must determine the tuner's own key, or be finer: given ``tokens``, the GEMM's rows, a tuner keyed on
+    ``M`` tunes once per ``token_bucket``, at the bucket's first size), then straight through the compiled function with the
     config the tuner chose. The tuner rebuilds dicts of every argument and runs the config's pre-hook on each call,
     ~35-70 us of host time a launch on an H100 host, where an eager LI forward's launches can take longer than the
     GPU. ``set_block_shapes(config)`` does the pre-hook's work (the descriptors' block shapes) for a direct launch."""
+    if tokens is not None:
+        key = (*key, token_bucket(tokens))
     config = _TUNED.get((id(kernel), key))
     if config is None:
         with _TUNING:

@@ -27,7 +27,7 @@ import os
 import torch
 from torch import Tensor
 
-from rerankit.kernels import cuda_capability, launch_tuned, sm_count, takes_head_dim, token_bucket
+from rerankit.kernels import cuda_capability, launch_tuned, sm_count, takes_head_dim
 from rerankit.kernels.fp8_matmul import project_reference
 from rerankit.kernels.fp8_quant import FP8_DTYPE, check_scaled
 
@@ -133,10 +133,9 @@ def qkv_rope_matmul(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads: i
         _qkv_rope_kernel_interpreted[grid](*args, **meta, **tile)
     else:  # descriptors' block shapes are set per tuning config by _set_block_shapes
         descriptors = {"x_desc": x_desc, "w_desc": w_desc, "out_desc": out_desc, "HEAD_DIM": head_dim}
-        key = (width, x.shape[1], head_dim, num_heads, num_kv_heads, x.dtype, bias is not None, has_norm, programs,
-               token_bucket(tokens))
+        key = (width, x.shape[1], head_dim, num_heads, num_kv_heads, x.dtype, bias is not None, has_norm, programs)
         launch_tuned(_qkv_rope_fp8_kernel if fp8 else _qkv_rope_kernel, key, grid, args, meta,
-                     lambda config: _set_block_shapes({**descriptors, **config.kwargs}))
+                     lambda config: _set_block_shapes({**descriptors, **config.kwargs}), tokens)
     return out
 
 

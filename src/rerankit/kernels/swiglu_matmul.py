@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rerankit.kernels import cuda_capability, launch_tuned, sm_count, token_bucket
+from rerankit.kernels import cuda_capability, launch_tuned, sm_count
 from rerankit.kernels.fp8_matmul import project_reference
 from rerankit.kernels.fp8_quant import FP8_DTYPE, check_scaled
 
@@ -119,18 +119,16 @@ def swiglu_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tma:
         else:
             descriptors = {"x_desc": x_desc, "w_desc": w_desc, "out_desc": out_desc}
             kernel = _swiglu_tma_fp8_kernel if fp8 else _swiglu_tma_kernel
-            key = (width, x.shape[1], x.dtype, bias is not None, programs, token_bucket(tokens))
-            launch_tuned(kernel, key, grid, args,
-                         meta, lambda config: _set_block_shapes({**descriptors, **config.kwargs}))
+            launch_tuned(kernel, (width, x.shape[1], x.dtype, bias is not None, programs), grid, args,
+                         meta, lambda config: _set_block_shapes({**descriptors, **config.kwargs}), tokens)
         return out
     grid = lambda meta: (triton.cdiv(tokens, meta["BLOCK_M"]) * triton.cdiv(width, meta["BLOCK_N"]),)  # noqa: E731
     args = (x, weight, bias_arg, out, tokens, width, x.shape[1])
     if _INTERPRET:
         _swiglu_matmul_kernel_interpreted[grid](*args, HAS_BIAS=bias is not None)
     else:
-        launch_tuned(_swiglu_matmul_kernel, (width, x.shape[1], x.dtype, bias is not None, token_bucket(tokens)),
-                     grid, args,
-                     dict(HAS_BIAS=bias is not None), lambda config: None)
+        launch_tuned(_swiglu_matmul_kernel, (width, x.shape[1], x.dtype, bias is not None), grid, args,
+                     dict(HAS_BIAS=bias is not None), lambda config: None, tokens)
     return out
 
 

@@ -98,6 +98,7 @@ class _Failure:
     retry_after: float | None = None
     body: str | None = None
     expired: bool = False
+    param: str | None = None  # the field the server's error body named
 
 
 # Transport errors after which the same request may well succeed: the server was busy, restarting or slow.
@@ -131,7 +132,7 @@ def _failure_of_answer(answer: Answer) -> _Failure | None:
     message = param_first(message, param) if message is not None else text[:300] or reason
     status = answer.status
     return _Failure(message=message, retryable=status == 429 or status >= 500, status=status,
-                    retry_after=_retry_after(answer.headers), body=text)
+                    retry_after=_retry_after(answer.headers), body=text, param=param)
 
 
 def _retry_after(headers: httpx.Headers) -> float | None:
@@ -206,7 +207,7 @@ class _Attempts:
             raise self.expired(failure.message)
         if not failure.retryable or self.tries > self._config.max_retries:
             if failure.status is not None:
-                raise RemoteError(failure.message, failure.status, failed_url, failure.body)
+                raise RemoteError(failure.message, failure.status, failed_url, failure.body, failure.param)
             raise RemoteError(f"{failure.message} ({failed_url}, {self.tries} tries)", url=failed_url)
         # Fail over at once to a live endpoint not yet tried; once all have failed, back off.
         if self.tries < len(self._order) and self._endpoints.is_live(self._order[self.tries]):

@@ -37,7 +37,7 @@ from starlette.requests import ClientDisconnect
 
 from rerankit.errors import (BodyTimeout, Cancelled, InvalidRequest, RemoteError, RerankitError, Unauthorized,
                              UnsupportedMediaType, UpstreamError)
-from rerankit.remote.dialects import Dialect, get_dialect, read_error
+from rerankit.remote.dialects import Dialect, get_dialect
 from rerankit.server.batcher import Batcher
 from rerankit.server.disconnect import unless_disconnected
 from rerankit.server.limits import ServerConfig, bound_request, check_api_key, check_body_size
@@ -61,10 +61,9 @@ PASSED_ON = frozenset({400, 413, 422, 429, 503})
 
 
 def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
-                     model_name: str | Callable[[], str]) -> Callable[[Request], Awaitable[JSONResponse]]:
-    """The handler of one scoring path; ``model_name`` is the name replies give (or what tells it, when it may
-    change: a proxy's, learnt from its far server)."""
-    published = model_name if callable(model_name) else lambda: model_name
+                     model_name: Callable[[], str]) -> Callable[[Request], Awaitable[JSONResponse]]:
+    """The handler of one scoring path; ``model_name()`` is the name replies give (it may change: a proxy learns
+    its far server's)."""
     dialects = [get_dialect(name) for name in ROUTES[path]]
     default = default_dialect(path, config)
     metrics = batcher.metrics
@@ -81,7 +80,7 @@ def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
             asked = bound_request(config, dialect.engine_request(score_request), cut_items=not batcher.proxies)
             forwarded = batcher.proxies
             response = await unless_disconnected(request.receive, batcher.submit(asked))
-            payload = dialect.encode_response(response, score_request, published(),
+            payload = dialect.encode_response(response, score_request, model_name(),
                                              dialect.echoed_documents(body))
             status, items, tokens = 200, len(response.results), response.usage.prompt_tokens
             return JSONResponse(payload)
@@ -222,15 +221,11 @@ def proxied_error(error: RerankitError, dialect: Dialect) -> RerankitError:
     if isinstance(error, RemoteError):
         if error.status_code not in PASSED_ON:
             return UpstreamError(502, error.message, None)
-        message = error.message.removeprefix(f"HTTP {error.status_code} from {error.url}: ")
-        try:
-            param = read_error(json.loads(error.body or ""))[1]
-        except (ValueError, RecursionError):
-            param = None
+        message = error.reason
         head, colon, rest = message.partition(": ")
-        if colon and head == (param or head):  # the message leads with its field (rerankit's do, in every dialect)
+        if colon and head == (error.field or head):  # the message leads with its field (rerankit's, in any dialect)
             message = f"{wire_field(head, dialect)}: {rest}"
-        return UpstreamError(error.status_code, message, wire_field(param, dialect))
+        return UpstreamError(error.status_code, message, wire_field(error.field, dialect))
     if isinstance(error, InvalidRequest) and wire_field(error.field, dialect) != error.field:
         return error.renamed(wire_field(error.field, dialect))
     return error
