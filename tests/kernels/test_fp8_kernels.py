@@ -236,3 +236,110 @@ def test_gpu_fp8_qkv_rope_gemm_follows_its_reference(hidden, tokens):
                                qkv_rope_matmul.qkv_rope_matmul_reference(**inputs, **kwargs).float(),
                                atol=2e-2, rtol=2 ** -7)
 
+
+
+def test_block_quantization_scales_each_128_columns_on_their_own():
+    """Each 1 x 128 block's largest magnitude maps to 448, scales block-major [blocks, T], a ragged last block,
+    and values back within half an e4m3 step."""
+    x = torch.randn(5, 300) * torch.logspace(-2, 2, 300)[None, :]
+    codes, scale = fp8_quant.quantize_blocks_reference(x)
+    assert codes.shape == (5, 300) and scale.shape == (3, 5) and scale.is_contiguous()
+    for block in range(3):
+        part = codes[:, block * 128:(block + 1) * 128].float().abs().amax(dim=1)
+        assert torch.equal(part, torch.full((5,), FP8_MAX))
+        torch.testing.assert_close(scale[block], x[:, block * 128:(block + 1) * 128].abs().amax(dim=1) / FP8_MAX)
+    back = fp8_quant.dequantize_blocks(codes, scale)
+    normal = x.abs() > scale.t().repeat_interleave(128, 1)[:, :300] * 2 ** -6
+    assert ((back - x).abs()[normal] <= x.abs()[normal] * 2 ** -4).all()
+
+
+def block_inputs(tokens, width, out, seed):
+    """A block-quantized activation [tokens, width] (outlier columns in one block) and a per-channel weight."""
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(tokens, width, generator=gen)
+    h[:, 3] *= 30
+    codes, scale = fp8_quant.quantize_blocks_reference(h.bfloat16())
+    weight, w_scale = quantize_rows_reference(torch.randn(out, width, generator=gen) / width ** 0.5)
+    return codes, scale, weight, w_scale, torch.randn(out, generator=gen).bfloat16()
+
+
+@pytest.mark.parametrize("tokens, width", [(37, 256), (1, 192), (20, 128)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_block_matmul_kernel_equals_its_reference(monkeypatch, tokens, width, bias):
+    """The block-scaled GEMM (each K step's product times its rows' block scales) against the float32 dequantized
+    product: within float32 summation order. Output float32 (the interpreter's bf16 cast truncates)."""
+    from rerankit.kernels import fp8_block_matmul
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the gpu test runs the block-scaled GEMM")
+    codes, scale, weight, w_scale, bias_values = block_inputs(tokens, width, 48, tokens + width)
+    args = (codes, scale, weight, w_scale, bias_values if bias else None)
+    expected = fp8_block_matmul.fp8_block_matmul_reference(*args, out_dtype=torch.float32)
+    forbid_reference(monkeypatch, fp8_block_matmul, "fp8_block_matmul_reference")
+    got = fp8_block_matmul.fp8_block_matmul(*args, out_dtype=torch.float32)
+    assert got.shape == (tokens, 48)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    # a per-row scale is a block scale repeated: the same product as the row-scaled GEMM
+    rows, row_scale = quantize_rows_reference(fp8_quant.dequantize_blocks(codes, scale))
+    repeated = row_scale[None, :].expand(scale.shape[0], -1).contiguous()
+    torch.testing.assert_close(
+        fp8_block_matmul.fp8_block_matmul(rows, repeated, weight, w_scale, out_dtype=torch.float32),
+        fp8_matmul_reference(rows, row_scale, weight, w_scale, out_dtype=torch.float32), atol=1e-4, rtol=1e-4)
+
+
+def test_block_matmul_names_the_scales_it_needs():
+    from rerankit.kernels.fp8_block_matmul import fp8_block_matmul_reference
+
+    codes, scale, weight, w_scale, _ = block_inputs(4, 256, 32, 0)
+    with pytest.raises(ValueError, match=r"x_scale must be \[2, 4\] \(one per 128 columns"):
+        fp8_block_matmul_reference(codes, scale.t(), weight, w_scale)
+
+
+@pytest.mark.parametrize("tokens", [37, 1])
+def test_swiglu_quant_kernel_quantizes_its_output_per_block(monkeypatch, tokens):
+    """The SwiGLU GEMM's epilogue quantizing its bf16 output per 128 columns, block-major scales: the reference's
+    scales and activations, within what the interpreter's bf16 casts cost (they truncate: three roundings of the
+    activation, ~2^-6 together) and one e4m3 step (2^-4 of a value, or the subnormal step 2^-9 x 448 x scale)."""
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the gpu test runs the quantizing SwiGLU GEMM")
+    x, x_scale = quantized(tokens, 32, tokens)
+    gen = torch.Generator().manual_seed(tokens)
+    weight, w_scale = quantize_rows_reference(torch.randn(2 * 256, 32, generator=gen) / 32 ** 0.5)
+    expected_codes, expected_scale = swiglu_matmul.swiglu_matmul_quant_reference(x, weight, x_scale=x_scale,
+                                                                                  w_scale=w_scale)
+    forbid_reference(monkeypatch, swiglu_matmul, "swiglu_matmul_quant_reference")
+    codes, scale = swiglu_matmul.swiglu_matmul_quant(x, weight, x_scale=x_scale, w_scale=w_scale)
+    assert codes.dtype == FP8_DTYPE and scale.shape == (2, tokens)
+    torch.testing.assert_close(scale, expected_scale, atol=0, rtol=2 ** -5)
+    activation = fp8_quant.dequantize_blocks(expected_codes, expected_scale)
+    per_element = scale.t().repeat_interleave(128, 1)
+    error = (fp8_quant.dequantize_blocks(codes, scale) - activation).abs()
+    assert (error <= activation.abs() * (2 ** -4 + 2 ** -4) + per_element * 448 * 2 ** -9).all()
+    assert (codes.float() == expected_codes.float()).float().mean() >= 0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_HOPPER, reason="needs Hopper's copy engine")
+@pytest.mark.parametrize("shape", [(1024, 3072), (2560, 9728)], ids=["0.6b", "4b"])
+@pytest.mark.parametrize("tokens", [1, 777, 5000])
+def test_gpu_swiglu_quant_and_block_matmul_follow_their_references(shape, tokens):
+    """The MLP's FP8 path on Qwen3 shapes: the quantizing SwiGLU GEMM, then the block-scaled down GEMM, each
+    against its float32-dequantizing reference."""
+    from rerankit.kernels.fp8_block_matmul import fp8_block_matmul, fp8_block_matmul_reference
+
+    hidden, width = shape
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
+    codes, scale = quantize_rows(x)
+    gate_up, gate_up_scale = quantize_rows_reference(torch.randn(2 * width, hidden, device="cuda", generator=gen)
+                                                     / hidden ** 0.5)
+    h, h_scale = swiglu_matmul.swiglu_matmul_quant(codes, gate_up, x_scale=scale, w_scale=gate_up_scale)
+    ref_h, ref_scale = swiglu_matmul.swiglu_matmul_quant_reference(codes, gate_up, x_scale=scale,
+                                                                   w_scale=gate_up_scale)
+    torch.testing.assert_close(h_scale, ref_scale, atol=0, rtol=2 ** -6)
+    assert_within_one_step(h, ref_h, 0.95)
+    down, down_scale = quantize_rows_reference(torch.randn(hidden, width, device="cuda", generator=gen)
+                                               / width ** 0.5)
+    torch.testing.assert_close(fp8_block_matmul(ref_h, ref_scale, down, down_scale).float(),
+                               fp8_block_matmul_reference(ref_h, ref_scale, down, down_scale).float(),
+                               atol=2e-2, rtol=2e-2)
