@@ -3,9 +3,7 @@
 For the Qwen3-Reranker shapes and token counts of W3 / LI / W1 micro-batches, median times (triton do_bench) of:
   gate/up + SwiGLU   swiglu_matmul FP8 | swiglu_matmul bf16 | cuBLAS _scaled_mm (rowwise) FP8 GEMM alone
   q/k/v + norm/rope  qkv_rope_matmul FP8 | qkv_rope_matmul bf16 | cuBLAS _scaled_mm FP8 GEMM alone
-  o / down           cuBLAS _scaled_mm FP8 | cuBLAS bf16 F.linear | block-scaled FP8 (Triton; cuBLAS's blockwise
-                     where torch has it)
-  MLP end to end     quantizing SwiGLU + block-scaled down | SwiGLU + quantization pass + rowwise down | bf16
+  o / down           cuBLAS _scaled_mm FP8 | cuBLAS bf16 F.linear
   quantization       rms_norm_quant (one launch) | quantize_rows
 with TFLOP/s of each GEMM and the largest difference of each FP8 output from its float32-dequantizing reference.
 This decides whether the decoder's FP8 layer keeps the fused kernels (``engine.models.fp8``).
@@ -21,11 +19,10 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from rerankit.kernels.fp8_block_matmul import fp8_block_matmul, fp8_block_matmul_reference
 from rerankit.kernels.fp8_matmul import fp8_matmul
 from rerankit.kernels.fp8_quant import quantize_rows, quantize_rows_reference, rms_norm_quant
 from rerankit.kernels.qkv_rope_matmul import qkv_rope_matmul, qkv_rope_matmul_reference, rope_table
-from rerankit.kernels.swiglu_matmul import swiglu_matmul, swiglu_matmul_quant, swiglu_matmul_reference
+from rerankit.kernels.swiglu_matmul import swiglu_matmul, swiglu_matmul_reference
 
 SHAPES = {"0.6b": (1024, 3072, 16), "4b": (2560, 9728, 32), "8b": (4096, 12288, 32)}  # d, I, q heads (8 kv, D 128)
 TOKENS = (5120, 13824, 26624)  # ~W3, ~LI, ~W1 micro-batches
@@ -74,7 +71,6 @@ def run_shape(shape: str, tokens: int) -> dict:
     row["down_bf16_ms"] = bench(lambda: F.linear(inner, down))
     row["down_scaled_mm_tflops"] = down_flop / row["down_scaled_mm_ms"] / 1e9
     row["down_bf16_tflops"] = down_flop / row["down_bf16_ms"] / 1e9
-    row.update(mlp_rows(codes, scale, gate_up8, gate_up_scale, gate_up, x, down, down8, down_scale))
     row["rms_norm_quant_ms"] = bench(lambda: rms_norm_quant(x, norm, 1e-6))
     row["quantize_rows_ms"] = bench(lambda: quantize_rows(inner))
     row["swiglu_fp8_over_bf16"] = row["swiglu_bf16_ms"] / row["swiglu_fp8_ms"]
@@ -83,63 +79,6 @@ def run_shape(shape: str, tokens: int) -> dict:
     row["swiglu_fp8_max_abs_diff"] = float((gemms["swiglu_fp8"][0]().float() - swiglu_ref).abs().max())
     qkv_ref = qkv_rope_matmul_reference(codes, qkv8, None, *rope_args, x_scale=scale, w_scale=qkv_scale).float()
     row["qkv_fp8_max_abs_diff"] = float((gemms["qkv_fp8"][0]().float() - qkv_ref).abs().max())
-    return row
-
-
-def cublas_block_matmul(down: torch.Tensor):
-    """cuBLAS's block-scaled FP8 GEMM (1 x 128 input blocks, 128 x 128 weight blocks; CUDA 12.9 on) for ``down``,
-    or None where this torch lacks it: a function of (codes, block-major scales)."""
-    scaling = getattr(F, "ScalingType", None)
-    if scaling is None or not hasattr(F, "scaled_mm"):
-        return None
-    n, k = down.shape
-    blocks = down.float().view(n // 128, 128, k // 128, 128)
-    w_scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448  # [N/128, K/128]
-    w8 = (blocks / w_scale[:, None, :, None]).view(n, k).to(torch.float8_e4m3fn)
-
-    def run(h8, h_scale):  # h_scale block-major [K/128, T]: its .t() is the outer-dim-major [T, K/128] cuBLAS wants
-        return F.scaled_mm(h8, w8.t(), h_scale.t(), scaling.BlockWise1x128, w_scale.t(), scaling.BlockWise128x128,
-                           output_dtype=torch.bfloat16)
-    return run
-
-
-def mlp_rows(codes, scale, gate_up8, gate_up_scale, gate_up, x, down, down8, down_scale) -> dict:
-    """The MLP's three FP8 paths end to end (gate/up + SwiGLU, then down) beside bf16: the SwiGLU epilogue
-    quantizing per 1 x 128 block into the block-scaled down GEMM (Triton; cuBLAS's where torch has it), and bf16
-    SwiGLU out + a per-token quantization pass + cuBLAS's rowwise FP8 GEMM."""
-    tokens, width = codes.shape[0], down.shape[1]
-    row: dict = {}
-    h8, h_scale = swiglu_matmul_quant(codes, gate_up8, x_scale=scale, w_scale=gate_up_scale)
-    paths = {
-        "mlp_block": lambda: fp8_block_matmul(*swiglu_matmul_quant(codes, gate_up8, x_scale=scale,
-                                                                    w_scale=gate_up_scale), down8, down_scale),
-        "mlp_rowwise": lambda: fp8_matmul(*quantize_rows(swiglu_matmul(codes, gate_up8, x_scale=scale,
-                                                                        w_scale=gate_up_scale)), down8, down_scale),
-        "mlp_bf16": lambda: F.linear(swiglu_matmul(x, gate_up), down),
-        "swiglu_quant": lambda: swiglu_matmul_quant(codes, gate_up8, x_scale=scale, w_scale=gate_up_scale),
-        "down_block_fp8": lambda: fp8_block_matmul(h8, h_scale, down8, down_scale),
-    }
-    cublas = None
-    try:
-        cublas = cublas_block_matmul(down)
-        if cublas is not None:
-            cublas(h8, h_scale)
-    except Exception as error:  # noqa: BLE001 - a torch without the cuBLAS mode: say why, keep the other rows
-        row["down_cublas_block_error"] = f"{type(error).__name__}: {error}"[:300]
-        cublas = None
-    if cublas is not None:
-        paths["down_cublas_block"] = lambda: cublas(h8, h_scale)
-        paths["mlp_cublas_block"] = lambda: cublas(*swiglu_matmul_quant(codes, gate_up8, x_scale=scale,
-                                                                        w_scale=gate_up_scale))
-    for name, fn in paths.items():
-        fn()
-        row[f"{name}_ms"] = bench(fn)
-    flop = 2 * tokens * width * down.shape[0]
-    for name in ("down_block_fp8", "down_cublas_block"):
-        if f"{name}_ms" in row:
-            row[f"{name}_tflops"] = flop / row[f"{name}_ms"] / 1e9
-    reference = fp8_block_matmul_reference(h8, h_scale, down8, down_scale).float()
-    row["down_block_max_abs_diff"] = float((paths["down_block_fp8"]().float() - reference).abs().max())
     return row
 
 
@@ -169,10 +108,6 @@ def main() -> None:
               f"{row['qkv_scaled_mm_tflops']:>8.0f} | {row['down_scaled_mm_tflops']:>9.0f}"
               f"{row['down_bf16_tflops']:>6.0f} | {1000 * row['rms_norm_quant_ms']:>9.1f}"
               f"{1000 * row['quantize_rows_ms']:>9.1f}")
-        print(f"{'':<13} | MLP ms: block {row['mlp_block_ms']:.3f}, rowwise {row['mlp_rowwise_ms']:.3f}, bf16 "
-              f"{row['mlp_bf16_ms']:.3f}, cuBLAS block {row.get('mlp_cublas_block_ms', float('nan')):.3f} | down "
-              f"TFLOP/s: block {row['down_block_fp8_tflops']:.0f}, cuBLAS block "
-              f"{row.get('down_cublas_block_tflops', float('nan')):.0f} | swiglu_quant {row['swiglu_quant_ms']:.3f} ms")
     from rerankit.kernels import _TUNED  # what the tuners chose, per kernel and key (token bucket last)
 
     for (_, key), config in _TUNED.items():

@@ -3,8 +3,7 @@
     scale[t] = max(|x[t, :]|) / 448          (float32; 448 is float8_e4m3fn's largest finite value)
     q[t, :]  = (x[t, :] / scale[t]) as float8_e4m3fn  (round to nearest even)
 
-so ``q * scale`` gives ``x`` back to within e4m3's 3-bit mantissa. ``quantize_blocks_reference`` scales each 128
-columns of a row on their own (1 x 128 blocks): what the SwiGLU GEMM's epilogue writes for the down projection. Activations are quantized this way per token
+so ``q * scale`` gives ``x`` back to within e4m3's 3-bit mantissa. Activations are quantized this way per token
 right before each FP8 GEMM (dynamic: the scale comes from the row itself); weights per output channel at load time
 (a weight's rows are its output channels). ``rms_norm_quant`` first normalises the row exactly as ``rms_norm``
 does (statistics in float32, the scale and the weight applied in the input dtype), so the quantized row is that
@@ -29,7 +28,6 @@ _INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_AMAX = 1e-12  # an all-zero row gets a tiny scale instead of a division by zero; its codes stay zero
-QUANT_BLOCK = 128  # columns per scale of a block-quantized activation (one K step of the block-scaled GEMM)
 _TILE_ELEMENTS = 4096  # elements a program holds, as in rms_norm
 
 
@@ -45,24 +43,6 @@ def quantize_rows_reference(x: Tensor) -> tuple[Tensor, Tensor]:
     x32 = x.float()
     scale = x32.abs().amax(dim=-1).clamp(min=MIN_AMAX) / FP8_MAX
     return (x32 / scale[:, None]).to(FP8_DTYPE), scale
-
-
-def quantize_blocks_reference(x: Tensor, block: int = QUANT_BLOCK) -> tuple[Tensor, Tensor]:
-    """Plain torch: each ``block`` columns of each row of ``x`` [T, d] quantized on their own: float8_e4m3fn codes
-    [T, d] and float32 scales [ceil(d / block), T], block-major (row b: every token's scale of columns
-    b*block..(b+1)*block), the layout the block-scaled GEMM reads one K step at a time."""
-    rows, width = x.shape
-    x32 = x.float()
-    padded = torch.nn.functional.pad(x32, (0, -width % block)).view(rows, -1, block)
-    scale = padded.abs().amax(dim=-1).clamp(min=MIN_AMAX) / FP8_MAX  # [T, blocks]
-    codes = (padded / scale[..., None]).view(rows, -1)[:, :width].to(FP8_DTYPE)
-    return codes, scale.t().contiguous()
-
-
-def dequantize_blocks(codes: Tensor, scale: Tensor, block: int = QUANT_BLOCK) -> Tensor:
-    """float32 ``codes`` [T, d] times their block-major scales [ceil(d / block), T]: what a block-quantized row
-    stands for."""
-    return codes.float() * scale.t().repeat_interleave(block, dim=1)[:, :codes.shape[1]]
 
 
 def rms_norm_quant_reference(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from rerankit.kernels import cuda_capability, launch_tuned, sm_count
 from rerankit.kernels.fp8_matmul import project_reference
-from rerankit.kernels.fp8_quant import FP8_DTYPE, QUANT_BLOCK, check_scaled, quantize_blocks_reference
+from rerankit.kernels.fp8_quant import FP8_DTYPE, check_scaled
 
 try:
     import triton
@@ -75,30 +75,6 @@ def swiglu_matmul_reference(x: Tensor, weight: Tensor, bias: Tensor | None = Non
     return (F.silu(gate.float()) * up.float()).to(projected.dtype)
 
 
-def swiglu_matmul_quant_reference(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, x_scale: Tensor,
-                                  w_scale: Tensor) -> tuple[Tensor, Tensor]:
-    """Plain torch: ``swiglu_matmul_reference``'s bf16 output quantized per 1 x 128 block
-    (``quantize_blocks_reference``: codes [T, I], block-major scales [ceil(I / 128), T])."""
-    return quantize_blocks_reference(swiglu_matmul_reference(x, weight, bias, x_scale, w_scale))
-
-
-def swiglu_matmul_quant(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, x_scale: Tensor,
-                        w_scale: Tensor) -> tuple[Tensor, Tensor]:
-    """The FP8 ``swiglu_matmul`` whose epilogue quantizes its bf16 output per token and 128 columns (one output
-    tile's width), as the down projection's block-scaled GEMM takes it: float8_e4m3fn codes [T, I] and float32
-    scales [ceil(I / 128), T]. Where the descriptor kernel does not apply, the reference."""
-    if x.dtype != FP8_DTYPE or triton is None or not (x.is_cuda or _INTERPRET) or not takes_tma(x, weight):
-        return swiglu_matmul_quant_reference(x, weight, bias, x_scale=x_scale, w_scale=w_scale)
-    _check(x, weight, bias, x_scale, w_scale)
-    x, weight = x.contiguous(), weight.contiguous()
-    tokens, width = x.shape[0], weight.shape[0] // 2
-    codes = torch.empty(tokens, width, dtype=FP8_DTYPE, device=x.device)
-    scales = torch.empty(-(-width // QUANT_BLOCK), tokens, dtype=torch.float32, device=x.device)
-    if tokens:
-        _launch_tma(x, weight, bias, x_scale, w_scale, codes, scales)
-    return codes, scales
-
-
 def swiglu_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tma: bool | None = None,
                   x_scale: Tensor | None = None, w_scale: Tensor | None = None,
                   out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
@@ -127,42 +103,33 @@ def swiglu_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tma:
                          f"got d={x.shape[1]}, I={width}")
     elif tma and x.is_cuda and x.element_size() != 2 and not fp8:
         raise ValueError(f"the descriptor kernel's tiles are sized for 16-bit (or float8) inputs, not {x.dtype}")
+    bias_arg = bias if bias is not None else out
+    scales = (x_scale.float().contiguous(), w_scale.float().contiguous()) if fp8 else (out, out)
     if tma:
-        _launch_tma(x, weight, bias, x_scale, w_scale, out)
+        # Block shapes are set per tuning config by _set_block_shapes; the ones given here are placeholders.
+        x_desc, out_desc = (TensorDescriptor.from_tensor(t, [16, 16]) for t in (x, out))
+        w_desc = TensorDescriptor.from_tensor(weight.view(2, width, x.shape[1]), [2, 16, 16])
+        programs = sm_count(x.device, interpreted=4)  # the persistent kernel: one program per SM
+        grid = lambda meta: (min(programs, triton.cdiv(tokens, meta["BLOCK_M"])  # noqa: E731
+                                 * triton.cdiv(width, meta["BLOCK_N"])),)
+        args = (x_desc, w_desc, bias_arg, *scales, out_desc, tokens, width, x.shape[1])
+        meta = dict(HAS_BIAS=bias is not None, SCALED=fp8, NUM_SMS=programs)
+        if _INTERPRET:
+            _swiglu_tma_kernel_interpreted[grid](*args, **meta)
+        else:
+            descriptors = {"x_desc": x_desc, "w_desc": w_desc, "out_desc": out_desc}
+            kernel = _swiglu_tma_fp8_kernel if fp8 else _swiglu_tma_kernel
+            launch_tuned(kernel, (width, x.shape[1], x.dtype, bias is not None, programs), grid, args,
+                         meta, lambda config: _set_block_shapes({**descriptors, **config.kwargs}), tokens)
         return out
     grid = lambda meta: (triton.cdiv(tokens, meta["BLOCK_M"]) * triton.cdiv(width, meta["BLOCK_N"]),)  # noqa: E731
-    args = (x, weight, bias if bias is not None else out, out, tokens, width, x.shape[1])
+    args = (x, weight, bias_arg, out, tokens, width, x.shape[1])
     if _INTERPRET:
         _swiglu_matmul_kernel_interpreted[grid](*args, HAS_BIAS=bias is not None)
     else:
         launch_tuned(_swiglu_matmul_kernel, (width, x.shape[1], x.dtype, bias is not None), grid, args,
                      dict(HAS_BIAS=bias is not None), lambda config: None, tokens)
     return out
-
-
-def _launch_tma(x: Tensor, weight: Tensor, bias: Tensor | None, x_scale: Tensor | None, w_scale: Tensor | None,
-                out: Tensor, out_scales: Tensor | None = None) -> None:
-    """The persistent descriptor kernel into ``out``; with ``out_scales``, float8 ``out`` quantized per 128 columns
-    (its tiles are 128 wide)."""
-    tokens, width = x.shape[0], weight.shape[0] // 2
-    fp8, quant = x.dtype == FP8_DTYPE, out_scales is not None
-    scales = (x_scale.float().contiguous(), w_scale.float().contiguous()) if fp8 else (out, out)
-    # Block shapes are set per tuning config by _set_block_shapes; the ones given here are placeholders.
-    x_desc, out_desc = (TensorDescriptor.from_tensor(t, [16, 16]) for t in (x, out))
-    w_desc = TensorDescriptor.from_tensor(weight.view(2, width, x.shape[1]), [2, 16, 16])
-    programs = sm_count(x.device, interpreted=4)  # the persistent kernel: one program per SM
-    grid = lambda meta: (min(programs, triton.cdiv(tokens, meta["BLOCK_M"])  # noqa: E731
-                             * triton.cdiv(width, meta["BLOCK_N"])),)
-    args = (x_desc, w_desc, bias if bias is not None else out, *scales, out_desc,
-            out_scales if quant else scales[0], tokens, width, x.shape[1])
-    meta = dict(HAS_BIAS=bias is not None, SCALED=fp8, QUANT_OUT=quant, ROUND_FIRST=_INTERPRET, NUM_SMS=programs)
-    if _INTERPRET:
-        (_swiglu_tma_quant_kernel_interpreted if quant else _swiglu_tma_kernel_interpreted)[grid](*args, **meta)
-        return
-    descriptors = {"x_desc": x_desc, "w_desc": w_desc, "out_desc": out_desc}
-    kernel = _swiglu_tma_quant_kernel if quant else _swiglu_tma_fp8_kernel if fp8 else _swiglu_tma_kernel
-    launch_tuned(kernel, (width, x.shape[1], x.dtype, bias is not None, programs), grid, args,
-                 meta, lambda config: _set_block_shapes({**descriptors, **config.kwargs}), tokens)
 
 
 def takes_tma(x: Tensor, weight: Tensor, any_device: bool = False) -> bool:
@@ -187,10 +154,6 @@ def has_copy_engine(device: torch.device) -> bool:
 
 
 if triton is not None:
-    from rerankit.kernels.fp8_quant import FP8_MAX, MIN_AMAX, _round_to_e4m3
-
-    _FP8_MAX = tl.constexpr(FP8_MAX)
-    _MIN_AMAX = tl.constexpr(MIN_AMAX)
 
     @triton.jit
     def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
@@ -240,20 +203,16 @@ if triton is not None:
         out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
         tl.store(out_ptrs, activated, mask=row_ok[:, None] & col_ok[None, :])
 
-    def _swiglu_tma_body(x_desc, w_desc, b_ptr, xs_ptr, ws_ptr, out_desc, os_ptr, M, N, K, HAS_BIAS: tl.constexpr,
-                         SCALED: tl.constexpr, QUANT_OUT: tl.constexpr, ROUND_FIRST: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    def _swiglu_tma_body(x_desc, w_desc, b_ptr, xs_ptr, ws_ptr, out_desc, M, N, K, HAS_BIAS: tl.constexpr,
+                         SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
         """Persistent: NUM_SMS programs walk the output tiles, each loop flattened so that the next tile's loads
         overlap this tile's activation and store. ``w_desc`` views the weight as [2, N, K] (gate rows, up rows):
         one copy-engine load brings the gate and the up tile of the same columns, and one [BLOCK_M, 2 * BLOCK_N]
         dot computes both (one wide tensor-core instruction per step, not two narrow ones). The accumulator's
         halves are the gate and the up projection. ``SCALED`` (float8 tiles): the accumulator times each row's
-        ``xs`` and each column's ``ws`` first. ``QUANT_OUT`` (tiles 128 wide): the bf16 activation quantized per row
-        of the tile, float8 codes to ``out_desc`` and the scales to ``os`` (block-major: [N / BLOCK_N, M]);
-        ``ROUND_FIRST`` rounds to e4m3 in float32 before the cast (the interpreter's cast truncates). Past the
-        edges the copy engine reads zeros (their activation is zero: no amax grows) and the store drops what lies
-        outside."""
+        ``xs`` and each column's ``ws`` first. Past the edges the copy engine reads zeros and the store drops what
+        lies outside."""
         tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         steps = tl.cdiv(K, BLOCK_K)
         stored = tl.program_id(0) - NUM_SMS  # the epilogue's tile, counted apart from the loads' (as Triton's
@@ -267,22 +226,13 @@ if triton is not None:
             pid_m, pid_n = grouped_tile(stored, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             gate, up = tl.split(tl.permute(tl.reshape(both, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             if SCALED:
+                rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
                 row_scale = tl.load(xs_ptr + rows, mask=rows < M, other=0.0)[:, None]
                 gate = gate * row_scale * tl.load(ws_ptr + cols, mask=cols < N, other=0.0)[None, :]
                 up = up * row_scale * tl.load(ws_ptr + N + cols, mask=cols < N, other=0.0)[None, :]
-            if QUANT_OUT:
-                activated = _activate(gate, up, b_ptr, cols, cols < N, tl.bfloat16, HAS_BIAS, N).to(tl.float32)
-                scale = tl.maximum(tl.max(tl.abs(activated), axis=1), _MIN_AMAX) / _FP8_MAX
-                scaled = activated / scale[:, None]
-                if ROUND_FIRST:
-                    scaled = _round_to_e4m3(scaled)
-                out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], scaled.to(out_desc.dtype))
-                tl.store(os_ptr + pid_n * M + rows, scale, mask=rows < M)
-            else:
-                activated = _activate(gate, up, b_ptr, cols, cols < N, out_desc.dtype, HAS_BIAS, N)
-                out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], activated)
+            activated = _activate(gate, up, b_ptr, cols, cols < N, out_desc.dtype, HAS_BIAS, N)
+            out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], activated)
 
     def _set_block_shapes(nargs: dict) -> None:
         """Each tuning config's tile shapes into the descriptors (they are built before a config is chosen)."""
@@ -325,18 +275,12 @@ if triton is not None:
         triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=4, num_stages=4,
                       pre_hook=_set_block_shapes),
     ]
-    # Quantizing the output per 128 columns: tiles exactly 128 wide (one scale per row of a tile).
-    _TMA_QUANT_CONFIGS = [config for config in _TMA_FP8_CONFIGS if config.kwargs["BLOCK_N"] == QUANT_BLOCK]
     _swiglu_matmul_kernel = triton.autotune(_CONFIGS, key=["M", "N", "K"])(triton.jit(_swiglu_matmul_body))
     _swiglu_tma_kernel = triton.autotune(_TMA_CONFIGS, key=["M", "N", "K"])(triton.jit(_swiglu_tma_body))
     _swiglu_tma_fp8_kernel = triton.autotune(_TMA_FP8_CONFIGS, key=["M", "N", "K"])(triton.jit(_swiglu_tma_body))
-    _swiglu_tma_quant_kernel = triton.autotune(_TMA_QUANT_CONFIGS, key=["M", "N", "K"])(triton.jit(_swiglu_tma_body))
     # The interpreter runs one small tile: tuning there would only multiply the test time.
     _INTERPRETED = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}
     _swiglu_matmul_kernel_interpreted = triton.autotune(
         [triton.Config(_INTERPRETED)], key=["N", "K"])(triton.jit(_swiglu_matmul_body))
     _swiglu_tma_kernel_interpreted = triton.autotune(
         [triton.Config(_INTERPRETED, pre_hook=_set_block_shapes)], key=["N", "K"])(triton.jit(_swiglu_tma_body))
-    _swiglu_tma_quant_kernel_interpreted = triton.autotune(
-        [triton.Config({**_INTERPRETED, "BLOCK_N": QUANT_BLOCK}, pre_hook=_set_block_shapes)],
-        key=["N", "K"])(triton.jit(_swiglu_tma_body))

@@ -8,15 +8,12 @@ Per layer (``PackedDecoder`` with ``fp8``):
     a      = attention(q, k, v)                          bf16
     o      = fp8_matmul(quant(a), Wo)                    cuBLAS's scaled FP8 GEMM, bf16 out
     x, sx  = add_rms_norm_quant(hidden, o, post_norm)    hidden += o, RMSNorm, quantization: one kernel
-    h, sh  = swiglu_matmul_quant(x, Wgate_up; sx, sWg)   FP8 GEMM, scales, SwiGLU and quantization per 1 x 128
-                                                         block in its epilogue: float8 codes and block scales out
-    d      = fp8_block_matmul(h, Wdown; sh, sWdown)      block-scaled FP8 GEMM, bf16 out, added by the next
-                                                         layer's add_rms_norm_quant
+    h      = swiglu_matmul(x, Wgate_up; sx, sWgate_up)   FP8 GEMM, scales and SwiGLU in its epilogue, bf16 out
+    d      = fp8_matmul(quant(h), Wdown)                 added by the next layer's add_rms_norm_quant
 
 $RERANKIT_FP8_PROJECTIONS picks which of the four projections are FP8 (``engine.fp8.projections``: by default
-o stays bf16 on narrow models, where its quantization pass costs more than FP8 saves); a bf16 projection runs as
-the bf16 engine runs it (o and down accumulate into the residual stream in cuBLAS). Down in FP8 behind a bf16
-gate/up (or a GPU without the copy engine) takes its input quantized per token in a pass, as o does.
+o and down stay bf16 on narrow models, where their quantization pass costs more than FP8 saves); a bf16 projection
+runs as the bf16 engine runs it (o and down accumulate into the residual stream in cuBLAS).
 
 Weights are quantized per output channel (amax / 448) at load, or come as they are from an FP8 checkpoint
 (``engine.fp8``). ``KERNELS`` runs the Triton and cuBLAS kernels (a GPU without Hopper's copy engine projects
@@ -33,8 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rerankit.kernels.fp8_block_matmul import fp8_block_matmul, fp8_block_matmul_reference
-from rerankit.kernels.fp8_block_matmul import takes_tma as block_takes_tma
 from rerankit.kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
 from rerankit.kernels.fp8_quant import (
     FP8_DTYPE,
@@ -48,12 +43,7 @@ from rerankit.kernels.fp8_quant import (
 from rerankit.kernels.qkv_rope_matmul import qkv_rope_matmul, qkv_rope_matmul_reference
 from rerankit.kernels.qkv_rope_matmul import takes_tma as qkv_takes_tma
 from rerankit.kernels.rms_norm import rms_norm, rms_norm_reference
-from rerankit.kernels.swiglu_matmul import (
-    swiglu_matmul,
-    swiglu_matmul_quant,
-    swiglu_matmul_quant_reference,
-    swiglu_matmul_reference,
-)
+from rerankit.kernels.swiglu_matmul import swiglu_matmul, swiglu_matmul_reference
 from rerankit.kernels.swiglu_matmul import takes_tma as swiglu_takes_tma
 
 # The PackedDecoderLayer attribute of each fused projection, and the transformers modules fused into it.
@@ -76,16 +66,13 @@ class Fp8Ops:
     matmul: Callable
     swiglu: Callable
     qkv_rope: Callable
-    swiglu_quant: Callable
-    block_matmul: Callable
     kernels: bool
 
 
 KERNELS = Fp8Ops(rms_norm_quant, add_rms_norm_quant, rms_norm, quantize_rows, fp8_matmul, swiglu_matmul,
-                 qkv_rope_matmul, swiglu_matmul_quant, fp8_block_matmul, kernels=True)
+                 qkv_rope_matmul, kernels=True)
 REFERENCE = Fp8Ops(rms_norm_quant_reference, add_rms_norm_quant_reference, rms_norm_reference, quantize_rows_reference,
-                   fp8_matmul_reference, swiglu_matmul_reference, qkv_rope_matmul_reference,
-                   swiglu_matmul_quant_reference, fp8_block_matmul_reference, kernels=False)
+                   fp8_matmul_reference, swiglu_matmul_reference, qkv_rope_matmul_reference, kernels=False)
 
 
 @torch.no_grad()  # else each scale's autograd graph keeps float32 copies of its weight alive (8 bytes a weight)
@@ -180,12 +167,6 @@ def output_and_mlp(attended: torch.Tensor, hidden: torch.Tensor, layer: nn.Modul
             if x_scale is not None else F.linear(x, layer.gate_up_weight, layer.gate_up_bias)
         gate, up = projected.chunk(2, -1)
         activated = (F.silu(gate.float()) * up.float()).to(hidden.dtype)
-    elif x_scale is not None and is_fp8_weight(layer.down_weight) and (
-            not ops.kernels or block_takes_tma(layer.down_weight)):
-        # both FP8: the SwiGLU epilogue quantizes per 1 x 128 block, the down GEMM takes the block scales
-        codes, scales = ops.swiglu_quant(x, layer.gate_up_weight, layer.gate_up_bias, x_scale=x_scale,
-                                         w_scale=w_scale)
-        return hidden, ops.block_matmul(codes, scales, layer.down_weight, layer.down_scale, layer.down_bias)
     else:
         activated = ops.swiglu(x, layer.gate_up_weight, layer.gate_up_bias, x_scale=x_scale, w_scale=w_scale)
     return hidden, residual_projection(hidden, activated, layer, "down", ops)
