@@ -59,5 +59,7 @@ def test_attributes_set_after_init_and_notes_travel_too() -> None:
     copied = pickle.loads(pickle.dumps(shifted))
     assert_same(copied, shifted)
     assert copied.field == "items[13].text" and copied.limit == 64 and copied.__notes__ == ["while scoring shard 2"]
-    remote = errors.RemoteError("busy", status_code=503, url="http://far/rerank", body='{"error": "busy"}')
+    remote = errors.RemoteError("busy", status_code=503, url="http://far/rerank", body='{"error": "busy"}',
+                                retry_after=7.5)
     assert_same(pickle.loads(pickle.dumps(remote)), remote)
+    assert pickle.loads(pickle.dumps(remote)).retry_after == 7.5

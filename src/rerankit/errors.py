@@ -92,18 +92,19 @@ class ModelLoadError(RerankitError):
 
 class RemoteError(RerankitError):
     """A remote server answered with an error, or could not be reached after retries; ``reason`` and ``field`` are
-    what its error body said."""
+    what its error body said, ``retry_after`` the seconds its ``Retry-After`` header asked for (None: it sent none)."""
 
     error_type = "remote_error"
 
     def __init__(self, message: str, status_code: int | None = None, url: str | None = None,
-                 body: str | None = None, field: str | None = None) -> None:
+                 body: str | None = None, field: str | None = None, retry_after: float | None = None) -> None:
         super().__init__(message if status_code is None else f"HTTP {status_code} from {url}: {message}")
         self.status_code = status_code if status_code is not None else 502
         self.url = url
         self.body = body
         self.reason = message  # the far server's own words (without the status and URL)
         self.field = field  # the field its error body named, if any
+        self.retry_after = retry_after
 
 
 class Overloaded(RerankitError):
@@ -114,14 +115,16 @@ class Overloaded(RerankitError):
 
 
 class UpstreamError(RerankitError):
-    """A far server's error as a proxy answers it: ``status_code``, the far server's message and ``field``."""
+    """A far server's error as a proxy answers it: ``status_code``, the far server's message and ``field``, and the
+    seconds its ``Retry-After`` asked for (None: none, or not a busy status)."""
 
     error_type = "upstream_error"
 
-    def __init__(self, status_code: int, message: str, field: str | None) -> None:
+    def __init__(self, status_code: int, message: str, field: str | None, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.field = field
+        self.retry_after = retry_after
 
 
 class TooManyConnections(RerankitError):

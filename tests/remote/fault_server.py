@@ -4,7 +4,8 @@ Each POST takes the next fault of the server's script (then its ``default``, "ok
 in the middle of the body, a slow or never-ending reply, no reply until the client closes its connection ("hold":
 counted in ``abandoned``), bytes dripped one at a time, a wrong or oversized body,
 an HTTP status with a vLLM error body (and ``Retry-After``). "ok" answers ``/generative_scoring`` with
-score = item number / 1000 ("drip-ok": the same answer, a byte at a time).
+score = item number / 1000 ("drip-ok": the same answer, a byte at a time). ``GET /health`` answers ``health``
+(a status, or "hang": no answer), counted in ``health_hits``.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class FaultServer(ThreadingHTTPServer):
         self.max_in_flight = 0
         self.sent = 0
         self.abandoned = 0  # "hold" requests whose client closed the connection
+        self.health = "200"
+        self.health_hits = 0
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
@@ -90,6 +93,18 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, *args) -> None:
         pass
+
+    def do_GET(self) -> None:
+        if self.path != "/health":
+            self._send_json(404, {"error": {"message": "not found", "type": "NotFound", "param": None, "code": 404}})
+            return
+        with self.server.lock:
+            self.server.health_hits += 1
+        if self.server.health == "hang":
+            self.server.stopping.wait(HANG_SECONDS)
+            self.close_connection = True
+            return
+        self._send_json(int(self.server.health), {})
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))

@@ -271,9 +271,12 @@ def test_a_vllm_body_without_a_cut_goes_through_an_infinity_proxy(ce, far_ce, pr
     assert_scores(reply.json(), ce.score(ScoreRequest(query=QUERY, items=DOCS)).scores)
 
 
-# (far fault, status the proxy answers, Retry-After): a refusal or a busy far server passes on; anything else is the
-# proxy's own failure to get an answer: 502.
-FAULTS = [("400", 400, None), ("413", 413, None), ("422", 422, None), ("429:3", 429, "1"), ("503:3", 503, "1"),
+# (far fault, status the proxy answers, Retry-After): a refusal or a busy far server passes on (with the far server's
+# Retry-After in whole seconds from 1 to 3600, else the proxy's own 1); anything else is the proxy's own failure to
+# get an answer: 502.
+FAULTS = [("400", 400, None), ("413", 413, None), ("422", 422, None), ("429:3", 429, "3"), ("503:3", 503, "3"),
+          ("429", 429, "1"), ("503:2.5", 503, "3"), ("429:0", 429, "1"), ("429:86400", 429, "3600"),
+          ("503:Wed, 21 Oct 2015 07:28:00 GMT", 503, "1"),
           ("500", 502, None), ("401", 502, None), ("404", 502, None), ("nan", 502, None), ("dup", 502, None),
           ("reset", 502, None)]
 
@@ -304,7 +307,9 @@ def test_a_far_server_that_is_down_is_a_502_and_the_proxy_stays_up(dead_url):
         health = httpx.get(url + "/health", timeout=5)
         models = httpx.get(url + "/v1/models", timeout=5)
     assert_refused(rerank, 502, "cohere", None)
-    assert health.status_code == models.status_code == 200
+    assert health.status_code == 503, "not ready: the far server is down"
+    assert health.json()["error"]["message"] == f"far server {dead_url} is unreachable (ConnectError)"
+    assert models.status_code == 200
     assert models.json()["data"][0]["id"] == dead_url, "no name to learn: the URL, never a 500"
     backend.close()
 

@@ -71,11 +71,22 @@ async def test_retries_stop_at_the_deadline(servers, use_async):
     assert took < DEADLINE + SLACK
 
 
-async def test_a_retry_whose_wait_outlasts_the_deadline_is_not_made(servers):
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+async def test_a_retry_whose_wait_outlasts_the_deadline_is_not_made(servers, use_async):
     server = servers(["429:30"])
-    error, took = await timed_score(server.url, False, deadline=2.0, backoff_max=60.0)
-    assert "deadline of 2 s passed after 1 tries" in str(error) and "fault 429" in str(error)
+    error, took = await timed_score(server.url, use_async, deadline=2.0, backoff_max=60.0)
+    # The server said when to come back: its own error, with its Retry-After, rather than a deadline's.
+    assert isinstance(error, RemoteError) and "fault 429" in str(error)
+    assert error.status_code == 429 and error.retry_after == 30.0
     assert server.hits == 1
+    assert took < SLACK
+
+
+async def test_a_backoff_that_outlasts_the_deadline_fails_with_the_deadline(servers):
+    server = servers(["503"])  # no Retry-After: the wait is the client's own
+    error, took = await timed_score(server.url, False, deadline=0.5, backoff_base=5.0, backoff_max=5.0)
+    assert "deadline of 0.5 s passed after 1 tries" in str(error) and "fault 503" in str(error)
+    assert error.status_code == 502 and server.hits == 1
     assert took < SLACK
 
 

@@ -71,6 +71,21 @@ def test_5xx_past_the_retry_budget_raises_with_the_status(servers):
     assert failed.value.status_code == 503 and server.hits == 3
 
 
+def test_a_429_past_the_retry_budget_keeps_the_last_retry_after(servers):
+    server = servers(["429:7", "429:2"])
+    with pytest.raises(RemoteError, match="fault 429") as failed:
+        score(server.url, max_retries=1, backoff_max=0.05)  # waits 0.05 s, not the 7 s asked
+    assert failed.value.status_code == 429 and failed.value.retry_after == 2.0 and server.hits == 2
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "nan", "inf", "Wed, 21 Oct 2015 07:28:00 GMT"])
+def test_a_retry_after_that_is_no_number_of_seconds_is_ignored(servers, value):
+    server = servers([f"503:{value}"])
+    with pytest.raises(RemoteError, match="fault 503") as failed:
+        score(server.url, max_retries=0)
+    assert failed.value.status_code == 503 and failed.value.retry_after is None
+
+
 def test_400_is_not_retried(servers):
     server = servers(["400"])
     with pytest.raises(RemoteError, match="fault 400") as failed:

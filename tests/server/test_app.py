@@ -119,6 +119,16 @@ def test_health_models_openapi_and_unknown_path(client):
     assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
 
 
+def test_health_of_a_server_of_its_own_model_asks_no_far_server():
+    class WithHealth(RecordingBackend):
+        async def ahealth(self) -> str:
+            raise AssertionError("only a proxy asks its backend about a far server")
+
+    with live_server(create_app(WithHealth(), ServerConfig())) as base:
+        reply = httpx.get(base + "/health", timeout=5)
+    assert reply.status_code == 200 and reply.json() == {"status": "ok"}
+
+
 def test_metrics_count_requests_items_tokens_and_latency(client):
     client.post("/score", json={"queries": "metrics", "documents": ["abc", "de"]})
     page = client.get("/metrics").text

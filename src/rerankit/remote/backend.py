@@ -16,6 +16,7 @@ from rerankit.remote.client import DEFAULT_DEADLINE, DEFAULT_MAX_RESPONSE_BYTES,
 from rerankit.remote.deadline import Deadline
 from rerankit.remote.dialects import Dialect, get_dialect
 from rerankit.remote.discover import Discovery, adiscover, discover
+from rerankit.remote.health import FarHealth
 from rerankit.schema import ScoreRequest, ScoreResponse, Usage
 
 
@@ -57,6 +58,7 @@ class RemoteBackend:
         self._discovery: Discovery | None = None
         self._served_model: str | None = None
         self.transport = Transport(url_list, config, api_key, transport)
+        self.far_health = FarHealth(self.transport)
 
     @property
     def model_name(self) -> str:
@@ -97,6 +99,11 @@ class RemoteBackend:
                 return None
             self._served_model = found.model
         return self._model or self._served_model
+
+    async def ahealth(self) -> str | None:
+        """None while the server can take requests (one just succeeded, or a recent probe of its ``/health`` was
+        answered); else what is wrong, naming its URL without credentials (see ``rerankit.remote.health``)."""
+        return await self.far_health.problem()
 
     def close(self) -> None:
         """Close the connection pools."""

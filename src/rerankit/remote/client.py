@@ -8,6 +8,7 @@ The sync and async paths share every decision (``_Attempts``, ``_failure_of_*``)
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import threading
 import time
@@ -141,7 +142,7 @@ def _retry_after(headers: httpx.Headers) -> float | None:
         seconds = float(headers.get("retry-after", ""))
     except ValueError:
         return None
-    return seconds if seconds >= 0 else None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 def _expired(deadline: Deadline, tries: int, tried: Sequence[str], last: str | None) -> RemoteError:
@@ -207,15 +208,22 @@ class _Attempts:
             raise self.expired(failure.message)
         if not failure.retryable or self.tries > self._config.max_retries:
             if failure.status is not None:
-                raise RemoteError(failure.message, failure.status, failed_url, failure.body, failure.param)
+                raise _status_error(failure, failed_url)
             raise RemoteError(f"{failure.message} ({failed_url}, {self.tries} tries)", url=failed_url)
         # Fail over at once to a live endpoint not yet tried; once all have failed, back off.
         if self.tries < len(self._order) and self._endpoints.is_live(self._order[self.tries]):
             return 0.0
         wait = self._config.backoff(self.tries, failure.retry_after)
         if wait >= self._deadline.left():
+            if failure.status is not None and failure.retry_after is not None:
+                raise _status_error(failure, failed_url)  # the server said when to come back: that, not a deadline
             raise self.expired(failure.message)
         return wait
+
+
+def _status_error(failure: _Failure, url: str) -> RemoteError:
+    """The error of a try the server answered with an error status, its ``Retry-After`` kept."""
+    return RemoteError(failure.message, failure.status, url, failure.body, failure.param, failure.retry_after)
 
 
 @dataclass
@@ -275,6 +283,12 @@ class Transport:
                 client = httpx.AsyncClient(transport=transport, headers=self._headers, limits=self._limits())
                 self._loop_client = _LoopClient(loop, client, asyncio.Semaphore(self.config.max_concurrency))
             return self._loop_client
+
+    def probe_client(self, seconds: float) -> httpx.AsyncClient:
+        """A one-off async client with this transport's headers, outside its pool (busy requests cannot hold up a
+        health probe), each step bounded by ``seconds``."""
+        transport = self._transport if isinstance(self._transport, httpx.AsyncBaseTransport) else None
+        return httpx.AsyncClient(transport=transport, headers=self._headers, timeout=seconds)
 
     def _request(self, client: httpx.Client | httpx.AsyncClient, method: str, url: str, body: Any,
                  window: Window) -> httpx.Request:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from typing import Callable, Sequence
@@ -24,6 +25,7 @@ class Endpoints:
         self._dead_until: dict[str, float] = {}
         self._strikes: dict[str, int] = {}
         self._turn = 0
+        self._answered_at: float | None = None
         self._lock = threading.Lock()
 
     def order(self) -> list[str]:
@@ -54,7 +56,13 @@ class Endpoints:
     def mark_live(self, url: str) -> None:
         """``url`` answered: it is live again (a try in flight when it was set aside has just succeeded), and its next
         failure starts from the first cool-down again."""
+        self._answered_at = self._clock()
         if url in self._strikes or url in self._dead_until:
             with self._lock:
                 self._strikes.pop(url, None)
                 self._dead_until.pop(url, None)
+
+    def since_answer(self) -> float:
+        """Seconds since a request last got a successful answer from any URL (``inf`` before the first)."""
+        answered = self._answered_at
+        return math.inf if answered is None else self._clock() - answered

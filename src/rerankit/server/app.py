@@ -12,7 +12,6 @@ import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator
-from urllib.parse import urlsplit, urlunsplit
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -21,9 +20,10 @@ from starlette.exceptions import HTTPException
 from rerankit import __version__
 from rerankit.backend import Backend
 from rerankit.defaults import DEFAULT_MODEL_PACKAGE
-from rerankit.errors import RerankitError
+from rerankit.errors import RerankitError, UpstreamError
 from rerankit.remote.dialects import get_dialect
 from rerankit.remote.dialects.common import openai_error
+from rerankit.remote.health import public_url
 from rerankit.server.batcher import Batcher
 from rerankit.server.limits import ServerConfig, check_api_key
 from rerankit.server.routes import METHODS, ROUTES, error_headers, scoring_endpoint
@@ -39,6 +39,7 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
     # A proxy publishes its far server's model, once it knows it (never the far server's URL, if it can help it).
     fixed_name = config.served_model_name or (None if batcher.proxies else public_model_name(backend.model_name))
     learn_name = None if fixed_name else getattr(backend, "aserved_model", None)
+    far_problem = getattr(backend, "ahealth", None) if batcher.proxies else None
 
     def model_name() -> str:
         return fixed_name or public_model_name(backend.model_name)
@@ -67,10 +68,13 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
                               operation_id=f"{method.lower()}{path.replace('/', '_')}",
                               summary=f"Score or rerank ({' | '.join(dialects)} wire format)")
 
-    @app.get("/health", tags=["server"])
-    async def health() -> dict[str, str]:
-        """200 while the server runs."""
-        return {"status": "ok"}
+    @app.get("/health", tags=["server"], responses={503: {"description": "a proxy's far server is unreachable"}})
+    async def health() -> JSONResponse:
+        """200 while the server runs; a proxy's: 503 while its far server is unreachable (probed every few s)."""
+        problem = await far_problem() if far_problem is not None else None
+        if problem is not None:
+            return app_error_response(UpstreamError(503, problem, None), config)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models", tags=["server"])
     async def models(request: Request) -> JSONResponse:
@@ -114,8 +118,7 @@ def public_model_name(model: str | None) -> str:
     if model is None:
         return PACKAGED_MODEL_NAME
     if model.startswith(("http://", "https://")):
-        url = urlsplit(model)
-        return urlunsplit(url._replace(netloc=url.netloc.rpartition("@")[2]))
+        return public_url(model)
     folder = Path(model)
     if not folder.is_dir():
         return model

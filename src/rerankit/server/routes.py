@@ -17,8 +17,9 @@ fields they do not know and so bodies cannot be told apart by their fields alone
 Errors found before the body is parsed (auth, content type, size, JSON) are in the path's default dialect's format.
 
 A proxy (``rerankit serve --model http://...``) answers what its far server refused as that server did (its status,
-message and field) where the fault is the request's (400, 413, 422) or the far server is busy (429, 503), and 502
-otherwise; a field the far server's dialect cannot carry is named as the client's body calls it.
+message and field) where the fault is the request's (400, 413, 422) or the far server is busy (429, 503, with the
+far server's ``Retry-After`` where it sent one), and 502 otherwise; a field the far server's dialect cannot carry is
+named as the client's body calls it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import asyncio
 import email.message
 import json
 import logging
+import math
 import re
 import time
 from typing import Any, Awaitable, Callable, Mapping
@@ -58,6 +60,8 @@ SDK_HEADERS = {"x-fern-sdk-name": {"cohere": "cohere"}}
 METHODS: dict[str, tuple[str, ...]] = {"/v1/rerank": ("POST", "PUT")}  # SGLang takes PUT there too
 # A far server's statuses that a proxy passes on: the request's fault, or the far server busy (with Retry-After).
 PASSED_ON = frozenset({400, 413, 422, 429, 503})
+# The range of a far server's Retry-After that a proxy passes on (whole seconds, as HTTP writes them).
+RETRY_AFTER_RANGE_S = (1, 3600)
 
 
 def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
@@ -225,7 +229,7 @@ def proxied_error(error: RerankitError, dialect: Dialect) -> RerankitError:
         head, colon, rest = message.partition(": ")
         if colon and head == (error.field or head):  # the message leads with its field (rerankit's, in any dialect)
             message = f"{wire_field(head, dialect)}: {rest}"
-        return UpstreamError(error.status_code, message, wire_field(error.field, dialect))
+        return UpstreamError(error.status_code, message, wire_field(error.field, dialect), error.retry_after)
     if isinstance(error, InvalidRequest) and wire_field(error.field, dialect) != error.field:
         return error.renamed(wire_field(error.field, dialect))
     return error
@@ -244,9 +248,18 @@ def error_headers(error: RerankitError, config: ServerConfig) -> dict[str, str]:
     a drain, a replica that died, a remote server's 429 or 503 passed on), 401 how to log in."""
     headers = {}
     if error.status_code in (429, 503):
-        headers["Retry-After"] = str(config.retry_after_s)
+        headers["Retry-After"] = str(retry_after_seconds(getattr(error, "retry_after", None), config))
     if isinstance(error, Unauthorized):
         headers["WWW-Authenticate"] = "Bearer"
     if isinstance(error, BodyTimeout):  # the rest of the body may still come: the connection cannot be reused
         headers["Connection"] = "close"
     return headers
+
+
+def retry_after_seconds(far: float | None, config: ServerConfig) -> int:
+    """The ``Retry-After`` of a 429 or 503: the far server's (``far``, seconds), rounded up and kept within
+    ``RETRY_AFTER_RANGE_S``, where it sent one; else the server's own ``retry_after_s``."""
+    if far is None or not math.isfinite(far):
+        return config.retry_after_s
+    low, high = RETRY_AFTER_RANGE_S
+    return max(low, min(high, math.ceil(min(far, high))))
