@@ -63,3 +63,13 @@ def test_attributes_set_after_init_and_notes_travel_too() -> None:
                                 retry_after=7.5)
     assert_same(pickle.loads(pickle.dumps(remote)), remote)
     assert pickle.loads(pickle.dumps(remote)).retry_after == 7.5
+
+
+def test_remote_errors_never_carry_a_urls_credentials():
+    from rerankit.errors import RemoteError, hide_credentials
+
+    assert hide_credentials("a http://u:p@h:1/x and https://tok@h2/y, not a@b or mailto:u@h") == \
+        "a http://h:1/x and https://h2/y, not a@b or mailto:u@h"
+    error = RemoteError("ConnectError (http://u:p@far:8000/v1/rerank, 2 tries)", 503, "http://u:p@far:8000/v1/rerank")
+    assert "u:p" not in str(error) and error.url == "http://far:8000/v1/rerank"
+    assert str(error) == "HTTP 503 from http://far:8000/v1/rerank: ConnectError (http://far:8000/v1/rerank, 2 tries)"

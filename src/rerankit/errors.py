@@ -7,6 +7,15 @@ import copyreg
 import re
 
 
+_USERINFO = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s@]+@")
+
+
+def hide_credentials(text: str) -> str:
+    """``text`` with the ``user:password@`` of every URL in it taken out: a far server's URL may carry them, and an
+    error message reaches logs and a proxy's clients."""
+    return _USERINFO.sub(r"\1", text)
+
+
 class RerankitError(Exception):
     """Base of every error rerankit raises on purpose."""
 
@@ -92,12 +101,15 @@ class ModelLoadError(RerankitError):
 
 class RemoteError(RerankitError):
     """A remote server answered with an error, or could not be reached after retries; ``reason`` and ``field`` are
-    what its error body said, ``retry_after`` the seconds its ``Retry-After`` header asked for (None: it sent none)."""
+    what its error body said, ``retry_after`` the seconds its ``Retry-After`` header asked for (None: it sent none).
+    Its message and ``url`` never carry a URL's user and password."""
 
     error_type = "remote_error"
 
     def __init__(self, message: str, status_code: int | None = None, url: str | None = None,
                  body: str | None = None, field: str | None = None, retry_after: float | None = None) -> None:
+        url = hide_credentials(url) if url is not None else None
+        message = hide_credentials(message)
         super().__init__(message if status_code is None else f"HTTP {status_code} from {url}: {message}")
         self.status_code = status_code if status_code is not None else 502
         self.url = url

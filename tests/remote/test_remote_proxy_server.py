@@ -113,6 +113,20 @@ def test_proxy_health_names_the_far_server_without_its_credentials(dead_url):
     assert "s3cret" not in reply.text and "user" not in reply.text
 
 
+def test_a_proxys_502_never_shows_the_far_servers_credentials(servers, dead_url):
+    """A far 401, a far 500, a dropped connection and a refused one each answer 502 naming the far URL, never its
+    user and password."""
+    far = servers(script=["401", "500", "reset"])
+    for far_url, tries in ((far.url, 3), (dead_url, 1)):
+        backend = RemoteBackend(far_url.replace("http://", "http://user:s3cret@"), dialect="vllm-generative",
+                                served_model="fault-model", max_retries=0)
+        with live_server(create_app(backend, ServerConfig())) as url:
+            replies = [httpx.post(f"{url}/generative_scoring", json=BODY, timeout=10) for _ in range(tries)]
+        for reply in replies:
+            assert reply.status_code == 502 and far_url.removeprefix("http://") in reply.text, reply.text
+            assert "s3cret" not in reply.text and "user" not in reply.text, reply.text
+
+
 def test_a_far_server_that_does_not_answer_its_probe_is_unhealthy_in_bounded_time(servers):
     far = servers()
     far.health = "hang"

@@ -13,10 +13,10 @@ from __future__ import annotations
 import asyncio
 import time
 from typing import Callable
-from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
+from rerankit.errors import hide_credentials
 from rerankit.remote.client import Transport
 
 HEALTH_PATH = "/health"
@@ -26,8 +26,7 @@ PROBE_TIMEOUT_S = 2.0
 
 def public_url(url: str) -> str:
     """``url`` without its user and password, fit to show to anyone."""
-    parts = urlsplit(url)
-    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    return hide_credentials(url)
 
 
 class FarHealth:
