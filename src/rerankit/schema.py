@@ -205,6 +205,18 @@ class ScoreResponse(BaseModel):
                 raise ValueError(f"results[{position}] has index {result.index}: results must be in input order")
         return self
 
+    @classmethod
+    def joined(cls, parts: list[tuple[int, "ScoreResponse"]]) -> "ScoreResponse":
+        """One response from the responses of a request's consecutive pieces, given as (the piece's first item in
+        the request, its response) in any order: results rebased and in order, usage summed, the first piece's
+        model. ``ValueError`` where the pieces leave a gap or overlap."""
+        parts = sorted(parts, key=lambda part: part[0])
+        results = [result.model_copy(update={"index": start + result.index})
+                   for start, response in parts for result in response.results]
+        usage = Usage(prompt_tokens=sum(response.usage.prompt_tokens for _, response in parts),
+                      computed_tokens=sum(response.usage.computed_tokens for _, response in parts))
+        return cls(results=results, model=parts[0][1].model, usage=usage)
+
     def ranked(self, top_n: int | None = None) -> list[ScoreResult]:
         """Results sorted by score, best first, ties broken by input index; the first ``top_n``."""
         order = sorted(self.results, key=lambda result: (-result.score, result.index))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from rerankit.errors import RerankitError, shift_item_index
 from rerankit.estimate import item_tokens
-from rerankit.schema import ScoreRequest, ScoreResponse, Usage
+from rerankit.schema import ScoreRequest, ScoreResponse
 
 # A request is cut only into shards of at least this many estimated tokens: below it a replica's call is bound by
 # its fixed cost (launches, the prefix computed again), so a cut would add latency instead of taking it away.
@@ -76,14 +76,8 @@ def merge(requests: list[ScoreRequest], shards: list[Shard],
             start = next(shard.start for shard, outcome in pieces if outcome is error)
             merged.append(shift_item_index(error, start))
             continue
-        if len(pieces) == 1:
-            merged.append(pieces[0][1])
-            continue
-        results = [result.model_copy(update={"index": shard.start + result.index})
-                   for shard, response in pieces for result in response.results]
-        usage = Usage(prompt_tokens=sum(response.usage.prompt_tokens for _, response in pieces),
-                      computed_tokens=sum(response.usage.computed_tokens for _, response in pieces))
-        merged.append(ScoreResponse(results=results, model=pieces[0][1].model, usage=usage))
+        merged.append(pieces[0][1] if len(pieces) == 1 else
+                      ScoreResponse.joined([(shard.start, response) for shard, response in pieces]))
     assert all(len(getattr(outcome, "results", request.items)) == len(request.items)
                for request, outcome in zip(requests, merged)), "a shard lost or repeated items"
     return merged

@@ -17,7 +17,7 @@ from rerankit.remote.deadline import Deadline
 from rerankit.remote.dialects import Dialect, get_dialect
 from rerankit.remote.discover import Discovery, adiscover, discover
 from rerankit.remote.health import FarHealth
-from rerankit.schema import ScoreRequest, ScoreResponse, Usage
+from rerankit.schema import ScoreRequest, ScoreResponse
 
 
 class RemoteBackend:
@@ -179,10 +179,7 @@ def split_items(request: ScoreRequest, max_items: int) -> list[ScoreRequest]:
 
 def merge_responses(parts: list[ScoreResponse]) -> ScoreResponse:
     """The responses of consecutive chunks as one, indices offset back to the whole request's."""
-    results = []
-    for part in parts:
-        offset = len(results)
-        results += [result.model_copy(update={"index": result.index + offset}) for result in part.results]
-    usage = Usage(prompt_tokens=sum(part.usage.prompt_tokens for part in parts),
-                  computed_tokens=sum(part.usage.computed_tokens for part in parts))
-    return ScoreResponse(results=results, model=parts[0].model, usage=usage)
+    starts = [0]
+    for part in parts[:-1]:
+        starts.append(starts[-1] + len(part.results))
+    return ScoreResponse.joined(list(zip(starts, parts)))

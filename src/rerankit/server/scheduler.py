@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from rerankit.errors import shift_item_index
 from rerankit.estimate import item_tokens
-from rerankit.schema import ScoreRequest, ScoreResponse, ScoreResult, Usage
+from rerankit.schema import ScoreRequest, ScoreResponse
 
 
 def estimate_tokens(request: ScoreRequest, cap: int | None = None) -> int:
@@ -67,9 +67,7 @@ class Submission:
         self.running = 0  # chunks in an engine call now
         self.served = 0  # the fairness key: where it started in the queue, plus the tokens handed out since
         self.arrival = next(self._arrivals)
-        self.results: list[ScoreResult | None] = [None] * len(request.items)
-        self.usage = Usage()
-        self.model = ""
+        self.done: list[tuple[int, ScoreResponse]] = []  # (chunk's first item, its response) of chunks answered
 
     @property
     def gone(self) -> bool:
@@ -94,17 +92,16 @@ class Submission:
         if self.whole:
             self.future.set_result(outcome)
             return
-        for result in outcome.results:
-            self.results[chunk.start + result.index] = result.model_copy(update={"index": chunk.start + result.index})
-        self.usage = Usage(prompt_tokens=self.usage.prompt_tokens + outcome.usage.prompt_tokens,
-                           computed_tokens=self.usage.computed_tokens + outcome.usage.computed_tokens)
-        self.model = outcome.model
+        self.done.append((chunk.start, outcome))
         if not self.waiting and not self.running:
-            results = [result for result in self.results if result is not None]
-            if len(results) != len(self.results):
+            try:
+                joined = ScoreResponse.joined(self.done)
+            except ValueError:  # a gap or an overlap
+                joined = None
+            if joined is None or len(joined.results) != len(self.request.items):
                 self.future.set_exception(RuntimeError("the engine did not return a score for every item"))
             else:
-                self.future.set_result(ScoreResponse(results=results, model=self.model, usage=self.usage))
+                self.future.set_result(joined)
 
 
 @dataclass(frozen=True)
