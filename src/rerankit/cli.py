@@ -126,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="score one request per engine call (to measure what batching gains)")
     serve.add_argument("--no-warmup", dest="warm_up", action="store_false",
                        help="answer at once instead of first scoring two synthetic requests (compiling, on a GPU)")
+    serve.add_argument("--ssl-certfile", help="serve HTTPS with this PEM certificate (chain)")
+    serve.add_argument("--ssl-keyfile", help="with --ssl-certfile: its PEM private key (default: in the certfile)")
+    serve.add_argument("--ssl-keyfile-password", help="with --ssl-keyfile: the key's password")
+    serve.add_argument("--ssl-ca-certs", help="with --ssl-certfile: require client certificates signed by these "
+                                              "PEM CAs (mutual TLS)")
     serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     serve.set_defaults(run=run_serve)
     add_score_command(commands)
@@ -330,7 +335,9 @@ def run_serve(args: argparse.Namespace) -> int:
           warm_up=args.warm_up, rerank_dialect=args.rerank_dialect, max_request_tokens=args.max_request_tokens,
           drain_seconds=args.drain_seconds, max_connections=args.max_connections,
           header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
-          keep_alive_timeout_s=args.keep_alive_timeout_s)
+          keep_alive_timeout_s=args.keep_alive_timeout_s, ssl_certfile=args.ssl_certfile,
+          ssl_keyfile=args.ssl_keyfile, ssl_keyfile_password=args.ssl_keyfile_password,
+          ssl_ca_certs=args.ssl_ca_certs)
     return 0
 
 

@@ -21,7 +21,9 @@ log = logging.getLogger("rerankit.server")
 def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000, device: str | None = None,
           dtype: str | None = None, prefix_cache_bytes: int | None = None, api_key: str | None = None,
           log_level: str = "info", data_parallel_size: int | str | None = None,
-          engine_options: dict[str, Any] | None = None, **settings: Any) -> None:
+          engine_options: dict[str, Any] | None = None, ssl_certfile: str | None = None,
+          ssl_keyfile: str | None = None, ssl_keyfile_password: str | None = None, ssl_ca_certs: str | None = None,
+          **settings: Any) -> None:
     """Serve ``model`` (path or hub id; None: the packaged MiniLM) until interrupted.
 
     ``device``, ``dtype``, ``prefix_cache_bytes`` and ``engine_options`` (e.g. the default ``mode``, ``template``,
@@ -30,7 +32,10 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
     ``api_key`` falls back to the ``RERANKIT_API_KEY`` environment variable. ``settings`` are
     ``ServerConfig`` fields (``max_batch_items``, ``batch_window_ms``, ``batching``, ``max_queue_requests``,
     ``max_connections``, ``header_timeout_s``...); a setting passed as None keeps its default.
-    The port is taken before the model loads: a port in use is a ``RerankitError`` at once.
+    ``ssl_certfile`` (with ``ssl_keyfile`` unless the key is in it) serves HTTPS; ``ssl_ca_certs`` then requires
+    client certificates signed by those CAs (``server/tls.py``).
+    The port is taken and the TLS files read before the model loads: a port in use or a file that does not load is
+    a ``RerankitError`` at once.
     """
     from rerankit.errors import RerankitError
     from rerankit.reranker import is_url, make_backend, missing_modules
@@ -43,6 +48,11 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
     from rerankit.server.connections import uvicorn_config
     from rerankit.server.limits import ServerConfig
     from rerankit.server.shutdown import GRACE_AFTER_DRAIN_S, STARTUP_FAILURE, DrainingServer
+    from rerankit.server.tls import tls_of
+
+    tls = tls_of(ssl_certfile, ssl_keyfile, ssl_keyfile_password, ssl_ca_certs)
+    if tls is not None:
+        tls.check()
 
     given = {name: value for name, value in settings.items() if value is not None}
     config = ServerConfig(**{"freeze_gc": True, **given, "api_key": api_key or os.environ.get(API_KEY_ENV) or None})
@@ -64,7 +74,8 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
             # uvicorn's own graceful-shutdown timeout outlasts the drain: it never cancels a request itself.
             server = DrainingServer(uvicorn_config(app, config, host=host, port=port, log_config=logs,
                                                    log_level=log_level, timeout_graceful_shutdown=math.ceil(
-                                                       config.drain_seconds) + GRACE_AFTER_DRAIN_S),
+                                                       config.drain_seconds) + GRACE_AFTER_DRAIN_S,
+                                                   **(tls.uvicorn_options() if tls is not None else {})),
                                     app.state.batcher, config.drain_seconds)
             server.run(sockets=[listener])
         except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down and raises it again, as uvicorn.run() ignores it

@@ -41,7 +41,8 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets)  # the app's start (the warm-up), then listening on ``sockets``
         if self.started:
             listener = (sockets or [server.sockets[0] for server in self.servers])[0]
-            log.info("ready on http://%s", address(self.config.host, listener.getsockname()[1]))
+            scheme = "https" if self.config.is_ssl else "http"
+            log.info("ready on %s://%s", scheme, address(self.config.host, listener.getsockname()[1]))
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._loop is not None and self._drain is None:

@@ -1,0 +1,138 @@
+"""``rerankit serve --ssl-certfile``: HTTPS with a certificate of a CA made for the test, the remote client trusting
+that CA through $SSL_CERT_FILE, mutual TLS with ``--ssl-ca-certs``, and files that do not load refused before the
+model loads."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+cryptography = pytest.importorskip("cryptography")
+from cryptography import x509  # noqa: E402
+from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
+from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
+from cryptography.x509.oid import NameOID  # noqa: E402
+from test_cli import CHILD_ENV, DOCUMENTS, QUERY, rerankit_cli  # noqa: E402
+
+
+def _name(common: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
+
+
+def _issue(subject: str, issuer: tuple | None, ca: bool, folder: Path) -> tuple:
+    """A key and certificate for ``subject``, signed by ``issuer`` (key, cert) or self-signed; both written as PEM."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    signer_key, signer_cert = issuer if issuer else (key, None)
+    builder = (x509.CertificateBuilder().subject_name(_name(subject))
+               .issuer_name(signer_cert.subject if signer_cert else _name(subject))
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if not ca:
+        builder = builder.add_extension(x509.SubjectAlternativeName(
+            [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]), critical=False)
+    cert = builder.sign(signer_key, hashes.SHA256())
+    (folder / f"{subject}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                              serialization.PrivateFormat.PKCS8,
+                                                              serialization.NoEncryption()))
+    (folder / f"{subject}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return key, cert
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Path:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, all signed by the CA."""
+    folder = tmp_path_factory.mktemp("pki")
+    ca = _issue("ca", None, True, folder)
+    _issue("server", ca, False, folder)
+    _issue("client", ca, False, folder)
+    return folder
+
+
+def _served(*flags: str) -> tuple[subprocess.Popen, int]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "rerankit", "serve", "--port", str(port), "--log-level",
+                               "info", "--no-warmup", *flags], env=CHILD_ENV, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    return server, port
+
+
+def _wait_ready(server: subprocess.Popen, ready) -> None:
+    deadline = time.monotonic() + 90
+    while not ready():
+        assert server.poll() is None, server.stderr.read()
+        assert time.monotonic() < deadline, "rerankit serve did not come up"
+        time.sleep(0.2)
+
+
+def _stop(server: subprocess.Popen) -> str:
+    server.send_signal(signal.SIGINT)
+    server.wait(timeout=30)
+    return server.stderr.read()
+
+
+def _answers(url: str, **client) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1, **client).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_serve_over_https_and_rank_against_it_trusting_the_ca_from_the_environment(pki):
+    server, port = _served("--ssl-certfile", str(pki / "server.pem"), "--ssl-keyfile", str(pki / "server.key"))
+    url = f"https://127.0.0.1:{port}"
+    try:
+        _wait_ready(server, lambda: _answers(url, verify=str(pki / "ca.pem")))
+        with pytest.raises(httpx.ConnectError):  # the CA is not one the system trusts
+            httpx.get(f"{url}/health", timeout=5)
+        with pytest.raises(httpx.TransportError):  # plain HTTP on the HTTPS port
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).raise_for_status()
+        remote = rerankit_cli("rank", "--model", url, "--query", QUERY, "--docs", "-", "--json",
+                              stdin="\n".join(DOCUMENTS), SSL_CERT_FILE=str(pki / "ca.pem"))
+        assert remote.returncode == 0, remote.stderr
+        assert [hit["index"] for hit in json.loads(remote.stdout)["results"]] == [1, 3, 2, 0]
+    finally:
+        log = _stop(server)
+    assert f"ready on https://127.0.0.1:{port}" in log
+
+
+def test_mutual_tls_refuses_a_client_without_a_certificate_of_the_ca(pki):
+    server, port = _served("--ssl-certfile", str(pki / "server.pem"), "--ssl-keyfile", str(pki / "server.key"),
+                           "--ssl-ca-certs", str(pki / "ca.pem"))
+    url = f"https://127.0.0.1:{port}"
+    with_cert = {"verify": str(pki / "ca.pem"), "cert": (str(pki / "client.pem"), str(pki / "client.key"))}
+    try:
+        _wait_ready(server, lambda: _answers(url, **with_cert))
+        assert not _answers(url, verify=str(pki / "ca.pem"))  # the handshake fails without a client certificate
+    finally:
+        _stop(server)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--ssl-certfile", "/no/such.pem"], "--ssl-certfile: cannot load the certificate and its key (No such file"),
+    (["--ssl-keyfile", "/k.pem", "--ssl-ca-certs", "/ca.pem"],
+     "--ssl-keyfile, --ssl-ca-certs need --ssl-certfile"),
+])
+def test_tls_files_that_do_not_load_end_serve_before_the_model_loads(flags, message):
+    completed = rerankit_cli("serve", "--model", "/no/such/model", *flags)
+    assert completed.returncode == 2 and f"error: {message}" in completed.stderr, completed.stderr
+    assert "/no/such/model" not in completed.stderr
+
+
+def test_a_certificate_with_the_wrong_key_is_refused(pki):
+    completed = rerankit_cli("serve", "--model", "/no/such/model", "--ssl-certfile", str(pki / "server.pem"),
+                             "--ssl-keyfile", str(pki / "client.key"))
+    assert completed.returncode == 2 and "--ssl-certfile and --ssl-keyfile: cannot load" in completed.stderr
