@@ -209,6 +209,7 @@ def served_minilm():
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     server = subprocess.Popen([sys.executable, "-m", "rerankit", "serve", "--port", str(port), "--api-key", "s3cret",
+                               "--api-key", "rotated",
                                "--served-model-name", "minilm", "--log-level", "warning"],
                               env=CHILD_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -243,6 +244,13 @@ def test_serve_refuses_a_client_without_the_key(served_minilm):
 
     assert completed.returncode == 2
     assert _last_line(completed.stderr).startswith("error: HTTP 401")
+
+
+def test_serve_takes_each_of_several_keys(served_minilm):
+    completed = rerankit_cli("rank", "--model", served_minilm, "--api-key", "rotated", "--query", QUERY,
+                             "--docs", "-", "--top-n", "1", stdin="\n".join(DOCUMENTS))
+
+    assert completed.returncode == 0, completed.stderr
 
 
 def test_rank_takes_the_servers_key_from_the_environment(served_minilm):

@@ -88,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=_port, default=8000, help="port to listen on (default: 8000)")
     serve.add_argument("--device", help="cpu, cuda, cuda:1, ...")
     serve.add_argument("--dtype", help="float32, bfloat16, float16, fp8 (experimental: decoders on sm_89+ GPUs)")
-    serve.add_argument("--api-key", help="require this key as a Bearer token (default: $RERANKIT_API_KEY)")
+    serve.add_argument("--api-key", action="append",
+                       help="require this key as a Bearer token; give it more than once to take any of several "
+                            "(rotating a key) (default: $RERANKIT_API_KEY)")
     serve.add_argument("--served-model-name", help="the model name /v1/models and the responses report")
     add_prompt_flags(serve, defaults=True)
     serve.add_argument("--max-batch-items", type=_positive_int, help="items merged into one engine call at most")

@@ -156,6 +156,18 @@ def test_api_key_is_required_on_scoring_routes_only():
             assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
 
 
+def test_several_api_keys_are_each_taken_while_one_is_rotated():
+    config = ServerConfig(api_key=("old-key", "new-key"))
+    with live_server(create_app(RecordingBackend(), config)) as url:
+        with httpx.Client(base_url=url, timeout=10) as client:
+            def status(key: str) -> int:
+                return client.post("/generative_scoring", json=GENERATIVE,
+                                   headers={"Authorization": f"Bearer {key}"}).status_code
+
+            assert status("old-key") == 200 and status("new-key") == 200
+            assert status("new") == 401 and status("old-key,new-key") == 401 and status("old-key new-key") == 401
+
+
 def test_full_queue_is_a_429_with_retry_after_and_the_server_recovers():
     backend = RecordingBackend(hold_first_call=True)
     with live_server(create_app(backend, ServerConfig(max_queue_requests=1))) as url:

@@ -39,7 +39,7 @@ class ServerConfig:
     answered 408 and its connection closed (a client dripping a body cannot hold a connection).
     """
 
-    api_key: str | None = None
+    api_key: str | tuple[str, ...] | None = None
     served_model_name: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
     max_items_per_request: int = 1024
@@ -77,13 +77,22 @@ class ServerConfig:
             raise ValueError(f"rerank_dialect must be one of {', '.join(RERANK_DIALECTS)}, got {self.rerank_dialect!r}")
 
 
+def api_keys(config: ServerConfig) -> tuple[str, ...]:
+    """The keys the server takes (``api_key``: one, or several while a key is rotated); none: no key needed."""
+    keys = (config.api_key,) if isinstance(config.api_key, str) else tuple(config.api_key or ())
+    return tuple(key for key in keys if key)
+
+
 def check_api_key(config: ServerConfig, authorization: str | None) -> None:
-    """Raise ``Unauthorized`` unless the server has no key or ``Authorization: Bearer <key>`` matches it."""
-    if config.api_key is None:
+    """Raise ``Unauthorized`` unless the server takes no key or ``Authorization: Bearer <key>`` gives one of its."""
+    keys = api_keys(config)
+    if not keys:
         return
     scheme, _, given = (authorization or "").partition(" ")
-    # compare_digest: the time taken must not tell how many leading characters were right.
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), config.api_key.encode()):
+    # compare_digest against every key: the time taken must tell neither how many leading characters were right
+    # nor which key came close.
+    matches = [hmac.compare_digest(given.strip().encode(), key.encode()) for key in keys]
+    if scheme.lower() != "bearer" or not any(matches):
         raise Unauthorized("missing or wrong API key: send 'Authorization: Bearer <key>'")
 
 

@@ -11,6 +11,7 @@ import math
 import os
 import socket
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 API_KEY_ENV = "RERANKIT_API_KEY"
@@ -19,7 +20,8 @@ log = logging.getLogger("rerankit.server")
 
 
 def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000, device: str | None = None,
-          dtype: str | None = None, prefix_cache_bytes: int | None = None, api_key: str | None = None,
+          dtype: str | None = None, prefix_cache_bytes: int | None = None,
+          api_key: str | Sequence[str] | None = None,
           log_level: str = "info", data_parallel_size: int | str | None = None,
           engine_options: dict[str, Any] | None = None, ssl_certfile: str | None = None,
           ssl_keyfile: str | None = None, ssl_keyfile_password: str | None = None, ssl_ca_certs: str | None = None,
@@ -29,7 +31,8 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
     ``device``, ``dtype``, ``prefix_cache_bytes`` and ``engine_options`` (e.g. the default ``mode``, ``template``,
     ``instruction``) go to the embedded engine (None: its defaults); ``data_parallel_size`` N (or "auto") runs N
     engine replicas, one process per device (``engine/replicas.py``).
-    ``api_key`` falls back to the ``RERANKIT_API_KEY`` environment variable. ``settings`` are
+    ``api_key`` (one key, or several: any of them is taken, for rotating a key without downtime) falls back to
+    the ``RERANKIT_API_KEY`` environment variable. ``settings`` are
     ``ServerConfig`` fields (``max_batch_items``, ``batch_window_ms``, ``batching``, ``max_queue_requests``,
     ``max_connections``, ``header_timeout_s``...); a setting passed as None keeps its default.
     ``ssl_certfile`` (with ``ssl_keyfile`` unless the key is in it) serves HTTPS; ``ssl_ca_certs`` then requires
@@ -55,7 +58,9 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
         tls.check()
 
     given = {name: value for name, value in settings.items() if value is not None}
-    config = ServerConfig(**{"freeze_gc": True, **given, "api_key": api_key or os.environ.get(API_KEY_ENV) or None})
+    keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
+    keys = tuple(key for key in keys if key) or ((os.environ[API_KEY_ENV],) if os.environ.get(API_KEY_ENV) else ())
+    config = ServerConfig(**{"freeze_gc": True, **given, "api_key": keys or None})
     engine_options = {**{name: value for name, value in (("device", device), ("dtype", dtype),
                                                           ("prefix_cache_bytes", prefix_cache_bytes),
                                                           ("data_parallel_size", data_parallel_size))
