@@ -5,7 +5,7 @@ in the middle of the body, a slow or never-ending reply, no reply until the clie
 counted in ``abandoned``), bytes dripped one at a time, a wrong or oversized body,
 an HTTP status with a vLLM error body (and ``Retry-After``). "ok" answers ``/generative_scoring`` with
 score = item number / 1000 ("drip-ok": the same answer, a byte at a time). ``GET /health`` answers ``health``
-(a status, or "hang": no answer), counted in ``health_hits``.
+(a status, or "hang": no answer), counted in ``health_hits``. Each POST's headers and body are kept in ``posts``.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ class FaultServer(ThreadingHTTPServer):
         self.abandoned = 0  # "hold" requests whose client closed the connection
         self.health = "200"
         self.health_hits = 0
+        self.posts: list[tuple[dict[str, str], dict]] = []  # each POST's headers (names lowercased) and body
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
@@ -108,6 +109,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.posts.append(({name.lower(): value for name, value in self.headers.items()}, body))
         fault = self.server.next_fault()
         try:
             self._answer(fault, body)

@@ -8,6 +8,7 @@ The sync and async paths share every decision (``_Attempts``, ``_failure_of_*``)
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import math
 import random
 import threading
@@ -24,6 +25,7 @@ from rerankit.remote.dialects.common import param_first
 from rerankit.remote.deadline import Deadline, Window, held_to, hold_sockets
 from rerankit.remote.endpoints import Endpoints
 from rerankit.remote.reply import Answer, CappedBody, Reply, parse_json, probe_reply
+from rerankit.request_ids import HEADER, REQUEST_ID, usable_request_id
 
 
 # A call's default bound: room for one slow try (the default read timeout) and a failover to another endpoint;
@@ -238,7 +240,8 @@ class _LoopClient:
 class Transport:
     """Posts JSON bodies to a set of endpoints, sync or async, with retries, failover and a concurrency limit.
 
-    Every call is bounded by a ``Deadline`` (the config's unless given), each try by ``timeout.read``.
+    Every call is bounded by a ``Deadline`` (the config's unless given), each try by ``timeout.read``. Each request
+    carries the caller's ``rerankit.request_ids.REQUEST_ID``, where set, as its ``X-Request-Id``.
     ``transport``: an httpx transport for both clients (``httpx.MockTransport`` in tests).
     """
 
@@ -294,7 +297,9 @@ class Transport:
                  window: Window) -> httpx.Request:
         left = window.left()
         timeout = httpx.Timeout(left, connect=min(self.config.timeout.connect, left))
-        return client.build_request(method, url, json=body, timeout=timeout)
+        request_id = usable_request_id(REQUEST_ID.get())  # the request served (rerankit serve's, or the caller's)
+        return client.build_request(method, url, json=body, timeout=timeout,
+                                    headers={HEADER: request_id} if request_id else None)
 
     def _exchange(self, method: str, url: str, body: Any, window: Window) -> Answer:
         """One sync request, its body streamed under the size cap, all within ``window``."""
@@ -391,7 +396,9 @@ class Transport:
             executor = self._executor
         # Set once the call is over (failed, or past its deadline): posts still running make no further try.
         stop = threading.Event()
-        futures = [executor.submit(self.post, path, body, deadline, stop) for body in bodies]
+        # Each thread runs in a copy of the caller's context: its request id goes with every body.
+        futures = [executor.submit(contextvars.copy_context().run, self.post, path, body, deadline, stop)
+                   for body in bodies]
         # Each post ends by the deadline once a thread runs it, with an error naming what it tried; the grace lets
         # that error through, and the bound still holds when every thread is busy with other calls.
         limit = deadline.wait_limit()

@@ -1,5 +1,6 @@
 """The FastAPI app of ``rerankit serve``: the scoring routes of every dialect over one backend, plus
-``/health``, ``/v1/models``, ``/metrics`` and FastAPI's OpenAPI pages (``/docs``, ``/openapi.json``).
+``/health``, ``/v1/models``, ``/metrics`` and FastAPI's OpenAPI pages (``/docs``, ``/openapi.json``). Every
+response carries its request's ``X-Request-Id`` (``server/request_ids.py``).
 
 ``/health``, ``/metrics`` and the OpenAPI pages stay open when an API key is set (probes and scrapers
 carry no key); the scoring routes and ``/v1/models`` need it.
@@ -26,7 +27,8 @@ from rerankit.remote.dialects.common import openai_error
 from rerankit.remote.health import public_url
 from rerankit.server.batcher import Batcher
 from rerankit.server.limits import ServerConfig, check_api_key
-from rerankit.server.routes import METHODS, ROUTES, error_headers, scoring_endpoint
+from rerankit.server.request_ids import RequestIds
+from rerankit.server.routes import METHODS, ROUTES, default_dialect, error_headers, error_response, scoring_endpoint
 
 PACKAGED_MODEL_NAME = "all-MiniLM-L6-v2"
 
@@ -60,6 +62,9 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
     app = FastAPI(title="rerankit", version=__version__, lifespan=lifespan,
                   description=f"Reranking with {model_name()}: vLLM, SGLang, Cohere and TEI scoring routes.")
     app.state.batcher = batcher  # serve() drains it on SIGTERM/SIGINT
+    app.add_middleware(RequestIds, unhandled=lambda scope, request_id: path_error_response(
+        scope.get("path", ""), RerankitError(f"internal server error (request {request_id}: the server's log has "
+                                             "its traceback)"), config))  # every response's X-Request-Id; the id in the routes' logs and forwarded
 
     for path, dialects in ROUTES.items():
         endpoint = scoring_endpoint(path, batcher, config, model_name)
@@ -129,6 +134,14 @@ def public_model_name(model: str | None) -> str:
     if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
         return folder.parent.parent.name.removeprefix("models--").replace("--", "/")
     return folder.name
+
+
+def path_error_response(path: str, error: RerankitError, config: ServerConfig) -> JSONResponse:
+    """``error`` as ``path`` answers its own errors: in its dialect on a scoring path (``routes.default_dialect``),
+    rerankit's own body on any other."""
+    if path in ROUTES:
+        return error_response(default_dialect(path, config), error, config)
+    return app_error_response(error, config)
 
 
 def app_error_response(error: RerankitError, config: ServerConfig) -> JSONResponse:

@@ -26,10 +26,11 @@ import inspect
 import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Awaitable, Callable, TypeVar
 
 from rerankit.backend import Backend
 from rerankit.errors import Cancelled, Overloaded, RequestTooLarge, ShuttingDown
+from rerankit.request_ids import REQUEST_ID
 from rerankit.schema import ScoreRequest, ScoreResponse
 from rerankit.server.limits import ServerConfig
 from rerankit.server.metrics import Metrics
@@ -39,6 +40,8 @@ from rerankit.server.scheduler import (Chunk, FairQueue, Piece, Submission, esti
 __all__ = ["Batcher", "estimate_tokens", "score_each", "warm_up_shapes"]
 
 log = logging.getLogger("rerankit.server")
+
+T = TypeVar("T")
 
 # A chunk is sized to about this much engine time, from the throughput the engine has shown: on an H100 that is the
 # whole ``max_chunk_tokens``; on a CPU a few hundred tokens, so that a request arriving behind a large one waits for
@@ -191,7 +194,7 @@ class Batcher:
         future = asyncio.get_running_loop().create_future()
         chunks = ([Chunk(0, len(tokens), total)] if self._one_by_one
                   else split(tokens, self.chunk_tokens, self.config.max_batch_items))
-        submission = Submission(request, chunks, future)
+        submission = Submission(request, chunks, future, REQUEST_ID.get())  # submit runs in the route's context
         self._queue.add(submission)
         self._live.add(submission)
         future.add_done_callback(lambda _: self._live.discard(submission))
@@ -252,7 +255,7 @@ class Batcher:
         try:
             await self._call(pieces)
         except Exception as exc:  # noqa: BLE001 - a bug or a broken backend: this call's callers get a 500
-            log.exception("an engine call of %d requests failed", len(pieces))
+            log.exception("an engine call of %d requests failed (request ids: %s)", len(pieces), _ids(pieces))
             for piece in pieces:
                 if not piece.submission.gone:
                     piece.submission.future.set_exception(exc)
@@ -276,7 +279,7 @@ class Batcher:
                                                       should_stop if self._takes_should_stop else None)
             if len(outcomes) != len(pieces):  # answered by position: a piece without its own outcome never returns
                 error = RuntimeError(f"the engine returned {len(outcomes)} outcomes for {len(pieces)} requests")
-                log.error("%s", error)
+                log.error("%s (request ids: %s)", error, _ids(pieces))
                 outcomes = [error] * len(pieces)
             # The speed of the work done: a piece that failed at once (refused, or before the engine ran) adds
             # tokens but no time, and would make the engine look far faster than it is.
@@ -305,8 +308,9 @@ class Batcher:
     async def _ascore(self, piece: Piece, request: ScoreRequest) -> ScoreResponse | Exception:
         """``request`` through the backend's ``ascore`` as a task of its own, cancelled as soon as the piece's
         caller has gone (cancelled, or failed by a drain that gave up): ``Cancelled`` then, the error it raised
-        otherwise. Cancelling this call itself (``stop``) cancels the task too."""
-        scoring = asyncio.ensure_future(self.backend.ascore(request))
+        otherwise. Cancelling this call itself (``stop``) cancels the task too. The task runs under the caller's
+        request id (``REQUEST_ID``), which a proxy's remote client forwards: each ``ascore`` serves one caller."""
+        scoring = asyncio.ensure_future(_under_request_id(piece.submission.request_id, self.backend.ascore(request)))
 
         def caller_gone(_: asyncio.Future) -> None:
             scoring.cancel()
@@ -334,6 +338,18 @@ class Batcher:
             if not submission.gone:
                 submission.future.set_exception(error)
         self._idle.set()
+
+
+def _ids(pieces: list[Piece]) -> str:
+    """The request ids of an engine call's pieces, for its log lines."""
+    return ", ".join(dict.fromkeys(str(piece.submission.request_id) for piece in pieces))
+
+
+async def _under_request_id(request_id: str | None, work: Awaitable[T]) -> T:
+    """``work``'s result, awaited with ``REQUEST_ID`` set to ``request_id`` (in the task's own copy of the context:
+    the batcher's, not the caller's, as the dispatcher creates the task)."""
+    REQUEST_ID.set(request_id)
+    return await work
 
 
 def score_each(backend: Backend, requests: list[ScoreRequest],

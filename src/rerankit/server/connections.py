@@ -16,9 +16,9 @@ from typing import Any
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from rerankit.errors import TooManyConnections
-from rerankit.server.app import app_error_response
+from rerankit.server.app import path_error_response
 from rerankit.server.limits import ServerConfig
-from rerankit.server.routes import ROUTES, default_dialect, error_response
+from rerankit.server.request_ids import RequestIds
 
 log = logging.getLogger("rerankit.server")
 
@@ -103,18 +103,17 @@ def guarded_protocol(config: ServerConfig, base: type[asyncio.Protocol] = AutoHT
 
 def over_capacity_app(config: ServerConfig) -> Any:
     """The ASGI app answering a connection over ``max_connections``: one JSON 503, then close. A scoring path answers
-    it as its own errors (``routes.default_dialect``, ``routes.error_response``); any other path as the app does."""
+    it as its own errors (``routes.default_dialect``, ``routes.error_response``); any other path as the app does;
+with the request's ``X-Request-Id``, as every answer of the app."""
     error = TooManyConnections(f"the server holds its limit of {config.max_connections} connections "
                                "(max_connections), each with a request running; retry later")
-    dialects = {path: default_dialect(path, config) for path in ROUTES}
 
     async def over_capacity(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        dialect = dialects.get(scope.get("path", ""))
-        response = error_response(dialect, error, config) if dialect else app_error_response(error, config)
+        response = path_error_response(scope.get("path", ""), error, config)
         response.headers["Connection"] = "close"
         await response(scope, receive, send)
 
-    return over_capacity
+    return RequestIds(over_capacity)  # its 503 carries an X-Request-Id too
 
 
 def uvicorn_config(app: Any, config: ServerConfig, protocol: type[asyncio.Protocol] = AutoHTTPProtocol,

@@ -15,6 +15,7 @@ fields they do not know and so bodies cannot be told apart by their fields alone
    ``rerank_dialect`` where the path speaks it (``rerankit serve --rerank-dialect``), else the path's first.
 
 Errors found before the body is parsed (auth, content type, size, JSON) are in the path's default dialect's format.
+A failed request's log line names its request id (``X-Request-Id``, set by ``server/request_ids.py``).
 
 A proxy (``rerankit serve --model http://...``) answers what its far server refused as that server did (its status,
 message and field) where the fault is the request's (400, 413, 422) or the far server is busy (429, 503, with the
@@ -40,6 +41,7 @@ from starlette.requests import ClientDisconnect
 from rerankit.errors import (BodyTimeout, Cancelled, InvalidRequest, RemoteError, RerankitError, Unauthorized,
                              UnsupportedMediaType, UpstreamError)
 from rerankit.remote.dialects import Dialect, get_dialect
+from rerankit.request_ids import REQUEST_ID
 from rerankit.server.batcher import Batcher
 from rerankit.server.disconnect import unless_disconnected
 from rerankit.server.limits import ServerConfig, bound_request, check_api_key, check_body_size
@@ -95,10 +97,10 @@ def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
             error = proxied_error(exc, dialect) if forwarded else exc
             status = error.status_code
             if status == 502:
-                log.warning("proxied request on %s failed: %s", path, exc.message)
+                log.warning("proxied request %s on %s failed: %s", REQUEST_ID.get(), path, exc.message)
             return error_response(dialect, error, config)
         except Exception:  # a bug or an engine failure: logged, answered in the dialect's format, server lives on
-            log.exception("scoring request on %s failed", path)
+            log.exception("scoring request %s on %s failed", REQUEST_ID.get(), path)
             return JSONResponse(dialect.error_body(500, "internal server error"), status_code=500)
         finally:
             if status == Cancelled.status_code:

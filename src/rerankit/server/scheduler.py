@@ -59,8 +59,10 @@ class Submission:
 
     _arrivals = itertools.count()
 
-    def __init__(self, request: ScoreRequest, chunks: list[Chunk], future: asyncio.Future) -> None:
+    def __init__(self, request: ScoreRequest, chunks: list[Chunk], future: asyncio.Future,
+                 request_id: str | None = None) -> None:
         self.request = request
+        self.request_id = request_id  # its HTTP request's X-Request-Id: logged, and forwarded by a proxy
         self.future = future
         self.waiting: deque[Chunk] = deque(chunks)
         self.whole = len(chunks) == 1
