@@ -46,7 +46,8 @@ def live_server(app: Any, config: ServerConfig | None = None, **options: Any) ->
     """Serve the ASGI ``app`` on loopback until the block ends, with ``config``'s connection settings, as
     ``rerankit serve`` does (``options``: ``uvicorn_config``'s); yields the base URL."""
     listener = loopback_listener()
-    server = uvicorn.Server(uvicorn_config(app, config or ServerConfig(), log_level="warning", lifespan="on",
-                                           timeout_graceful_shutdown=2, **options))
+    options = {"log_level": "warning", **options}
+    server = uvicorn.Server(uvicorn_config(app, config or ServerConfig(), lifespan="on", timeout_graceful_shutdown=2,
+                                           **options))
     with serving(server, listener):
         yield f"http://127.0.0.1:{listener.getsockname()[1]}"

@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ssl-ca-certs", help="with --ssl-certfile: require client certificates signed by these "
                                               "PEM CAs (mutual TLS)")
     serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    serve.add_argument("--log-format", default="text", choices=("text", "json"),
+                       help="text lines (default), or one JSON object a line with the request id, for log "
+                            "collectors")
     serve.set_defaults(run=run_serve)
     add_score_command(commands)
     return parser
@@ -330,7 +333,7 @@ def run_serve(args: argparse.Namespace) -> int:
     serve(args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
           prefix_cache_bytes=kept_bytes, api_key=args.api_key, data_parallel_size=args.data_parallel_size,
           engine_options={name: value for name, value in defaults.items() if value is not None},
-          log_level=args.log_level, served_model_name=args.served_model_name, max_batch_items=args.max_batch_items,
+          log_level=args.log_level, log_format=args.log_format, served_model_name=args.served_model_name, max_batch_items=args.max_batch_items,
           batch_window_ms=args.batch_window_ms, max_items_per_request=args.max_items_per_request,
           max_batch_tokens=args.max_batch_tokens, max_tokens_per_item=args.max_tokens_per_item,
           max_queue_requests=args.max_queue_requests, max_body_bytes=args.max_body_bytes, batching=args.batching,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import errno
 import gc
 import logging
@@ -22,7 +21,7 @@ log = logging.getLogger("rerankit.server")
 def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000, device: str | None = None,
           dtype: str | None = None, prefix_cache_bytes: int | None = None,
           api_key: str | Sequence[str] | None = None,
-          log_level: str = "info", data_parallel_size: int | str | None = None,
+          log_level: str = "info", log_format: str = "text", data_parallel_size: int | str | None = None,
           engine_options: dict[str, Any] | None = None, ssl_certfile: str | None = None,
           ssl_keyfile: str | None = None, ssl_keyfile_password: str | None = None, ssl_ca_certs: str | None = None,
           **settings: Any) -> None:
@@ -35,6 +34,7 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
     the ``RERANKIT_API_KEY`` environment variable. ``settings`` are
     ``ServerConfig`` fields (``max_batch_items``, ``batch_window_ms``, ``batching``, ``max_queue_requests``,
     ``max_connections``, ``header_timeout_s``...); a setting passed as None keeps its default.
+    ``log_format``: "text" (uvicorn's lines) or "json" (one object a line, with the request id: ``server/logs.py``).
     ``ssl_certfile`` (with ``ssl_keyfile`` unless the key is in it) serves HTTPS; ``ssl_ca_certs`` then requires
     client certificates signed by those CAs (``server/tls.py``).
     The port is taken and the TLS files read before the model loads: a port in use or a file that does not load is
@@ -50,6 +50,7 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
     from rerankit.server.app import create_app, public_model_name
     from rerankit.server.connections import uvicorn_config
     from rerankit.server.limits import ServerConfig
+    from rerankit.server.logs import log_config
     from rerankit.server.shutdown import GRACE_AFTER_DRAIN_S, STARTUP_FAILURE, DrainingServer
     from rerankit.server.tls import tls_of
 
@@ -67,7 +68,7 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
                          if value is not None}, **(engine_options or {})}
     if not is_url(model):
         engine_options["show_progress"] = False  # a server's log is no terminal: no progress bars
-    logs = log_config(log_level)
+    logs = log_config(log_level, log_format)
     logging.config.dictConfig(logs)
     listener = listen(host, port)
     raise_open_files_limit(config.max_connections + 256)  # + the model's files, threads and refused connections
@@ -131,10 +132,3 @@ def raise_open_files_limit(needed: int) -> None:
                                                     hard))
 
 
-def log_config(level: str) -> dict[str, Any]:
-    """uvicorn's logging config, with rerankit's own lines (loading, ready, failed requests) in the same format."""
-    from uvicorn.config import LOGGING_CONFIG
-
-    logs = copy.deepcopy(LOGGING_CONFIG)
-    logs["loggers"]["rerankit"] = {"handlers": ["default"], "level": level.upper(), "propagate": False}
-    return logs
