@@ -122,6 +122,22 @@ def test_infinity_client(url, local, path):
     assert result.model == MODEL and result.usage.prompt_tokens > 0
 
 
+# LiteLLM's rerank providers that take an api_base (cohere posts to /v2/rerank, infinity to /rerank, the others to
+# /v1/rerank): one body for all of them (model, query, documents, top_n, return_documents true), each reply parsed
+# its provider's way (Infinity's documents are strings, the others' objects).
+LITELLM_PROVIDERS = ("cohere", "infinity", "jina_ai", "litellm_proxy", "azure_ai")
+
+
+@pytest.mark.parametrize("provider", LITELLM_PROVIDERS)
+def test_litellm_rerank(url, local, provider, monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # its import reads the packaged map, not the network
+    litellm = pytest.importorskip("litellm")
+    reply = litellm.rerank(model=f"{provider}/{MODEL}", query=QUERY, documents=DOCS, top_n=3, api_base=url,
+                           api_key="unused")
+    assert_ranked([(r["index"], r["relevance_score"]) for r in reply.results], true_scores(local), top_n=3)
+    assert [r["document"]["text"] for r in reply.results] == [DOCS[r["index"]] for r in reply.results]
+
+
 def test_remote_reranker_with_served_model(url, local):
     """The issue's ``Reranker(url, dialect="cohere", model=...)`` spelled ``served_model=``: sent as ``model``."""
     with Reranker(url, dialect="cohere", served_model=MODEL) as remote:

@@ -96,5 +96,8 @@ INFINITY = Dialect(
     encode_request=encode_request, decode_response=decode_response, parse_request=parse_request,
     encode_response=encode_response, error_body=error_body, request_body=RerankBody,
     echoed_documents=echoed_documents, wire_names={"items": "documents"},
-    # infinity_client sends raw_scores, return_documents and model in every body: all three are its claim.
-    markers=(frozenset({"raw_scores"}), frozenset({"raw_scores", "return_documents", "model"})))
+    # infinity_client sends raw_scores, return_documents and model in every body: all three are its claim. On
+    # /rerank, return_documents alone is Infinity's too (vLLM's and TEI's rerank bodies have no such field): LiteLLM's
+    # infinity provider sends model, query, documents, top_n and return_documents, and reads the document a string.
+    markers=(frozenset({"raw_scores"}), frozenset({"raw_scores", "return_documents", "model"}),
+             frozenset({"return_documents"})))
