@@ -70,6 +70,10 @@ class ScoreRequest(_Strict):
     top_n: int | None = Field(default=None, ge=1, description="Keep the n best in ``ranked()``; None keeps all.")
     return_pooled_hidden_states: bool = False
     return_label_logprobs: bool = False
+    raw_scores: bool = Field(
+        default=False, description="Scores before their activation: a cross-encoder's or generative reranker's "
+                                   "logit, log(p / (1 - p)) of the probability it scores by default; bi-encoder "
+                                   "and late-interaction scores have no activation and are the same.")
     max_tokens_per_item: int | None = Field(default=None, ge=1, description="Cut each item to this many tokens.")
     truncation: Truncation = Field(default="end", description="Cut an item's end or start to fit; 'none' refuses.")
     multi_item: bool = Field(default=True, description="Share the prefix among items in one sequence (generative).")

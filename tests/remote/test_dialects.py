@@ -227,10 +227,8 @@ BAD_BODIES = [
     ("vllm-generative", {"query": "q", "items": ["a"]}, "label_token_ids"),
     ("vllm-score", {"queries": ["q1", "q2"], "documents": ["a", "b"]}, "queries"),
     ("vllm-score", {"data_1": "q", "data_2": []}, "data_2"),
-    ("vllm-score", {"text_1": "q", "text_2": ["a"], "use_activation": False}, "use_activation"),
     ("vllm-rerank", {"query": "q", "documents": ["a"], "truncate_prompt_tokens": 128}, "truncate_prompt_tokens"),
     ("vllm-rerank", {"query": "q", "documents": ["a"], "padding": "max_length"}, "padding"),
-    ("vllm-rerank", {"query": "q", "documents": ["a"], "activation": False}, "activation"),
     ("vllm-rerank", {"query": "q", "documents": ["a"], "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
     ("sglang-score", {"query": "q", "items": ["a"], "label_token_ids": [1], "temperature": 0.5}, "temperature"),
     ("sglang-score", {"query": "q", "items": ["a"], "label_token_ids": [[1], [2]]}, "label_token_ids"),
@@ -240,9 +238,7 @@ BAD_BODIES = [
     ("cohere", {"query": "q", "documents": [{"title": "a"}]}, "documents"),
     ("cohere", {"query": "q", "documents": ["a", 3]}, "documents"),
     ("cohere", {"query": "q", "documents": ["a"], "max_chunks_per_doc": 0}, "max_chunks_per_doc"),
-    ("infinity", {"query": "q", "documents": ["a"], "raw_scores": True}, "raw_scores"),
     ("cohere", {"query": "  ", "documents": ["a"]}, "query"),
-    ("tei", {"query": "q", "texts": ["a"], "raw_scores": True}, "raw_scores"),
     ("tei", {"query": "q", "texts": []}, "texts"),
 ]
 
@@ -252,6 +248,43 @@ def test_bad_wire_body_names_the_wire_field(name, body, field):
     with pytest.raises(InvalidRequest) as refused:
         get_dialect(name).parse_request(body)
     assert refused.value.field.split(".")[0] == field
+
+
+# (dialect, wire body, whether it asks for raw scores)
+RAW_BODIES = [
+    ("vllm-score", {"text_1": "q", "text_2": ["a"], "use_activation": False}, True),
+    ("vllm-score", {"text_1": "q", "text_2": ["a"], "use_activation": True, "softmax": False}, False),
+    ("vllm-rerank", {"query": "q", "documents": ["a"], "softmax": False}, True),
+    ("vllm-rerank", {"query": "q", "documents": ["a"], "activation": False}, True),
+    ("vllm-rerank", {"query": "q", "documents": ["a"], "use_activation": None, "activation": True}, False),
+    ("infinity", {"query": "q", "documents": ["a"], "raw_scores": True}, True),
+    ("tei", {"query": "q", "texts": ["a"], "raw_scores": True}, True),
+    ("tei", {"query": "q", "texts": ["a"]}, False),
+]
+
+
+@pytest.mark.parametrize(("name", "body", "raw"), RAW_BODIES)
+def test_a_body_asking_for_logits_parses_to_raw_scores(name, body, raw):
+    """vLLM's use_activation (softmax and activation, its old names, where it is not given), TEI's and Infinity's
+    raw_scores."""
+    assert get_dialect(name).parse_request(body).raw_scores is raw
+
+
+@pytest.mark.parametrize(("name", "field", "value"), [
+    ("vllm-score", "use_activation", False), ("vllm-rerank", "use_activation", False),
+    ("tei", "raw_scores", True), ("infinity", "raw_scores", True)])
+def test_the_client_asks_a_server_for_raw_scores_in_its_own_words(name, field, value):
+    _, body = get_dialect(name).encode_request(ScoreRequest(query="q", items=["a"], raw_scores=True), "m")
+    assert body[field] is value
+
+
+@pytest.mark.parametrize(("name", "labels"), [("cohere", None), ("sglang-rerank", None), ("vllm-generative", [1, 2]),
+                                            ("sglang-score", [1, 2])])
+def test_a_server_without_raw_scores_refuses_them_by_name(name, labels):
+    with pytest.raises(InvalidRequest, match="cannot honour raw_scores=True: it returns activated scores only") as no:
+        get_dialect(name).encode_request(ScoreRequest(query="q", items=["a"], label_token_ids=labels,
+                                                      raw_scores=True), "m")
+    assert no.value.field == "raw_scores"
 
 
 def test_server_parse_fills_the_peers_defaults():

@@ -51,7 +51,6 @@ CASES = [
     ("ce", "/rerank", {"query": "q", "documents": ["d"] * 17}, 413, "vllm-rerank", "max_items_per_request"),
     ("ce", "/rerank", {"query": "q", "documents": ["d"], "top_n": -1}, 400, "vllm-rerank", "top_n"),
     ("ce", "/rerank", {"query": "", "documents": ["d"]}, 400, "vllm-rerank", "query"),
-    ("ce", "/rerank", {"query": "q", "texts": ["d"], "raw_scores": True}, 400, "tei", "raw_scores"),
     ("ce", "/rerank", {"query": "q", "texts": ["word " * 300], "truncate": False}, 400, "tei", "64"),
     ("ce", "/v1/rerank", {"query": "q", "documents": ["d"], "top_n": 0, "return_documents": False}, 400,
      "sglang-score", "top_n"),

@@ -25,6 +25,16 @@ class BatchScores:
     scores: torch.Tensor
     label_logprobs: torch.Tensor | None = None
     pooled: torch.Tensor | None = None
+    raw: torch.Tensor | None = None  # the scores before their activation (``raw_scores``); None: the same
+
+
+def logit_of_first(logprobs: torch.Tensor) -> torch.Tensor:
+    """log(p / (1 - p)) of the first column's probability, from log-probs ``[N, L]``: against the others' summed
+    probability where there are others (exact for a softmax over them), else against the rest of the unit."""
+    first = logprobs[:, 0]
+    if logprobs.shape[1] > 1:
+        return first - torch.logsumexp(logprobs[:, 1:], dim=-1)
+    return first - torch.log(-torch.expm1(first))
 
 
 @dataclass(frozen=True)
@@ -61,11 +71,12 @@ def generative_head(lm_head: torch.nn.Module, label_ids: list[int], *, apply_sof
             logits = read.float() @ lone_row.T
             if lone_bias is not None:
                 logits = logits + lone_bias
-            logprobs = F.logsigmoid(logits)
+            logprobs, raw = F.logsigmoid(logits), logits[:, 0]
         else:
             ids = label_tensor.expand(read.shape[0], -1)
             logprobs = label_logprobs(read, weight, ids, full_vocab=not apply_softmax, lm_head_bias=bias)
-        return BatchScores(logprobs[:, 0].exp(), logprobs, read)
+            raw = logit_of_first(logprobs) if apply_softmax else logit_of_first(logprobs[:, :1])
+        return BatchScores(logprobs[:, 0].exp(), logprobs, read, raw)
 
     return Head(score, reads_only=True)
 
@@ -92,12 +103,16 @@ def sequence_classifier(model: Any) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def cross_encoder_head(classify: Callable[[torch.Tensor], torch.Tensor]) -> Head:
-    """Sigmoid of a single logit, or the softmax probability of class 1 when there are several."""
+    """Sigmoid of a single logit, or the softmax probability of class 1 when there are several; raw: that logit,
+    or class 1's log-odds against the others."""
 
     def score(read: torch.Tensor, batch: PackedBatch) -> BatchScores:
         logits = classify(read).float()
-        scores = logits[:, 0].sigmoid() if logits.shape[1] == 1 else logits.softmax(-1)[:, 1]
-        return BatchScores(scores, pooled=read)
+        if logits.shape[1] == 1:
+            return BatchScores(logits[:, 0].sigmoid(), pooled=read, raw=logits[:, 0])
+        logprobs = logits.log_softmax(-1)
+        class_one_first = [1, 0, *range(2, logits.shape[1])]
+        return BatchScores(logprobs[:, 1].exp(), pooled=read, raw=logit_of_first(logprobs[:, class_one_first]))
 
     return Head(score, reads_only=True)
 

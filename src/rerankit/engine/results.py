@@ -34,6 +34,8 @@ class SliceOutput:
             scores.label_logprobs = None
         if not any(request.return_pooled_hidden_states for request in owners):
             scores.pooled = None
+        if not any(request.raw_scores for request in owners):
+            scores.raw = None
         self.requests, self.items, self.scores = requests, items, scores
 
 
@@ -50,6 +52,9 @@ class HostCopy:
         self.requests = np.concatenate([output.requests for output in outputs]) if outputs else empty
         self.items = np.concatenate([output.items for output in outputs]) if outputs else empty
         scores = torch.cat([output.scores.scores.float() for output in outputs]) if outputs else torch.zeros(0)
+        # Raw scores beside them where a request asked (a head without an activation gives its scores)
+        raw = torch.cat([(output.scores.raw if output.scores.raw is not None else output.scores.scores).float()
+                         for output in outputs]) if any(output.scores.raw is not None for output in outputs) else None
         kept: list[tuple[str, int, torch.Tensor]] = []  # (extra, first read, values), in the outputs' order
         start = 0
         for output in outputs:
@@ -58,7 +63,7 @@ class HostCopy:
                 if values is not None:
                     kept.append((name, start, values.float()))
             start += len(output.requests)
-        tensors = [scores] + [values for _, _, values in kept]
+        tensors = [scores] + ([] if raw is None else [raw]) + [values for _, _, values in kept]
         self._event: torch.cuda.Event | None = None
         self._device: list[torch.Tensor] | None = None
         if scores.is_cuda:  # queue the copies now; into pinned memory they run while the host moves on
@@ -70,8 +75,9 @@ class HostCopy:
             self._event.record()
             tensors = host
         self._scores = tensors[0]
+        self._raw = None if raw is None else tensors[1]
         self.extras: dict[str, list[tuple[int, torch.Tensor]]] = {name: [] for name, _ in EXTRAS}
-        for (name, first, _), values in zip(kept, tensors[1:]):
+        for (name, first, _), values in zip(kept, tensors[1 + (raw is not None):]):
             self.extras[name].append((first, values))
 
     def wait(self) -> np.ndarray:
@@ -81,12 +87,17 @@ class HostCopy:
             self._event = self._device = None
         return self._scores.numpy()
 
+    def raw(self) -> np.ndarray | None:
+        """The raw scores beside ``wait()``'s (after it), where a request asked for them; None where none did."""
+        return None if self._raw is None else self._raw.numpy()
+
 
 def responses(call_requests: list[ScoreRequest], entries: list, errors: list[RerankitError | None],
               copy: HostCopy, computed: list[int], model_name: str) -> list[ScoreResponse | RerankitError]:
     """Scatter a call's copied outputs back to its requests and items (``entries[i]``: request i's prepared entry,
     or None where ``errors[i]`` says why it failed)."""
     scores = copy.wait()
+    raw = copy.raw()
     requests, items = copy.requests, copy.items
     failed = np.array([error is not None for error in errors], dtype=bool)
     tables = {}
@@ -110,7 +121,8 @@ def responses(call_requests: list[ScoreRequest], entries: list, errors: list[Rer
         if not np.array_equal(items[rows], np.arange(len(entry.encoded.item_ids))):
             raise RuntimeError(f"the plan scored request {index}'s items {items[rows].tolist()}, not each once")
         windows = entry.encoded.item_windows
-        values = aggregate(scores[rows], windows, entry.request.long_documents).tolist()
+        chosen = raw if entry.request.raw_scores and raw is not None else scores
+        values = aggregate(chosen[rows], windows, entry.request.long_documents).tolist()
         results = [ScoreResult(index=item, score=values[item], label_logprobs=tables["label_logprobs"][index][item],
                                pooled_hidden_state=tables["pooled"][index][item], windows=windows[item])
                    for item in range(len(values))]

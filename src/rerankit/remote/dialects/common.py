@@ -53,9 +53,10 @@ _REASONS = {
     "label_token_ids": "it scores with the model's own head",
     "long_documents": "scoring a long item in windows is done by rerankit's engine (serve the model with "
                       "rerankit serve, or send Cohere v1's max_chunks_per_doc to it)",
+    "raw_scores": "it returns activated scores only",
 }
 # What no peer's wire carries: windows of a long item are scored and aggregated by rerankit's engine only.
-_EVERY_ROUTE: dict[str, tuple[Any, ...]] = {"long_documents": ("truncate",)}
+_EVERY_ROUTE: dict[str, tuple[Any, ...]] = {"long_documents": ("truncate",), "raw_scores": (False,)}
 # The one value (rerankit's default) that a route scoring with the model's own head takes for these fields.
 _OWN_HEAD: dict[str, tuple[Any, ...]] = {
     "template": (None,), "label_token_ids": (None,), "labels": (None,), "apply_softmax": (True,),

@@ -7,9 +7,9 @@ gives; raw logits are not offered.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import Field, WithJsonSchema
+from pydantic import Field
 
 from rerankit.remote.dialects.common import (
     Dialect,
@@ -28,7 +28,6 @@ from rerankit.remote.dialects.common import (
     response,
     single_text,
     text_list,
-    wire_refuse,
     with_model,
 )
 from rerankit.remote.dialects.vllm import error_body  # Infinity answers errors in the same OpenAI shape
@@ -45,7 +44,7 @@ class RerankBody(WireBody):
     documents: Texts
     top_n: int | None = Field(default=None, ge=1)
     return_documents: bool = False
-    raw_scores: Annotated[bool, WithJsonSchema({"const": False})] = False
+    raw_scores: bool = False
 
 
 def encode_request(request: ScoreRequest, model: str | None) -> tuple[str, dict[str, Any]]:
@@ -56,9 +55,9 @@ def encode_request(request: ScoreRequest, model: str | None) -> tuple[str, dict[
     it would refuse every such body a proxy in front of Infinity (``rerankit serve --model``) passes on.
     """
     refuse_for_own_head(request, ENDPOINT, mode=(None, "cross-encoder"), instruction=(None,),
-                        max_tokens_per_item=(None,), truncation=("end", "none"))
+                        max_tokens_per_item=(None,), truncation=("end", "none"), raw_scores=(False, True))
     body = {"query": request.query, "documents": list(request.items), "return_documents": False,
-            "raw_scores": False}
+            "raw_scores": request.raw_scores}
     return "/rerank", with_model(body, model)
 
 
@@ -71,9 +70,8 @@ def decode_response(body: Any, request: ScoreRequest, model: str | None = None) 
 def parse_request(body: Any) -> ScoreRequest:
     """A ``/rerank`` body as a ``ScoreRequest``."""
     wire = parse_wire(RerankBody, body)
-    wire_refuse("raw_scores", wire.raw_scores, (False,), "raw logits are not offered")
     return build_request({"items": "documents"}, query=single_text(wire.query, "query"),
-                         items=text_list(wire.documents, "documents"), top_n=wire.top_n)
+                         items=text_list(wire.documents, "documents"), top_n=wire.top_n, raw_scores=wire.raw_scores)
 
 
 def encode_response(response_: ScoreResponse, request: ScoreRequest, model: str | None = None,

@@ -6,9 +6,8 @@ rerankit's truncation maps one to one: ``end`` is ``truncate`` to the right, ``s
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import WithJsonSchema
 
 from rerankit.remote.dialects.common import (
     Dialect,
@@ -25,7 +24,6 @@ from rerankit.remote.dialects.common import (
     response,
     single_text,
     text_list,
-    wire_refuse,
 )
 from rerankit.schema import ScoreRequest, ScoreResponse
 
@@ -41,17 +39,18 @@ class RerankBody(WireBody):
 
     query: Text
     texts: Texts
-    raw_scores: Annotated[bool, WithJsonSchema({"const": False})] = False
+    raw_scores: bool = False
     return_text: bool = False
     truncate: bool | None = None
     truncation_direction: Literal["Right", "Left"] = "Right"
 
 
 def encode_request(request: ScoreRequest, model: str | None) -> tuple[str, dict[str, Any]]:
-    """``/rerank`` body with sigmoid-activated scores and rerankit's truncation; TEI serves one model."""
+    """``/rerank`` body with activated scores (raw ones for ``raw_scores``) and rerankit's truncation; TEI serves
+    one model."""
     refuse_for_own_head(request, ENDPOINT, mode=(None, "cross-encoder"), instruction=(None,),
-                        max_tokens_per_item=(None,))
-    body: dict[str, Any] = {"query": request.query, "texts": list(request.items), "raw_scores": False,
+                        max_tokens_per_item=(None,), raw_scores=(False, True))
+    body: dict[str, Any] = {"query": request.query, "texts": list(request.items), "raw_scores": request.raw_scores,
                             "return_text": False, "truncate": request.truncation != "none"}
     if request.truncation != "none":
         body["truncation_direction"] = _DIRECTIONS[request.truncation]
@@ -64,12 +63,12 @@ def decode_response(body: Any, request: ScoreRequest, model: str | None = None) 
 
 
 def parse_request(body: Any) -> ScoreRequest:
-    """A ``/rerank`` body as a ``ScoreRequest``; raw (unactivated) scores are not offered."""
+    """A ``/rerank`` body as a ``ScoreRequest``; ``raw_scores`` asks for the logits (``ScoreRequest.raw_scores``)."""
     wire = parse_wire(RerankBody, body)
-    wire_refuse("raw_scores", wire.raw_scores, (False,), "raw logits are not offered")
     truncation = "none" if wire.truncate is False else "end" if wire.truncation_direction == "Right" else "start"
     return build_request({"items": "texts"}, query=single_text(wire.query, "query"),
-                         items=text_list(wire.texts, "texts"), truncation=truncation)
+                         items=text_list(wire.texts, "texts"), truncation=truncation,
+                         raw_scores=wire.raw_scores)
 
 
 def encode_response(response_: ScoreResponse, request: ScoreRequest, model: str | None = None,

@@ -15,7 +15,6 @@ from rerankit.remote.dialects.common import (
     NULL_ONLY,
     TEXT_SCHEMA,
     TEXTS_SCHEMA,
-    TRUE_OR_NULL,
     Dialect,
     LabelIds,
     OptionalText,
@@ -86,9 +85,9 @@ class PoolingFields(WireBody):
     max_tokens_per_doc: int = Field(default=0, ge=0)
     instruction: str | None = None
     chat_template_kwargs: Annotated[dict[str, Any] | None, NULL_ONLY] = None
-    use_activation: Annotated[bool | None, TRUE_OR_NULL] = None
-    softmax: Annotated[bool | None, TRUE_OR_NULL] = None  # softmax and activation: use_activation's old names
-    activation: Annotated[bool | None, TRUE_OR_NULL] = None
+    use_activation: bool | None = None  # false: raw logits (``ScoreRequest.raw_scores``)
+    softmax: bool | None = None  # softmax and activation: use_activation's old names, read where it is not given
+    activation: bool | None = None
     priority: int = 0
     request_id: str | None = None
     mm_processor_kwargs: Annotated[dict[str, Any] | None, NULL_ONLY] = None
@@ -141,8 +140,10 @@ def encode_generative_request(request: ScoreRequest, model: str | None) -> tuple
 
 def _pooling_options(request: ScoreRequest, endpoint: str) -> dict[str, Any]:
     """The refusals and truncation fields common to ``/score`` and ``/rerank``."""
-    refuse_for_own_head(request, endpoint, mode=POOLING_MODES, truncation=("end", "none"))
+    refuse_for_own_head(request, endpoint, mode=POOLING_MODES, truncation=("end", "none"), raw_scores=(False, True))
     options: dict[str, Any] = {}
+    if request.raw_scores:
+        options["use_activation"] = False
     if request.instruction is not None:
         options["instruction"] = request.instruction
     if request.truncation == "end":
@@ -193,8 +194,8 @@ def parse_generative_request(body: Any) -> ScoreRequest:
 def _pooling_request(wire: PoolingFields, query: str, documents: list[str], names: dict[str, str],
                      top_n: int | None = None) -> ScoreRequest:
     """The ``ScoreRequest`` of a ``/score`` or ``/rerank`` body, refusing what the engine does not offer."""
-    for field in ("use_activation", "softmax", "activation"):
-        wire_refuse(field, getattr(wire, field), (None, True), "raw logits are not offered")
+    activation = next((value for value in (wire.use_activation, wire.softmax, wire.activation) if value is not None),
+                      True)
     wire_refuse("max_tokens_per_query", wire.max_tokens_per_query, (0,), "the query is never cut")
     wire_refuse("truncation_side", wire.truncation_side, (None, "right"), "the query is never cut")
     wire_refuse("truncate_prompt_tokens", wire.truncate_prompt_tokens, (None, -1),
@@ -203,7 +204,7 @@ def _pooling_request(wire: PoolingFields, query: str, documents: list[str], name
     cuts = wire.truncate_prompt_tokens == -1 or wire.max_tokens_per_doc > 0
     return build_request(names, query=query, items=documents, instruction=wire.instruction, top_n=top_n,
                          max_tokens_per_item=wire.max_tokens_per_doc or None,
-                         truncation="end" if cuts else "none")
+                         truncation="end" if cuts else "none", raw_scores=not activation)
 
 
 def parse_score_request(body: Any) -> ScoreRequest:
