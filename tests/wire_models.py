@@ -289,21 +289,46 @@ class InfinityRerankResponse(Strict):
     created: int | None = None
 
 
+# NVIDIA NIM /v1/ranking (what langchain-nvidia-ai-endpoints 1.5 and llama-index-postprocessor-nvidia-rerank 0.7
+# send and read) ---------------------------------------------------------------------------------------------
+
+class NimText(Strict):
+    text: str
+
+
+class NimRankingRequest(Strict):
+    model: str | None = None
+    query: NimText
+    passages: list[NimText]
+    truncate: Literal["NONE", "END"] | None = None
+
+
+class NimRanking(Strict):
+    index: int
+    logit: float
+
+
+class NimRankingResponse(Strict):
+    rankings: list[NimRanking]
+
+
 # By rerankit dialect name ------------------------------------------------------------------------------
 
 REQUEST_MODELS: dict[str, type[BaseModel]] = {
     "vllm-generative": VllmGenerativeScoringRequest, "vllm-score": VllmScoreRequest,
     "vllm-rerank": VllmRerankRequest, "sglang-score": SglangScoreRequest, "sglang-rerank": SglangRerankRequest,
     "cohere": CohereRerankRequest, "tei": TeiRerankRequest, "infinity": InfinityRerankRequest,
+    "nim": NimRankingRequest,
 }
 RESPONSE_MODELS: dict[str, type[BaseModel]] = {
     "vllm-generative": VllmScoreResponse, "vllm-score": VllmScoreResponse, "vllm-rerank": VllmRerankResponse,
     "sglang-score": SglangScoreResponse, "sglang-rerank": SglangRerankResponse, "cohere": CohereRerankResponse,
-    "tei": TeiRerankResponse, "infinity": InfinityRerankResponse,
+    "tei": TeiRerankResponse, "infinity": InfinityRerankResponse, "nim": NimRankingResponse,
 }
 ERROR_MODELS: dict[str, type[BaseModel]] = {
     "vllm-generative": VllmError, "vllm-score": VllmError, "vllm-rerank": VllmError, "sglang-score": SglangError,
     "sglang-rerank": SglangError, "cohere": CohereError, "tei": TeiError, "infinity": VllmError,
+    "nim": VllmError,  # NIM documents no error body of its own: rerankit's (vLLM's shape)
 }
 # Wire responses whose results come sorted by score, best first.
-SORTED_RESPONSES = frozenset({"vllm-rerank", "sglang-rerank", "cohere", "tei", "infinity"})
+SORTED_RESPONSES = frozenset({"vllm-rerank", "sglang-rerank", "cohere", "tei", "infinity", "nim"})

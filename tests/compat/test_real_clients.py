@@ -138,6 +138,29 @@ def test_litellm_rerank(url, local, provider, monkeypatch):
     assert [r["document"]["text"] for r in reply.results] == [DOCS[r["index"]] for r in reply.results]
 
 
+def raw_scores(local: Reranker, documents: list[str] = DOCS) -> list[float]:
+    return [ranked.score for ranked in sorted(local.rank(QUERY, documents, raw_scores=True),
+                                              key=lambda ranked: ranked.index)]
+
+
+def test_langchain_nvidia_rerank(url, local):
+    """A NIM client (``base_url`` of an on-premises NIM): /v1/models, then /v1/ranking; scores are logits."""
+    nvidia = pytest.importorskip("langchain_nvidia_ai_endpoints")
+    from langchain_core.documents import Document
+
+    reranker = nvidia.NVIDIARerank(base_url=f"{url}/v1", model=MODEL, top_n=3, truncate="END")
+    kept = reranker.compress_documents(query=QUERY, documents=[Document(page_content=text) for text in DOCS])
+    assert_ranked([(DOCS.index(doc.page_content), doc.metadata["relevance_score"]) for doc in kept],
+                  raw_scores(local), top_n=3)
+
+
+def test_llama_index_nvidia_postprocessor(url, local):
+    module = pytest.importorskip("llama_index.postprocessor.nvidia_rerank")
+    reranker = module.NVIDIARerank(base_url=f"{url}/v1", model=MODEL, top_n=3)
+    nodes = reranker.postprocess_nodes(_nodes(DOCS), query_str=QUERY)
+    assert_ranked(_node_pairs(nodes), raw_scores(local), top_n=3)
+
+
 def test_remote_reranker_with_served_model(url, local):
     """The issue's ``Reranker(url, dialect="cohere", model=...)`` spelled ``served_model=``: sent as ``model``."""
     with Reranker(url, dialect="cohere", served_model=MODEL) as remote:

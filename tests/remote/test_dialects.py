@@ -19,10 +19,19 @@ LABEL_DIALECTS = ("vllm-generative", "sglang-score")
 
 
 def request_for(dialect: str, **fields) -> ScoreRequest:
-    """A request every dialect accepts: label ids for the generative ones."""
+    """A request every dialect accepts: label ids for the generative ones; NIM's as its clients ask (logits)."""
     if dialect in LABEL_DIALECTS:
         fields.setdefault("label_token_ids", [9454, 2753])
+    if dialect == "nim":
+        fields.setdefault("raw_scores", True)
     return ScoreRequest(query="capital of France", items=DOCS, **fields)
+
+
+def wire_entries(body) -> list:
+    """The result entries of a rerank-style wire body, in the body's order."""
+    if isinstance(body, list):
+        return body
+    return body["rankings"] if "rankings" in body else body["results"]
 
 
 def response_for(request: ScoreRequest, scores: list[float]) -> ScoreResponse:
@@ -144,8 +153,7 @@ def test_server_answer_decodes_to_input_order(name):
     assert decoded.scores == pytest.approx(scores)
     assert [result.index for result in decoded.results] == [0, 1, 2, 3]
     if name in SORTED_RESPONSES:
-        entries = body if isinstance(body, list) else body["results"]
-        assert [entry["index"] for entry in entries] == [1, 3, 0, 2]
+        assert [entry["index"] for entry in wire_entries(body)] == [1, 3, 0, 2]
 
 
 @pytest.mark.parametrize("name", sorted(SORTED_RESPONSES))
@@ -153,8 +161,7 @@ def test_sorted_wire_results_are_cut_to_top_n(name):
     dialect = get_dialect(name)
     request = request_for(name, top_n=2) if name != "tei" else request_for(name)
     body = dialect.encode_response(response_for(request, [0.2, 0.9, 0.05, 0.6]), request, "m")
-    entries = body if isinstance(body, list) else body["results"]
-    assert len(entries) == (4 if name == "tei" else 2)
+    assert len(wire_entries(body)) == (4 if name == "tei" else 2)
 
 
 def _shuffled_wire(name: str, indices: list[int]):
@@ -313,7 +320,7 @@ def test_sglang_score_answers_every_label_probability():
     assert body["scores"] == [pytest.approx([0.8, 0.2]), pytest.approx([0.3, 0.7])]
 
 
-@pytest.mark.parametrize("name", sorted(SORTED_RESPONSES - {"vllm-rerank"}))
+@pytest.mark.parametrize("name", sorted(SORTED_RESPONSES - {"vllm-rerank", "nim"}))
 def test_documents_come_back_only_when_asked(name):
     dialect = get_dialect(name)
     request = request_for(name)
@@ -364,7 +371,7 @@ def test_round_trip_keeps_scores_for_random_orders():
     rng = random.Random(5)
     for name in SORTED_RESPONSES:
         dialect = get_dialect(name)
-        request = ScoreRequest(query="q", items=[f"doc {i}" for i in range(17)])
+        request = ScoreRequest(query="q", items=[f"doc {i}" for i in range(17)], raw_scores=name == "nim")
         scores = [rng.random() for _ in range(17)]
         body = dialect.encode_response(response_for(request, scores), request, "m")
         assert dialect.decode(body, request).scores == pytest.approx(scores)

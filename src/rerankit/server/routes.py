@@ -56,6 +56,8 @@ ROUTES: dict[str, tuple[str, ...]] = {
     "/rerank": ("vllm-rerank", "tei", "infinity"),
     "/v1/rerank": ("vllm-rerank", "sglang-rerank", "cohere", "infinity"),
     "/v2/rerank": ("cohere", "vllm-rerank"),
+    "/v1/ranking": ("nim",),
+    "/ranking": ("nim",),
 }
 # Header -> value -> dialect, for SDKs that say who they are.
 SDK_HEADERS = {"x-fern-sdk-name": {"cohere": "cohere"}}
