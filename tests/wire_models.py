@@ -312,23 +312,57 @@ class NimRankingResponse(Strict):
     rankings: list[NimRanking]
 
 
+# Voyage AI /v1/rerank (the voyageai SDK 0.5: what Client.rerank sends, and what its RerankingObject reads) --------
+
+class VoyageRerankRequest(Strict):
+    query: str
+    documents: list[str]
+    model: str
+    top_k: int | None = None
+    truncation: bool = True
+    return_documents: bool = False
+
+
+class VoyageRerankResult(Strict):
+    relevance_score: float
+    index: int
+    document: str | None = None
+
+
+class VoyageUsage(Strict):
+    total_tokens: int
+
+
+class VoyageRerankResponse(Strict):
+    object: Literal["list"]
+    data: list[VoyageRerankResult]
+    model: str
+    usage: VoyageUsage
+
+
+class VoyageError(Strict):
+    detail: str
+
+
 # By rerankit dialect name ------------------------------------------------------------------------------
 
 REQUEST_MODELS: dict[str, type[BaseModel]] = {
     "vllm-generative": VllmGenerativeScoringRequest, "vllm-score": VllmScoreRequest,
     "vllm-rerank": VllmRerankRequest, "sglang-score": SglangScoreRequest, "sglang-rerank": SglangRerankRequest,
     "cohere": CohereRerankRequest, "tei": TeiRerankRequest, "infinity": InfinityRerankRequest,
-    "nim": NimRankingRequest,
+    "nim": NimRankingRequest, "voyage": VoyageRerankRequest,
 }
 RESPONSE_MODELS: dict[str, type[BaseModel]] = {
     "vllm-generative": VllmScoreResponse, "vllm-score": VllmScoreResponse, "vllm-rerank": VllmRerankResponse,
     "sglang-score": SglangScoreResponse, "sglang-rerank": SglangRerankResponse, "cohere": CohereRerankResponse,
     "tei": TeiRerankResponse, "infinity": InfinityRerankResponse, "nim": NimRankingResponse,
+    "voyage": VoyageRerankResponse,
 }
 ERROR_MODELS: dict[str, type[BaseModel]] = {
     "vllm-generative": VllmError, "vllm-score": VllmError, "vllm-rerank": VllmError, "sglang-score": SglangError,
     "sglang-rerank": SglangError, "cohere": CohereError, "tei": TeiError, "infinity": VllmError,
     "nim": VllmError,  # NIM documents no error body of its own: rerankit's (vLLM's shape)
+    "voyage": VoyageError,
 }
 # Wire responses whose results come sorted by score, best first.
-SORTED_RESPONSES = frozenset({"vllm-rerank", "sglang-rerank", "cohere", "tei", "infinity", "nim"})
+SORTED_RESPONSES = frozenset({"vllm-rerank", "sglang-rerank", "cohere", "tei", "infinity", "nim", "voyage"})

@@ -161,6 +161,23 @@ def test_llama_index_nvidia_postprocessor(url, local):
     assert_ranked(_node_pairs(nodes), raw_scores(local), top_n=3)
 
 
+@pytest.mark.parametrize("top_k", [None, 2])
+def test_voyageai_client(url, local, top_k):
+    voyageai = pytest.importorskip("voyageai")
+    client = voyageai.Client(api_key="unused", base_url=f"{url}/v1", max_retries=0)
+    reply = client.rerank(QUERY, DOCS, model=MODEL, top_k=top_k)
+    assert_ranked([(r.index, r.relevance_score) for r in reply.results], true_scores(local), top_n=top_k)
+    assert [r.document for r in reply.results] == [DOCS[r.index] for r in reply.results]
+    assert reply.total_tokens > 0
+
+
+def test_voyageai_client_error_reads_its_detail(url):
+    voyageai = pytest.importorskip("voyageai")
+    client = voyageai.Client(api_key="unused", base_url=f"{url}/v1", max_retries=0)
+    with pytest.raises(voyageai.error.InvalidRequestError, match="documents"):
+        client.rerank(QUERY, [], model=MODEL, top_k=1)
+
+
 def test_remote_reranker_with_served_model(url, local):
     """The issue's ``Reranker(url, dialect="cohere", model=...)`` spelled ``served_model=``: sent as ``model``."""
     with Reranker(url, dialect="cohere", served_model=MODEL) as remote:

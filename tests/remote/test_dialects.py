@@ -31,7 +31,10 @@ def wire_entries(body) -> list:
     """The result entries of a rerank-style wire body, in the body's order."""
     if isinstance(body, list):
         return body
-    return body["rankings"] if "rankings" in body else body["results"]
+    for key in ("rankings", "data"):
+        if key in body:
+            return body[key]
+    return body["results"]
 
 
 def response_for(request: ScoreRequest, scores: list[float]) -> ScoreResponse:
@@ -325,13 +328,13 @@ def test_documents_come_back_only_when_asked(name):
     dialect = get_dialect(name)
     request = request_for(name)
     flag = {"sglang-rerank": "return_documents", "cohere": "return_documents", "tei": "return_text",
-            "infinity": "return_documents"}[name]
+            "infinity": "return_documents", "voyage": "return_documents"}[name]
     field = "texts" if name == "tei" else "documents"
     scored = response_for(request, [0.1, 0.2, 0.3, 0.4])
     asked = dialect.encode_response(scored, request, "m", dialect.echoed_documents({field: DOCS, flag: True}))
     not_asked = dialect.encode_response(scored, request, "m", dialect.echoed_documents({field: DOCS, flag: False}))
-    first_asked = (asked if isinstance(asked, list) else asked["results"])[0]
-    first_not = (not_asked if isinstance(not_asked, list) else not_asked["results"])[0]
+    first_asked = wire_entries(asked)[0]
+    first_not = wire_entries(not_asked)[0]
     assert set(first_asked) - set(first_not) in ({"document"}, {"text"})
 
 
@@ -435,6 +438,10 @@ PICKS = [
     ("/rerank", BARE, None, None, "vllm-rerank"),
     ("/rerank", {"query": "q", "texts": ["a"], "raw_scores": False}, None, None, "tei"),
     ("/rerank", {**BARE, "raw_scores": False, "return_documents": True, "model": "m"}, None, None, "infinity"),
+    ("/rerank", {**BARE, "return_documents": True, "model": "m"}, None, None, "infinity"),  # LiteLLM's infinity/
+    ("/v1/rerank", {**BARE, "model": "m", "top_k": None, "truncation": True}, None, None, "voyage"),  # voyageai
+    ("/v1/rerank", {**BARE, "model": "m", "top_k": 1}, None, None, "voyage"),
+    ("/v1/rerank", {**BARE, "model": "m", "top_n": 1, "return_documents": True}, None, None, "cohere"),  # LiteLLM
     ("/rerank", BARE, None, "infinity", "infinity"),
     ("/v1/score", {"query": "q", "items": ["a"]}, None, None, "sglang-score"),
     ("/v1/score", {"queries": "q", "items": ["a"]}, None, None, "vllm-score"),

@@ -61,7 +61,7 @@ def test_sglang_label_logprobs_round_trip(lm, lm_url, label_ids):
 # Dialects whose wire carries token counts (TEI and SGLang's /v1/rerank carry none).
 @pytest.mark.parametrize("dialect, tokens", [("vllm-score", True), ("vllm-rerank", True), ("sglang-score", True),
                                              ("sglang-rerank", False), ("cohere", True), ("tei", False),
-                                             ("nim", False)])
+                                             ("nim", False), ("voyage", True)])
 async def test_cross_encoder_dialects_round_trip_to_embedded_scores(ce, ce_url, dialect, tokens):
     request = ScoreRequest(query=QUERY, items=DOCS)
     local = ce.score(request)
@@ -106,7 +106,7 @@ def wire_results(payload) -> list[tuple[int, float]]:
     if "scores" in payload:
         return [(index, values[0]) for index, values in enumerate(payload["scores"])]
     if "data" in payload:
-        return [(entry["index"], entry["score"]) for entry in payload["data"]]
+        return [(entry["index"], entry.get("score", entry.get("relevance_score"))) for entry in payload["data"]]
     if "rankings" in payload:
         return [(entry["index"], entry["logit"]) for entry in payload["rankings"]]
     return [(entry["index"], entry["relevance_score"]) for entry in payload["results"]]

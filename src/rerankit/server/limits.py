@@ -9,7 +9,7 @@ from rerankit.errors import RequestTooLarge, Unauthorized
 from rerankit.schema import ScoreRequest
 
 # The dialects that answer /rerank, /v1/rerank or /v2/rerank (rerankit.server.routes.ROUTES).
-RERANK_DIALECTS = ("vllm-rerank", "tei", "infinity", "sglang-rerank", "cohere")
+RERANK_DIALECTS = ("vllm-rerank", "tei", "infinity", "sglang-rerank", "cohere", "voyage")
 
 
 @dataclass(frozen=True)

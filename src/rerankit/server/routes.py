@@ -54,7 +54,7 @@ ROUTES: dict[str, tuple[str, ...]] = {
     "/score": ("vllm-score",),
     "/v1/score": ("sglang-score", "vllm-score"),
     "/rerank": ("vllm-rerank", "tei", "infinity"),
-    "/v1/rerank": ("vllm-rerank", "sglang-rerank", "cohere", "infinity"),
+    "/v1/rerank": ("vllm-rerank", "sglang-rerank", "cohere", "infinity", "voyage"),
     "/v2/rerank": ("cohere", "vllm-rerank"),
     "/v1/ranking": ("nim",),
     "/ranking": ("nim",),

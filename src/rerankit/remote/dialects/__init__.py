@@ -14,11 +14,12 @@ from rerankit.remote.dialects.nim import NIM
 from rerankit.remote.dialects.sglang import SGLANG_RERANK, SGLANG_SCORE
 from rerankit.remote.dialects.tei import TEI
 from rerankit.remote.dialects.vllm import VLLM_GENERATIVE, VLLM_RERANK, VLLM_SCORE
+from rerankit.remote.dialects.voyage import VOYAGE
 
 DIALECTS: dict[str, Dialect] = {
     dialect.name: dialect
     for dialect in (VLLM_GENERATIVE, VLLM_SCORE, VLLM_RERANK, SGLANG_SCORE, SGLANG_RERANK, COHERE, TEI, INFINITY,
-                    NIM)
+                    NIM, VOYAGE)
 }
 
 
