@@ -2,14 +2,13 @@
 several endpoints with failover, all within one deadline per call. It moves JSON bodies, read under a size cap;
 what they mean is the dialects' business.
 
-The sync and async paths share every decision (``_Attempts``, ``_failure_of_*``); only the I/O differs.
+The sync and async paths share every decision (``Attempts``, ``_failure_of_*``); only the I/O differs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-import math
 import random
 import threading
 import time
@@ -19,9 +18,8 @@ from typing import Any, Sequence
 
 import httpx
 
-from rerankit.errors import Cancelled, InvalidRequest, RemoteError
-from rerankit.remote.dialects import read_error
-from rerankit.remote.dialects.common import param_first
+from rerankit.errors import Cancelled, InvalidRequest
+from rerankit.remote.attempts import Attempts, expired_error, failure_of_answer, failure_of_exception
 from rerankit.remote.deadline import Deadline, Window, held_to, hold_sockets
 from rerankit.remote.endpoints import Endpoints
 from rerankit.remote.reply import Answer, CappedBody, Reply, parse_json, probe_reply
@@ -90,142 +88,12 @@ class ClientConfig:
         return min(self.backoff_max, self.backoff_base * 2 ** (retry - 1)) * random.uniform(0.5, 1.0)
 
 
-@dataclass(frozen=True)
-class _Failure:
-    """Why one try failed, and whether another is worth it."""
-
-    message: str
-    retryable: bool
-    status: int | None = None
-    endpoint_down: bool = False
-    retry_after: float | None = None
-    body: str | None = None
-    expired: bool = False
-    param: str | None = None  # the field the server's error body named
-
-
-# Transport errors after which the same request may well succeed: the server was busy, restarting or slow.
-_RETRYABLE_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
-_CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
-
-
-def _failure_of_exception(exc: Exception, window: Window) -> _Failure:
-    """The failure of a try that raised ``exc`` (an httpx error, or ``asyncio.TimeoutError`` when its window ended)."""
-    # Waiting for a free connection of our own pool says nothing about the server.
-    timed_out = (isinstance(exc, (httpx.TimeoutException, asyncio.TimeoutError))
-                 and not isinstance(exc, httpx.PoolTimeout))
-    if timed_out and window.over():
-        # The try had its time (or all the call had left) and got no complete answer: set the endpoint aside.
-        return _Failure(message=f"no complete answer within {window.seconds:.3g} s", retryable=True,
-                        endpoint_down=True, expired=window.by_deadline)
-    return _Failure(message=f"{type(exc).__name__}: {exc}", retryable=isinstance(exc, _RETRYABLE_ERRORS),
-                    endpoint_down=isinstance(exc, _CONNECT_ERRORS) or timed_out)
-
-
-def _failure_of_answer(answer: Answer) -> _Failure | None:
-    """None for a success; else the server's message, retryable for 429 and 5xx."""
-    if 200 <= answer.status < 300:
-        return None
-    try:
-        message, param = read_error(answer.json())
-    except (ValueError, RecursionError):
-        message, param = None, None
-    text = answer.text[:2000]
-    reason = httpx.codes.get_reason_phrase(answer.status)
-    message = param_first(message, param) if message is not None else text[:300] or reason
-    status = answer.status
-    return _Failure(message=message, retryable=status == 429 or status >= 500, status=status,
-                    retry_after=_retry_after(answer.headers), body=text, param=param)
-
-
-def _retry_after(headers: httpx.Headers) -> float | None:
-    """``Retry-After`` in seconds (the HTTP-date form is left to the backoff)."""
-    try:
-        seconds = float(headers.get("retry-after", ""))
-    except ValueError:
-        return None
-    return seconds if math.isfinite(seconds) and seconds >= 0 else None
-
-
-def _expired(deadline: Deadline, tries: int, tried: Sequence[str], last: str | None) -> RemoteError:
-    """The error of a call whose deadline passed: the deadline, the endpoints tried and the last failure."""
-    where = ", ".join(tried) or "no endpoint reached"
-    message = f"deadline of {deadline.seconds:g} s passed after {tries} tries ({where})"
-    return RemoteError(message + (f"; last: {last}" if last else ""), url=tried[-1] if tried else None)
-
-
 def _first_error(jobs: Sequence[Future[Any] | asyncio.Future[Any]]) -> BaseException | None:
     """The error of the first failed job in the bodies' order (of requests failing together, the one sent first)."""
     for job in jobs:
         if job.done() and not job.cancelled() and job.exception() is not None:
             return job.exception()
     return None
-
-
-class _Attempts:
-    """The tries of one request: which endpoint is next, its time window, and how long to wait before it."""
-
-    def __init__(self, endpoints: Endpoints, config: ClientConfig, deadline: Deadline, path: str) -> None:
-        self._endpoints = endpoints
-        self._config = config
-        self._deadline = deadline
-        self._path = path
-        self._order = endpoints.order()
-        self._tried: list[str] = []
-        self.tries = 0
-
-    @property
-    def endpoint(self) -> str:
-        """The base URL of the current try."""
-        return self._order[self.tries % len(self._order)]
-
-    @property
-    def url(self) -> str:
-        """The full URL of the current try."""
-        return self.endpoint + self._path
-
-    def window(self) -> Window:
-        """The current try's window; a ``RemoteError`` once the deadline has passed."""
-        if self._deadline.left() <= 0:
-            raise self.expired()
-        return Window.open(self._deadline, self._config.timeout.read)
-
-    def expired(self, last: str | None = None) -> RemoteError:
-        """The error for a deadline that passed (during ``last``, what was going on, if known)."""
-        return _expired(self._deadline, self.tries, self._tried, last)
-
-    def succeeded(self) -> None:
-        """The current try's endpoint answered."""
-        self._endpoints.mark_live(self.endpoint)
-
-    def after(self, failure: _Failure) -> float:
-        """Seconds to wait before the next try; raises ``RemoteError`` when there is none."""
-        failed_url = self.url
-        if failed_url not in self._tried:
-            self._tried.append(failed_url)
-        if failure.endpoint_down:
-            self._endpoints.mark_dead(self.endpoint)
-        self.tries += 1
-        if failure.expired:
-            raise self.expired(failure.message)
-        if not failure.retryable or self.tries > self._config.max_retries:
-            if failure.status is not None:
-                raise _status_error(failure, failed_url)
-            raise RemoteError(f"{failure.message} ({failed_url}, {self.tries} tries)", url=failed_url)
-        # Fail over at once to a live endpoint not yet tried; once all have failed, back off.
-        if self.tries < len(self._order) and self._endpoints.is_live(self._order[self.tries]):
-            return 0.0
-        wait = self._config.backoff(self.tries, failure.retry_after)
-        if wait >= self._deadline.left():
-            if failure.status is not None and failure.retry_after is not None:
-                raise _status_error(failure, failed_url)  # the server said when to come back: that, not a deadline
-            raise self.expired(failure.message)
-        return wait
-
-
-def _status_error(failure: _Failure, url: str) -> RemoteError:
-    """The error of a try the server answered with an error status, its ``Retry-After`` kept."""
-    return RemoteError(failure.message, failure.status, url, failure.body, failure.param, failure.retry_after)
 
 
 @dataclass
@@ -337,7 +205,7 @@ class Transport:
         ``stop``: once set, no further try is made (and a wait between tries ends): the call raises ``Cancelled``.
         """
         deadline = deadline or self.deadline()
-        attempts = _Attempts(self.endpoints, self.config, deadline, path)
+        attempts = Attempts(self.endpoints, self.config, deadline, path)
         while True:
             if stop is not None and stop.is_set():
                 raise Cancelled(f"the call that POSTs to {path} has failed elsewhere; this request stopped")
@@ -346,9 +214,9 @@ class Transport:
                 raise attempts.expired(self._no_slot)
             try:
                 window = attempts.window()
-                failure = _failure_of_answer(answer := self._exchange("POST", attempts.url, body, window))
+                failure = failure_of_answer(answer := self._exchange("POST", attempts.url, body, window))
             except httpx.RequestError as exc:
-                failure = _failure_of_exception(exc, window)
+                failure = failure_of_exception(exc, window)
             finally:
                 self._slots.release()
             if failure is None:
@@ -363,7 +231,7 @@ class Transport:
     async def apost(self, path: str, body: Any, deadline: Deadline | None = None) -> Any:
         """Async twin of ``post``."""
         deadline = deadline or self.deadline()
-        attempts = _Attempts(self.endpoints, self.config, deadline, path)
+        attempts = Attempts(self.endpoints, self.config, deadline, path)
         slots = self._async_client().slots
         while True:
             try:
@@ -372,9 +240,9 @@ class Transport:
                 raise attempts.expired(self._no_slot) from None
             try:
                 window = attempts.window()
-                failure = _failure_of_answer(answer := await self._aexchange("POST", attempts.url, body, window))
+                failure = failure_of_answer(answer := await self._aexchange("POST", attempts.url, body, window))
             except (httpx.RequestError, asyncio.TimeoutError) as exc:
-                failure = _failure_of_exception(exc, window)
+                failure = failure_of_exception(exc, window)
             finally:
                 slots.release()
             if failure is None:
@@ -412,7 +280,8 @@ class Transport:
         if error is not None:
             raise error
         if pending:
-            raise _expired(deadline, 0, [], f"{len(pending)} of {len(bodies)} requests to {path} found no free thread")
+            raise expired_error(deadline, 0, [],
+                                f"{len(pending)} of {len(bodies)} requests to {path} found no free thread")
         return [future.result() for future in futures]
 
     async def apost_all(self, path: str, bodies: Sequence[Any], deadline: Deadline | None = None) -> list[Any]:
@@ -452,9 +321,9 @@ class Transport:
 
     @staticmethod
     def _unreachable(exc: Exception, deadline: Deadline, window: Window, url: str) -> Reply:
-        failure = _failure_of_exception(exc, window)
+        failure = failure_of_exception(exc, window)
         if failure.expired:
-            raise _expired(deadline, 1, [url], failure.message)
+            raise expired_error(deadline, 1, [url], failure.message)
         return Reply(None)
 
     def close(self) -> None:
