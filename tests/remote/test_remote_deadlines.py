@@ -204,3 +204,27 @@ async def test_waiting_for_a_request_slot_does_not_count_against_a_try(servers, 
                                     max_items_per_request=1, max_concurrency=1)
     assert response.scores == expected_scores(10)
     assert server.hits == 10
+
+
+@pytest.mark.parametrize("side", ["sync", "async"])
+def test_a_probe_that_outlasts_the_deadline_names_the_deadline(servers, side):
+    """A discovery GET to a server that never answers ends with the deadline's error, naming its URL (the probe
+    path's own error; it does not retry)."""
+    import asyncio
+
+    from rerankit.remote.client import ClientConfig, Transport
+    from rerankit.remote.deadline import Deadline
+
+    far = servers()
+    far.health = "hang"
+    transport = Transport([far.url], ClientConfig(timeout=Timeout(read=5.0)))
+    deadline = Deadline(0.3)
+    try:
+        expected = r"deadline of 0.3 s passed after 1 tries \(http://127\.0\.0\.1:\d+/health\)"
+        with pytest.raises(RemoteError, match=expected):
+            if side == "sync":
+                transport.get(far.url, "/health", deadline)
+            else:
+                asyncio.run(transport.aget(far.url, "/health", deadline))
+    finally:
+        transport.close()
