@@ -24,11 +24,6 @@ PROBE_INTERVAL_S = 5.0
 PROBE_TIMEOUT_S = 2.0
 
 
-def public_url(url: str) -> str:
-    """``url`` without its user and password, fit to show to anyone."""
-    return hide_credentials(url)
-
-
 class FarHealth:
     """The far server's health as last seen, probed at most once per ``interval`` seconds."""
 
@@ -85,6 +80,6 @@ async def _status_of(client: httpx.AsyncClient, url: str) -> int:
 def _unhealthy(urls: list[str], problems: list[str | None]) -> str:
     """One line naming each far URL (without credentials) and what is wrong with it."""
     if len(urls) == 1:
-        return f"far server {public_url(urls[0])} is unreachable ({problems[0]})"
-    named = "; ".join(f"{public_url(url)} ({problem})" for url, problem in zip(urls, problems))
+        return f"far server {hide_credentials(urls[0])} is unreachable ({problems[0]})"
+    named = "; ".join(f"{hide_credentials(url)} ({problem})" for url, problem in zip(urls, problems))
     return f"no far server is reachable: {named}"

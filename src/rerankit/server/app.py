@@ -21,10 +21,9 @@ from starlette.exceptions import HTTPException
 from rerankit import __version__
 from rerankit.backend import Backend
 from rerankit.defaults import DEFAULT_MODEL_PACKAGE
-from rerankit.errors import RerankitError, UpstreamError
+from rerankit.errors import RerankitError, UpstreamError, hide_credentials
 from rerankit.remote.dialects import get_dialect
 from rerankit.remote.dialects.common import openai_error
-from rerankit.remote.health import public_url
 from rerankit.server.batcher import Batcher
 from rerankit.server.limits import ServerConfig, check_api_key
 from rerankit.server.request_ids import RequestIds
@@ -62,9 +61,10 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
     app = FastAPI(title="rerankit", version=__version__, lifespan=lifespan,
                   description=f"Reranking with {model_name()}: vLLM, SGLang, Cohere and TEI scoring routes.")
     app.state.batcher = batcher  # serve() drains it on SIGTERM/SIGINT
+    # every response's X-Request-Id; the id in the routes' logs and forwarded; an error let through: a JSON 500
     app.add_middleware(RequestIds, unhandled=lambda scope, request_id: path_error_response(
         scope.get("path", ""), RerankitError(f"internal server error (request {request_id}: the server's log has "
-                                             "its traceback)"), config))  # every response's X-Request-Id; the id in the routes' logs and forwarded
+                                             "its traceback)"), config))
 
     for path, dialects in ROUTES.items():
         endpoint = scoring_endpoint(path, batcher, config, model_name)
@@ -123,7 +123,7 @@ def public_model_name(model: str | None) -> str:
     if model is None:
         return PACKAGED_MODEL_NAME
     if model.startswith(("http://", "https://")):
-        return public_url(model)
+        return hide_credentials(model)
     folder = Path(model)
     if not folder.is_dir():
         return model

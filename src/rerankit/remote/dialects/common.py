@@ -235,6 +235,14 @@ def now() -> int:
     return int(time.time())
 
 
+def sigmoid(value: float) -> float:
+    """Sigmoid without overflow for large negative values (a logit as the probability rerankit scores)."""
+    if value >= 0:
+        return 1.0 / (1.0 + math.exp(-value))
+    small = math.exp(value)
+    return small / (1.0 + small)
+
+
 def probability_logs(values: list[float]) -> list[float]:
     """Log of each label probability; a probability of 0 is a log-probability of -inf."""
     return [math.log(value) if value > 0 else -math.inf for value in values]

@@ -1,8 +1,8 @@
 """Infinity's ``/rerank`` (also ``/v1/rerank``): ``documents`` in, ``results`` sorted by ``relevance_score`` out,
 each document echoed as a plain string when ``return_documents``; what the ``infinity_client`` package sends.
 
-``raw_scores: false`` (its default) asks for activated scores (a cross-encoder's sigmoid), the scores rerankit
-gives; raw logits are not offered.
+``raw_scores: false`` (its default) asks for activated scores (a cross-encoder's sigmoid), ``true`` for the logits
+(``ScoreRequest.raw_scores``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from rerankit.remote.dialects.common import (
 from rerankit.remote.dialects.vllm import error_body  # Infinity answers errors in the same OpenAI shape
 from rerankit.schema import ScoreRequest, ScoreResponse
 
+WIRE_NAMES = {"items": "documents"}  # the body's names of ScoreRequest fields, for errors that name them
 ENDPOINT = "Infinity /rerank"
 
 
@@ -70,7 +71,7 @@ def decode_response(body: Any, request: ScoreRequest, model: str | None = None) 
 def parse_request(body: Any) -> ScoreRequest:
     """A ``/rerank`` body as a ``ScoreRequest``."""
     wire = parse_wire(RerankBody, body)
-    return build_request({"items": "documents"}, query=single_text(wire.query, "query"),
+    return build_request(WIRE_NAMES, query=single_text(wire.query, "query"),
                          items=text_list(wire.documents, "documents"), top_n=wire.top_n, raw_scores=wire.raw_scores)
 
 
@@ -93,7 +94,7 @@ INFINITY = Dialect(
     name="infinity", paths=("/rerank", "/v1/rerank"), max_items=256,
     encode_request=encode_request, decode_response=decode_response, parse_request=parse_request,
     encode_response=encode_response, error_body=error_body, request_body=RerankBody,
-    echoed_documents=echoed_documents, wire_names={"items": "documents"},
+    echoed_documents=echoed_documents, wire_names=WIRE_NAMES,
     # infinity_client sends raw_scores, return_documents and model in every body: all three are its claim. On
     # /rerank, return_documents alone is Infinity's too (vLLM's and TEI's rerank bodies have no such field): LiteLLM's
     # infinity provider sends model, query, documents, top_n and return_documents, and reads the document a string.

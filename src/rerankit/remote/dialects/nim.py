@@ -9,7 +9,6 @@ applies the sigmoid (a NIM reranker is a one-logit cross-encoder) unless the req
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal
 
 from rerankit.errors import InvalidRequest
@@ -23,12 +22,14 @@ from rerankit.remote.dialects.common import (
     ranked_results,
     refuse_for_own_head,
     response,
+    sigmoid,
     single_text,
     with_model,
 )
 from rerankit.schema import ScoreRequest, ScoreResponse, ScoreResult
 
 ENDPOINT = "NIM /v1/ranking"
+WIRE_NAMES = {"items": "passages", "truncation": "truncate"}  # the body's names of ScoreRequest fields
 _TRUNCATE = {"end": "END", "none": "NONE"}
 
 
@@ -55,12 +56,8 @@ def decode_response(body: Any, request: ScoreRequest, model: str | None = None) 
     ``raw_scores``, else their sigmoid (no token counts)."""
     results = in_input_order(body["rankings"], "logit", len(request.items), ENDPOINT)
     if not request.raw_scores:
-        results = [ScoreResult(index=result.index, score=_sigmoid(result.score)) for result in results]
+        results = [ScoreResult(index=result.index, score=sigmoid(result.score)) for result in results]
     return response(results, body, model, 0)
-
-
-def _sigmoid(logit: float) -> float:
-    return 1 / (1 + math.exp(-logit)) if logit >= 0 else math.exp(logit) / (1 + math.exp(logit))
 
 
 def _text_of(value: Any, field: str) -> str:
@@ -78,7 +75,7 @@ def parse_request(body: Any) -> ScoreRequest:
     if not wire.passages:
         raise InvalidRequest("passages", "must hold at least one passage")
     passages = [_text_of(passage, f"passages[{index}]") for index, passage in enumerate(wire.passages)]
-    return build_request({"items": "passages"}, query=_text_of(wire.query, "query"), items=passages,
+    return build_request(WIRE_NAMES, query=_text_of(wire.query, "query"), items=passages,
                          truncation="end" if wire.truncate == "END" else "none", raw_scores=True)
 
 
@@ -97,4 +94,4 @@ NIM = Dialect(
     name="nim", paths=("/v1/ranking", "/ranking"), max_items=64,
     encode_request=encode_request, decode_response=decode_response, parse_request=parse_request,
     encode_response=encode_response, error_body=error_body, request_body=RankingBody,
-    wire_names={"items": "passages", "truncation": "truncate"})
+    wire_names=WIRE_NAMES)

@@ -35,6 +35,7 @@ from rerankit.remote.dialects.common import (
     refuse_for_own_head,
     response,
     scored,
+    sigmoid,
     single_text,
     text_list,
     wire_refuse,
@@ -48,6 +49,7 @@ SCORE = "SGLang /v1/score"
 # The largest logit answered: sigmoid(100) is 1.0 in float64, so a saturated score still round-trips.
 LOGIT_LIMIT = 100.0
 RERANK = "SGLang /v1/rerank"
+RERANK_WIRE_NAMES = {"items": "documents", "instruction": "instruct"}  # /v1/rerank's names of ScoreRequest fields
 # The label ids are what make a body generative (mode, raw template) and ask for every label's probability.
 LABELLED = {"mode": "label_token_ids", "template": "label_token_ids", "return_label_logprobs": "label_token_ids"}
 
@@ -156,19 +158,11 @@ def activated(logits: list[Any]) -> float:
     """A classifier's score from its logits, as rerankit's cross-encoder head computes it."""
     values = [float(logit) for logit in logits]
     if len(values) == 1:
-        return _sigmoid(values[0])
+        return sigmoid(values[0])
     # softmax(values)[1] = sigmoid(values[1] - logsumexp(values without index 1))
     rest = values[:1] + values[2:]
     top = max(rest)
-    return _sigmoid(values[1] - (top + math.log(sum(math.exp(value - top) for value in rest))))
-
-
-def _sigmoid(value: float) -> float:
-    """Sigmoid without overflow for large negative values."""
-    if value >= 0:
-        return 1.0 / (1.0 + math.exp(-value))
-    small = math.exp(value)
-    return small / (1.0 + small)
+    return sigmoid(values[1] - (top + math.log(sum(math.exp(value - top) for value in rest))))
 
 
 def logit(probability: float) -> float:
@@ -205,7 +199,7 @@ def parse_score_request(body: Any) -> ScoreRequest:
 def parse_rerank_request(body: Any) -> ScoreRequest:
     """A ``/v1/rerank`` body as a ``ScoreRequest``."""
     wire = parse_wire(RerankBody, body)
-    return build_request({"items": "documents", "instruction": "instruct"}, query=single_text(wire.query, "query"),
+    return build_request(RERANK_WIRE_NAMES, query=single_text(wire.query, "query"),
                          items=text_list(wire.documents, "documents"), instruction=wire.instruct, top_n=wire.top_n)
 
 
@@ -264,5 +258,5 @@ SGLANG_RERANK = Dialect(
     encode_request=encode_rerank_request, decode_response=decode_rerank_response,
     parse_request=parse_rerank_request, encode_response=encode_rerank_response, error_body=error_body,
     request_body=RerankBody, echoed_documents=echoed_documents,
-    wire_names={"items": "documents", "instruction": "instruct"},
+    wire_names=RERANK_WIRE_NAMES,
     markers=(frozenset({"instruct"}), frozenset({"return_documents"})))

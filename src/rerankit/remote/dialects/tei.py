@@ -28,6 +28,7 @@ from rerankit.remote.dialects.common import (
 from rerankit.schema import ScoreRequest, ScoreResponse
 
 ENDPOINT = "TEI /rerank"
+WIRE_NAMES = {"items": "texts", "truncation": "truncation_direction"}  # the body's names of ScoreRequest fields
 _DIRECTIONS = {"end": "Right", "start": "Left"}
 # TEI's error_type per HTTP status.
 _ERROR_TYPES = {400: "Validation", 413: "Validation", 422: "Validation", 424: "Backend", 429: "Overloaded",
@@ -66,7 +67,7 @@ def parse_request(body: Any) -> ScoreRequest:
     """A ``/rerank`` body as a ``ScoreRequest``; ``raw_scores`` asks for the logits (``ScoreRequest.raw_scores``)."""
     wire = parse_wire(RerankBody, body)
     truncation = "none" if wire.truncate is False else "end" if wire.truncation_direction == "Right" else "start"
-    return build_request({"items": "texts"}, query=single_text(wire.query, "query"),
+    return build_request(WIRE_NAMES, query=single_text(wire.query, "query"),
                          items=text_list(wire.texts, "texts"), truncation=truncation,
                          raw_scores=wire.raw_scores)
 
@@ -91,6 +92,6 @@ TEI = Dialect(
     name="tei", paths=("/rerank",), max_items=32,
     encode_request=encode_request, decode_response=decode_response, parse_request=parse_request,
     encode_response=encode_response, error_body=error_body, request_body=RerankBody,
-    echoed_documents=echoed_documents, wire_names={"items": "texts", "truncation": "truncation_direction"},
+    echoed_documents=echoed_documents, wire_names=WIRE_NAMES,
     markers=(frozenset({"texts"}), frozenset({"return_text"}), frozenset({"truncate"}),
              frozenset({"truncation_direction"})))

@@ -33,6 +33,7 @@ from rerankit.remote.dialects.common import (
 from rerankit.schema import ScoreRequest, ScoreResponse
 
 ENDPOINT = "Voyage /v1/rerank"
+WIRE_NAMES = {"items": "documents", "top_n": "top_k"}  # the body's names of ScoreRequest fields
 
 
 class RerankBody(WireBody):
@@ -65,7 +66,7 @@ def decode_response(body: Any, request: ScoreRequest, model: str | None = None) 
 def parse_request(body: Any) -> ScoreRequest:
     """A Voyage ``/v1/rerank`` body as a ``ScoreRequest``."""
     wire = parse_wire(RerankBody, body)
-    return build_request({"items": "documents", "top_n": "top_k"}, query=single_text(wire.query, "query"),
+    return build_request(WIRE_NAMES, query=single_text(wire.query, "query"),
                          items=text_list(wire.documents, "documents"), top_n=wire.top_k,
                          truncation="end" if wire.truncation else "none")
 
@@ -91,5 +92,5 @@ VOYAGE = Dialect(
     name="voyage", paths=("/v1/rerank",), max_items=1000,
     encode_request=encode_request, decode_response=decode_response, parse_request=parse_request,
     encode_response=encode_response, error_body=error_body, request_body=RerankBody,
-    echoed_documents=echoed_documents, wire_names={"items": "documents", "top_n": "top_k"},
+    echoed_documents=echoed_documents, wire_names=WIRE_NAMES,
     markers=(frozenset({"top_k"}), frozenset({"truncation"})))
