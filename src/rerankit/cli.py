@@ -137,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-format", default="text", choices=("text", "json"),
                        help="text lines (default), or one JSON object a line with the request id, for log "
                             "collectors")
+    serve.add_argument("--otlp-traces-endpoint", "--otlp-endpoint", dest="otlp_traces_endpoint",
+                       help="send OpenTelemetry traces to this OTLP collector, e.g. http://localhost:4318 (HTTP) or "
+                            "http://localhost:4317 (gRPC); needs the otel extra (default: no traces)")
+    serve.add_argument("--otlp-service-name",
+                       help="with --otlp-traces-endpoint: the service name of the spans (default: "
+                            "$OTEL_SERVICE_NAME, else rerankit)")
     serve.set_defaults(run=run_serve)
     add_score_command(commands)
     return parser
@@ -343,7 +349,8 @@ def run_serve(args: argparse.Namespace) -> int:
           header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
           keep_alive_timeout_s=args.keep_alive_timeout_s, ssl_certfile=args.ssl_certfile,
           ssl_keyfile=args.ssl_keyfile, ssl_keyfile_password=args.ssl_keyfile_password,
-          ssl_ca_certs=args.ssl_ca_certs)
+          ssl_ca_certs=args.ssl_ca_certs, otlp_traces_endpoint=args.otlp_traces_endpoint,
+          otlp_service_name=args.otlp_service_name)
     return 0
 
 

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import httpx
 
+from rerankit import tracing
 from rerankit.errors import Cancelled, InvalidRequest
 from rerankit.remote.attempts import Attempts, expired_error, failure_of_answer, failure_of_exception
 from rerankit.remote.deadline import Deadline, Window, held_to, hold_sockets
@@ -109,7 +110,8 @@ class Transport:
     """Posts JSON bodies to a set of endpoints, sync or async, with retries, failover and a concurrency limit.
 
     Every call is bounded by a ``Deadline`` (the config's unless given), each try by ``timeout.read``. Each request
-    carries the caller's ``rerankit.request_ids.REQUEST_ID``, where set, as its ``X-Request-Id``.
+    carries the caller's ``rerankit.request_ids.REQUEST_ID``, where set, as its ``X-Request-Id``, and each try is a
+    client span whose trace context goes with it (``rerankit.tracing``; where OpenTelemetry is installed).
     ``transport``: an httpx transport for both clients (``httpx.MockTransport`` in tests).
     """
 
@@ -166,14 +168,16 @@ class Transport:
         left = window.left()
         timeout = httpx.Timeout(left, connect=min(self.config.timeout.connect, left))
         request_id = usable_request_id(REQUEST_ID.get())  # the request served (rerankit serve's, or the caller's)
-        return client.build_request(method, url, json=body, timeout=timeout,
-                                    headers={HEADER: request_id} if request_id else None)
+        headers = {HEADER: request_id} if request_id else {}
+        tracing.inject(headers)  # the try's client span (current here) as the far server's parent
+        return client.build_request(method, url, json=body, timeout=timeout, headers=headers or None)
 
     def _exchange(self, method: str, url: str, body: Any, window: Window) -> Answer:
         """One sync request, its body streamed under the size cap, all within ``window``."""
         client = self._sync_client()
-        with held_to(window):
+        with held_to(window), tracing.client_span(method, url) as traced:
             response = client.send(self._request(client, method, url, body, window), stream=True)
+            traced.status(response.status_code)
             try:
                 reader = CappedBody(response, self.config.max_response_bytes)
                 for chunk in response.iter_bytes():
@@ -189,13 +193,15 @@ class Transport:
 
     async def _aread(self, method: str, url: str, body: Any, window: Window) -> Answer:
         client = self._async_client().client
-        response = await client.send(self._request(client, method, url, body, window), stream=True)
-        try:
-            reader = CappedBody(response, self.config.max_response_bytes)
-            async for chunk in response.aiter_bytes():
-                reader.add(chunk)
-        finally:
-            await response.aclose()
+        with tracing.client_span(method, url) as traced:
+            response = await client.send(self._request(client, method, url, body, window), stream=True)
+            traced.status(response.status_code)
+            try:
+                reader = CappedBody(response, self.config.max_response_bytes)
+                async for chunk in response.aiter_bytes():
+                    reader.add(chunk)
+            finally:
+                await response.aclose()
         return reader.answer()
 
     def post(self, path: str, body: Any, deadline: Deadline | None = None,

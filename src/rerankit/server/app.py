@@ -1,6 +1,7 @@
 """The FastAPI app of ``rerankit serve``: the scoring routes of every dialect over one backend, plus
 ``/health``, ``/v1/models``, ``/metrics`` and FastAPI's OpenAPI pages (``/docs``, ``/openapi.json``). Every
-response carries its request's ``X-Request-Id`` (``server/request_ids.py``).
+response carries its request's ``X-Request-Id`` (``server/request_ids.py``); each scoring request runs under an
+OpenTelemetry server span where the package is installed (``server/tracing.py``).
 
 ``/health``, ``/metrics`` and the OpenAPI pages stay open when an API key is set (probes and scrapers
 carry no key); the scoring routes and ``/v1/models`` need it.
@@ -9,6 +10,7 @@ carry no key); the scoring routes and ``/v1/models`` need it.
 from __future__ import annotations
 
 import gc
+import inspect
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -28,6 +30,7 @@ from rerankit.server.batcher import Batcher
 from rerankit.server.limits import ServerConfig, check_api_key
 from rerankit.server.request_ids import RequestIds
 from rerankit.server.routes import METHODS, ROUTES, default_dialect, error_headers, error_response, scoring_endpoint
+from rerankit.server.tracing import Traces
 
 PACKAGED_MODEL_NAME = "all-MiniLM-L6-v2"
 
@@ -58,13 +61,15 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
         yield
         await batcher.stop()
 
-    app = FastAPI(title="rerankit", version=__version__, lifespan=lifespan,
+    app = FastAPI(title="rerankit", version=__version__, lifespan=lifespan, **own_spans_only(),
                   description=f"Reranking with {model_name()}: vLLM, SGLang, Cohere and TEI scoring routes.")
     app.state.batcher = batcher  # serve() drains it on SIGTERM/SIGINT
     # every response's X-Request-Id; the id in the routes' logs and forwarded; an error let through: a JSON 500
     app.add_middleware(RequestIds, unhandled=lambda scope, request_id: path_error_response(
         scope.get("path", ""), RerankitError(f"internal server error (request {request_id}: the server's log has "
                                              "its traceback)"), config))
+    # outermost: a scoring request's server span sees its final status and X-Request-Id (server/tracing.py)
+    app.add_middleware(Traces, paths=ROUTES)
 
     for path, dialects in ROUTES.items():
         endpoint = scoring_endpoint(path, batcher, config, model_name)
@@ -104,6 +109,15 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
         return error_json(exc.status_code, str(exc.detail), "http_error", exc.headers)
 
     return app
+
+
+def own_spans_only() -> dict[str, Any]:
+    """FastAPI's arguments that leave the tracing of requests to ``Traces``: FastAPI 0.16x records its own server
+    and operation spans, which would stand beside rerankit's as a second trace of every request, and of every
+    probe and scrape. Its metrics and log records are left as FastAPI has them."""
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        return {}
+    return {"telemetry": {"tracing": False, "operation_spans": False}}
 
 
 def request_body(dialects: tuple[str, ...]) -> dict[str, Any]:

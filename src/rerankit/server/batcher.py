@@ -28,6 +28,7 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Awaitable, Callable, TypeVar
 
+from rerankit import tracing
 from rerankit.backend import Backend
 from rerankit.errors import Cancelled, Overloaded, RequestTooLarge, ShuttingDown
 from rerankit.request_ids import REQUEST_ID
@@ -194,7 +195,8 @@ class Batcher:
         future = asyncio.get_running_loop().create_future()
         chunks = ([Chunk(0, len(tokens), total)] if self._one_by_one
                   else split(tokens, self.chunk_tokens, self.config.max_batch_items))
-        submission = Submission(request, chunks, future, REQUEST_ID.get())  # submit runs in the route's context
+        # submit runs in the route's context: its request id and trace
+        submission = Submission(request, chunks, future, REQUEST_ID.get(), tracing.current_context())
         self._queue.add(submission)
         self._live.add(submission)
         future.add_done_callback(lambda _: self._live.discard(submission))
@@ -206,6 +208,8 @@ class Batcher:
         except asyncio.CancelledError:  # counted by the route, which knows why
             self._queue.remove(submission)
             raise
+        finally:
+            _record_spans(submission, len(chunks))
 
     async def _dispatch_forever(self) -> None:
         while True:
@@ -309,8 +313,9 @@ class Batcher:
         """``request`` through the backend's ``ascore`` as a task of its own, cancelled as soon as the piece's
         caller has gone (cancelled, or failed by a drain that gave up): ``Cancelled`` then, the error it raised
         otherwise. Cancelling this call itself (``stop``) cancels the task too. The task runs under the caller's
-        request id (``REQUEST_ID``), which a proxy's remote client forwards: each ``ascore`` serves one caller."""
-        scoring = asyncio.ensure_future(_under_request_id(piece.submission.request_id, self.backend.ascore(request)))
+        request id (``REQUEST_ID``) and trace context, which a proxy's remote client forwards: each ``ascore``
+        serves one caller."""
+        scoring = asyncio.ensure_future(_as_caller(piece.submission, self.backend.ascore(request)))
 
         def caller_gone(_: asyncio.Future) -> None:
             scoring.cancel()
@@ -345,11 +350,22 @@ def _ids(pieces: list[Piece]) -> str:
     return ", ".join(dict.fromkeys(str(piece.submission.request_id) for piece in pieces))
 
 
-async def _under_request_id(request_id: str | None, work: Awaitable[T]) -> T:
-    """``work``'s result, awaited with ``REQUEST_ID`` set to ``request_id`` (in the task's own copy of the context:
-    the batcher's, not the caller's, as the dispatcher creates the task)."""
-    REQUEST_ID.set(request_id)
-    return await work
+async def _as_caller(submission: Submission, work: Awaitable[T]) -> T:
+    """``work``'s result, awaited under ``submission``'s request id (``REQUEST_ID``) and trace context, in the task's
+    own copy of the context (the batcher's, not the caller's, as the dispatcher creates the task)."""
+    REQUEST_ID.set(submission.request_id)
+    with tracing.attached(submission.trace_context):
+        return await work
+
+
+def _record_spans(submission: Submission, chunks: int) -> None:
+    """The request's time queued and time scored as child spans of its server span (where one records)."""
+    if not tracing.recording():
+        return
+    started = submission.started_ns
+    tracing.record_span("rerankit.queue", submission.queued_ns, started, chunks=chunks)
+    if started is not None:
+        tracing.record_span("rerankit.engine", started, None, chunks=chunks, engine_calls=submission.calls)
 
 
 def score_each(backend: Backend, requests: list[ScoreRequest],

@@ -2,7 +2,8 @@
 
 A JSON line holds ``time`` (UTC, ISO 8601), ``level``, ``logger``, ``message``, the ``request_id`` of the request
 being served where there is one (``rerankit.request_ids``: uvicorn's access lines too, which it writes while the
-request's response starts), and ``exception`` (the traceback) where one was logged. An access line also holds
+request's response starts), ``trace_id`` and ``span_id`` where the line is written inside a traced request
+(``rerankit.tracing``), and ``exception`` (the traceback) where one was logged. An access line also holds
 ``client``, ``method``, ``path``, ``http_version`` and ``status``.
 """
 
@@ -14,6 +15,7 @@ import json
 import logging
 from typing import Any
 
+from rerankit import tracing
 from rerankit.request_ids import REQUEST_ID
 
 LOG_FORMATS = ("text", "json")
@@ -34,6 +36,9 @@ class JsonFormatter(logging.Formatter):
         request_id = REQUEST_ID.get()
         if request_id is not None:
             line["request_id"] = request_id
+        traced = tracing.log_ids()
+        if traced is not None:
+            line["trace_id"], line["span_id"] = traced
         if record.name == "uvicorn.access" and isinstance(record.args, tuple) and len(record.args) == 5:
             line.update(zip(_ACCESS_FIELDS, record.args))
         if record.exc_info:

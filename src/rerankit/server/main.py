@@ -24,6 +24,7 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
           log_level: str = "info", log_format: str = "text", data_parallel_size: int | str | None = None,
           engine_options: dict[str, Any] | None = None, ssl_certfile: str | None = None,
           ssl_keyfile: str | None = None, ssl_keyfile_password: str | None = None, ssl_ca_certs: str | None = None,
+          otlp_traces_endpoint: str | None = None, otlp_service_name: str | None = None,
           **settings: Any) -> None:
     """Serve ``model`` (path or hub id; None: the packaged MiniLM) until interrupted.
 
@@ -37,8 +38,10 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
     ``log_format``: "text" (uvicorn's lines) or "json" (one object a line, with the request id: ``server/logs.py``).
     ``ssl_certfile`` (with ``ssl_keyfile`` unless the key is in it) serves HTTPS; ``ssl_ca_certs`` then requires
     client certificates signed by those CAs (``server/tls.py``).
-    The port is taken and the TLS files read before the model loads: a port in use or a file that does not load is
-    a ``RerankitError`` at once.
+    ``otlp_traces_endpoint``: send OpenTelemetry traces to this OTLP collector, as service ``otlp_service_name``
+    (``server/tracing.py``); what is left is sent on shutdown.
+    The port is taken and the TLS files read before the model loads: a port in use, a file that does not load or
+    a tracing set-up that cannot work is a ``RerankitError`` at once.
     """
     from rerankit.errors import RerankitError
     from rerankit.reranker import is_url, make_backend, missing_modules
@@ -53,10 +56,14 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
     from rerankit.server.logs import log_config
     from rerankit.server.shutdown import GRACE_AFTER_DRAIN_S, STARTUP_FAILURE, DrainingServer
     from rerankit.server.tls import tls_of
+    from rerankit.server.tracing import setup_tracing
 
     tls = tls_of(ssl_certfile, ssl_keyfile, ssl_keyfile_password, ssl_ca_certs)
     if tls is not None:
         tls.check()
+    if otlp_service_name and not otlp_traces_endpoint:
+        raise RerankitError("--otlp-service-name names the spans that --otlp-traces-endpoint sends; give both")
+    traces = setup_tracing(otlp_traces_endpoint, otlp_service_name) if otlp_traces_endpoint else None
 
     given = {name: value for name, value in settings.items() if value is not None}
     keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
@@ -93,6 +100,8 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
             backend.close()
     finally:
         listener.close()
+        if traces is not None:
+            traces.shutdown()  # the spans still batched go to the collector
     if not server.started:
         sys.exit(STARTUP_FAILURE)
 

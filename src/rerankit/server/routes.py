@@ -38,6 +38,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
+from rerankit import tracing
 from rerankit.errors import (BodyTimeout, Cancelled, InvalidRequest, RemoteError, RerankitError, Unauthorized,
                              UnsupportedMediaType, UpstreamError)
 from rerankit.remote.dialects import Dialect, get_dialect
@@ -109,6 +110,8 @@ def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
                 metrics.observe_cancelled()
             else:
                 metrics.observe_request(path, status, time.perf_counter() - started, items, tokens)
+            tracing.set_attributes(dialect=dialect.name, model=model_name(), items=items if status == 200 else None,
+                                   prompt_tokens=tokens if status == 200 else None)
 
     return endpoint
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -60,9 +61,13 @@ class Submission:
     _arrivals = itertools.count()
 
     def __init__(self, request: ScoreRequest, chunks: list[Chunk], future: asyncio.Future,
-                 request_id: str | None = None) -> None:
+                 request_id: str | None = None, trace_context: object = None) -> None:
         self.request = request
         self.request_id = request_id  # its HTTP request's X-Request-Id: logged, and forwarded by a proxy
+        self.trace_context = trace_context  # its OpenTelemetry context, for a proxied call to continue its trace
+        self.queued_ns = time.time_ns()
+        self.started_ns: int | None = None  # when its first chunk went into an engine call
+        self.calls = 0  # engine calls that took a chunk of it
         self.future = future
         self.waiting: deque[Chunk] = deque(chunks)
         self.whole = len(chunks) == 1
@@ -80,6 +85,9 @@ class Submission:
         """Hand its next chunk to an engine call."""
         chunk = self.waiting.popleft()
         self.running += 1
+        self.calls += 1
+        if self.started_ns is None:
+            self.started_ns = time.time_ns()
         self.served += chunk.tokens
         return Piece(self, chunk)
 
