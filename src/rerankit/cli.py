@@ -137,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-format", default="text", choices=("text", "json"),
                        help="text lines (default), or one JSON object a line with the request id, for log "
                             "collectors")
+    serve.add_argument("--caller-header",
+                       help="the request header that names its caller (e.g. X-Tenant-Id, set by your gateway) for "
+                            "the fair shares between callers (default: the API key given where there are several, "
+                            "else the client's address)")
     serve.add_argument("--otlp-traces-endpoint", "--otlp-endpoint", dest="otlp_traces_endpoint",
                        help="send OpenTelemetry traces to this OTLP collector, e.g. http://localhost:4318 (HTTP) or "
                             "http://localhost:4317 (gRPC); needs the otel extra (default: no traces)")
@@ -345,7 +349,7 @@ def run_serve(args: argparse.Namespace) -> int:
           max_batch_tokens=args.max_batch_tokens, max_tokens_per_item=args.max_tokens_per_item,
           max_queue_requests=args.max_queue_requests, max_body_bytes=args.max_body_bytes, batching=args.batching,
           warm_up=args.warm_up, rerank_dialect=args.rerank_dialect, max_request_tokens=args.max_request_tokens,
-          drain_seconds=args.drain_seconds, max_connections=args.max_connections,
+          drain_seconds=args.drain_seconds, max_connections=args.max_connections, caller_header=args.caller_header,
           header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
           keep_alive_timeout_s=args.keep_alive_timeout_s, ssl_certfile=args.ssl_certfile,
           ssl_keyfile=args.ssl_keyfile, ssl_keyfile_password=args.ssl_keyfile_password,

@@ -117,8 +117,9 @@ def client_span(method: str, url: str) -> Iterator[_Try]:
     attributes = {"http.request.method": method, "url.full": hide_credentials(url),
                   "server.address": parts.hostname or "", "server.port": parts.port or
                   (443 if parts.scheme == "https" else 80)}
-    with _tracer().start_as_current_span(f"{method} {parts.path or '/'}", kind=_trace.SpanKind.CLIENT, attributes=attributes,
-                                         record_exception=True, set_status_on_exception=True) as span:
+    with _tracer().start_as_current_span(f"{method} {parts.path or '/'}", kind=_trace.SpanKind.CLIENT,
+                                         attributes=attributes, record_exception=True,
+                                         set_status_on_exception=True) as span:
         yield _Try(span if span.is_recording() else None)
 
 

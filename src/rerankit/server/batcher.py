@@ -181,10 +181,11 @@ class Batcher:
             raise Overloaded(f"the queue holds {len(self._queue)} requests; the limit is "
                              f"{self.config.max_queue_requests} (max_queue_requests)")
 
-    async def submit(self, request: ScoreRequest) -> ScoreResponse:
+    async def submit(self, request: ScoreRequest, priority: int = 0, caller: str = "") -> ScoreResponse:
         """Queue ``request`` and wait for its response. ``ShuttingDown`` (503) once draining, ``RequestTooLarge``
         (413) over ``max_request_tokens``, ``Overloaded`` (429) when the queue is full. Cancelling the call (its
-        caller went away) takes its chunks out of the queue."""
+        caller went away) takes its chunks out of the queue. ``priority``: lower goes first; ``caller``: whose it
+        is, for the fair shares (``scheduler.FairQueue``)."""
         self.admit()
         tokens = item_tokens(request, self.item_cap)
         total = sum(tokens)
@@ -196,7 +197,8 @@ class Batcher:
         chunks = ([Chunk(0, len(tokens), total)] if self._one_by_one
                   else split(tokens, self.chunk_tokens, self.config.max_batch_items))
         # submit runs in the route's context: its request id and trace
-        submission = Submission(request, chunks, future, REQUEST_ID.get(), tracing.current_context())
+        submission = Submission(request, chunks, future, REQUEST_ID.get(), tracing.current_context(), priority,
+                                caller)
         self._queue.add(submission)
         self._live.add(submission)
         future.add_done_callback(lambda _: self._live.discard(submission))

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hmac
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rerankit.errors import RequestTooLarge, Unauthorized
+from rerankit.request_ids import usable_request_id
 from rerankit.schema import ScoreRequest
 
 # The dialects that answer /rerank, /v1/rerank or /v2/rerank (rerankit.server.routes.ROUTES).
@@ -28,7 +30,10 @@ class ServerConfig:
     ``rerank_dialect``: the dialect that answers a rerank body which shows none (see ``rerankit.server.routes``).
 
     Scheduling (``server/scheduler.py``): a request is cut into chunks of at most ``max_chunk_tokens`` estimated
-    tokens, and an engine call takes one chunk of each waiting request, least served first. ``max_request_tokens``
+    tokens, and an engine call takes one chunk of each waiting request: the lowest priority first, then the
+    least-served caller and request. A request's caller (``caller_of``) is the value of its ``caller_header`` where
+    the server names one and the request sends it, else the key it gave where the server takes several, else its
+    client's address. ``max_request_tokens``
     bounds one request's estimated tokens after truncation (413 above it). ``drain_seconds``: on SIGTERM/SIGINT the
     server refuses new work (503) and gives the work in progress this long before answering it 503.
 
@@ -56,6 +61,7 @@ class ServerConfig:
     warm_up: bool = True
     freeze_gc: bool = False
     rerank_dialect: str | None = None
+    caller_header: str | None = None
     max_connections: int = 1024
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
@@ -77,23 +83,38 @@ class ServerConfig:
             raise ValueError(f"rerank_dialect must be one of {', '.join(RERANK_DIALECTS)}, got {self.rerank_dialect!r}")
 
 
+def caller_of(config: ServerConfig, headers: Mapping[str, str], key_index: int | None, client: str | None) -> str:
+    """Whose request this is, for the fair shares: ``caller_header``'s value (1-128 visible ASCII characters),
+    else the API key given where the server takes several (by its position: no key is kept), else the client's
+    address."""
+    if config.caller_header:
+        named = usable_request_id(headers.get(config.caller_header))
+        if named is not None:
+            return f"header:{named}"
+    if key_index is not None and len(api_keys(config)) > 1:
+        return f"key:{key_index}"
+    return f"client:{client or ''}"
+
+
 def api_keys(config: ServerConfig) -> tuple[str, ...]:
     """The keys the server takes (``api_key``: one, or several while a key is rotated); none: no key needed."""
     keys = (config.api_key,) if isinstance(config.api_key, str) else tuple(config.api_key or ())
     return tuple(key for key in keys if key)
 
 
-def check_api_key(config: ServerConfig, authorization: str | None) -> None:
-    """Raise ``Unauthorized`` unless the server takes no key or ``Authorization: Bearer <key>`` gives one of its."""
+def check_api_key(config: ServerConfig, authorization: str | None) -> int | None:
+    """Raise ``Unauthorized`` unless the server takes no key or ``Authorization: Bearer <key>`` gives one of its;
+    the position of the key given among the server's (None: the server takes no key)."""
     keys = api_keys(config)
     if not keys:
-        return
+        return None
     scheme, _, given = (authorization or "").partition(" ")
     # compare_digest against every key: the time taken must tell neither how many leading characters were right
     # nor which key came close.
     matches = [hmac.compare_digest(given.strip().encode(), key.encode()) for key in keys]
     if scheme.lower() != "bearer" or not any(matches):
         raise Unauthorized("missing or wrong API key: send 'Authorization: Bearer <key>'")
+    return matches.index(True)
 
 
 def check_body_size(config: ServerConfig, size: int) -> None:

@@ -45,7 +45,7 @@ from rerankit.remote.dialects import Dialect, get_dialect
 from rerankit.request_ids import REQUEST_ID
 from rerankit.server.batcher import Batcher
 from rerankit.server.disconnect import unless_disconnected
-from rerankit.server.limits import ServerConfig, bound_request, check_api_key, check_body_size
+from rerankit.server.limits import ServerConfig, bound_request, caller_of, check_api_key, check_body_size
 
 log = logging.getLogger("rerankit.server")
 
@@ -81,14 +81,16 @@ def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
         started = time.perf_counter()
         dialect, status, items, tokens, forwarded = default, 500, 0, 0, False
         try:
-            check_api_key(config, request.headers.get("authorization"))
+            key_index = check_api_key(config, request.headers.get("authorization"))
             batcher.admit()  # a full queue or a drain refuses before the body is read, parsed and checked
             body = parse_json(await read_body(request, config))
             dialect = dialect_for(dialects, body, request.headers, default)
             score_request = dialect.parse_request(body)
             asked = bound_request(config, dialect.engine_request(score_request), cut_items=not batcher.proxies)
             forwarded = batcher.proxies
-            response = await unless_disconnected(request.receive, batcher.submit(asked))
+            caller = caller_of(config, request.headers, key_index, request.client.host if request.client else None)
+            response = await unless_disconnected(request.receive,
+                                                 batcher.submit(asked, priority_of(dialect, body), caller))
             payload = dialect.encode_response(response, score_request, model_name(),
                                              dialect.echoed_documents(body))
             status, items, tokens = 200, len(response.results), response.usage.prompt_tokens
@@ -114,6 +116,16 @@ def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
                                    prompt_tokens=tokens if status == 200 else None)
 
     return endpoint
+
+
+def priority_of(dialect: Dialect, body: Any) -> int:
+    """The body's ``priority`` where its dialect has the field (vLLM's and Cohere's: lower goes first), else 0.
+    rerankit serve honours it in its queue; a proxy does not send it on (vLLM refuses it unless started with
+    priority scheduling)."""
+    if "priority" not in dialect.request_body.model_fields or not isinstance(body, dict):
+        return 0
+    value = body.get("priority")
+    return value if type(value) is int else 0
 
 
 def dialect_for(dialects: list[Dialect], body: Any, headers: Mapping[str, str] | None = None,

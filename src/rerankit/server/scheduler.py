@@ -1,10 +1,12 @@
 """The fair work queue behind the batcher: requests cut into chunks, engine calls filled least-served first.
 
 A request's items are cut into chunks of consecutive items of at most ``chunk_tokens`` estimated tokens (one item
-over it is a chunk of its own). An engine call takes at most one chunk of each waiting request, the requests that
-have had the fewest tokens scored so far first (arrival order breaks ties), until the call's budget of items and
-tokens is full. So a 2-doc request that arrives behind a 1,000-doc one waits for one chunk of it, not for all of
-it, and a lone large request runs as a series of calls of one chunk, each of which a newcomer can join. Each chunk
+over it is a chunk of its own). An engine call takes at most one chunk of each waiting request, until the call's
+budget of items and tokens is full: the lowest priority first, then the caller, and that caller's request, that
+have had the fewest tokens scored so far (arrival order breaks ties; ``FairQueue``). So a 2-doc request that
+arrives behind a 1,000-doc one waits for one chunk of it, not for all of it; a lone large request runs as a series
+of calls of one chunk, each of which a newcomer can join; and a caller that sends a hundred requests at once has
+one share, as a caller with one request has. Each chunk
 goes to the engine as the request's own ``ScoreRequest`` over its slice of items (same query, same options): its
 items still share the request's prefix (MIS) inside the call. Results come back per chunk and are put together in
 input order; the first chunk that fails fails its request, once.
@@ -61,8 +63,11 @@ class Submission:
     _arrivals = itertools.count()
 
     def __init__(self, request: ScoreRequest, chunks: list[Chunk], future: asyncio.Future,
-                 request_id: str | None = None, trace_context: object = None) -> None:
+                 request_id: str | None = None, trace_context: object = None, priority: int = 0,
+                 caller: str = "") -> None:
         self.request = request
+        self.priority = priority  # lower goes first (vLLM's and Cohere's ``priority``)
+        self.caller = caller  # whose request: the fair share is per caller first (``FairQueue``)
         self.request_id = request_id  # its HTTP request's X-Request-Id: logged, and forwarded by a proxy
         self.trace_context = trace_context  # its OpenTelemetry context, for a proxied call to continue its trace
         self.queued_ns = time.time_ns()
@@ -127,11 +132,21 @@ class Piece:
 
 
 class FairQueue:
-    """The requests with chunks still to run, and the rule that fills an engine call from them."""
+    """The requests with chunks still to run, and the rule that fills an engine call from them.
+
+    An engine call takes at most one chunk of each request. The order: the lowest ``priority`` first; then the
+    least-served caller (tokens handed out to its requests); then that caller's least-served request (its key: where
+    it started, plus the tokens handed out to it since); then the oldest. Requests and callers start level with the
+    queue's progress, not at 0: a newcomer takes turns with those already served instead of waiting for them, and
+    cannot starve them either. A caller that floods the queue with requests gets one share, as a lone request of
+    another caller does.
+    """
 
     def __init__(self) -> None:
         self._submissions: list[Submission] = []
         self._virtual = 0  # the fairness key reached: that of the last chunk taken, after it
+        self._callers: dict[str, int] = {}  # the served tokens of each caller with requests queued
+        self._caller_virtual = 0  # the same for callers
 
     def __len__(self) -> int:
         return len(self._submissions)
@@ -144,19 +159,22 @@ class FairQueue:
     def add(self, submission: Submission) -> None:
         """Queue a submission. It starts at the key the queue has reached (level with a large request that has just
         had a chunk, and after it, being newer), not at 0: new requests then take turns with a large one that has
-        already been served some, instead of starving it."""
+        already been served some, instead of starving it. A caller with nothing queued starts so too."""
         submission.served = self._virtual
+        self._callers.setdefault(submission.caller, self._caller_virtual)
         self._submissions.append(submission)
 
     def remove(self, submission: Submission) -> None:
         """Drop a submission's waiting chunks (its caller left, or it failed); chunks running finish."""
         if submission in self._submissions:
             self._submissions.remove(submission)
+            self._forget_idle_callers()
         submission.waiting.clear()
 
     def drain(self) -> list[Submission]:
         """Every submission still queued, removed."""
         taken, self._submissions = self._submissions, []
+        self._callers.clear()
         return taken
 
     def holds_at_least(self, items: int, tokens: int) -> bool:
@@ -166,20 +184,37 @@ class FairQueue:
                 or sum(chunk.tokens for chunk in heads) >= tokens)
 
     def take(self, max_items: int, max_tokens: int, max_requests: int | None = None) -> list[Piece]:
-        """The next engine call: one chunk of each request, least served first, while the budget holds (the first
-        chunk always goes, so a chunk over the budget on its own still runs, alone)."""
+        """The next engine call: one chunk of each request, in the class docstring's order, while the budget holds
+        (the first chunk always goes, so a chunk over the budget on its own still runs, alone)."""
         self._submissions = [submission for submission in self._submissions if not submission.gone]
+        queues: dict[str, deque[Submission]] = {}
+        for submission in sorted(self._submissions, key=lambda entry: (entry.priority, entry.served, entry.arrival)):
+            queues.setdefault(submission.caller, deque()).append(submission)
         pieces: list[Piece] = []
         items = tokens = 0
-        for submission in sorted(self._submissions, key=lambda entry: (entry.served, entry.arrival)):
+        while queues:
+            caller = min(queues, key=lambda name: (queues[name][0].priority, self._callers[name],
+                                                    queues[name][0].served, queues[name][0].arrival))
+            submission = queues[caller].popleft()
+            if not queues[caller]:
+                del queues[caller]
             chunk = submission.waiting[0]
             size = chunk.end - chunk.start
             if pieces and (items + size > max_items or tokens + chunk.tokens > max_tokens):
                 continue  # a smaller chunk further on may still fit
             pieces.append(submission.take())
             self._virtual = max(self._virtual, submission.served)
+            self._callers[caller] += chunk.tokens
+            self._caller_virtual = max(self._caller_virtual, self._callers[caller])
             items, tokens = items + size, tokens + chunk.tokens
             if max_requests is not None and len(pieces) >= max_requests:
                 break
         self._submissions = [submission for submission in self._submissions if submission.waiting]
+        self._forget_idle_callers()
         return pieces
+
+    def _forget_idle_callers(self) -> None:
+        """Callers with nothing queued keep no credit: when they come back they start level with the queue."""
+        queued = {submission.caller for submission in self._submissions}
+        for caller in [caller for caller in self._callers if caller not in queued]:
+            del self._callers[caller]

@@ -81,8 +81,8 @@ def parse_request(body: Any) -> ScoreRequest:
     """A rerank body as a ``ScoreRequest``; ``max_tokens_per_doc`` cuts each document's end.
 
     ``max_chunks_per_doc`` (Cohere v1: score a long document's chunks, keep the best) scores a document longer than
-    the model takes in at most that many windows and keeps the best (``long_documents="max"``). ``priority`` is
-    ignored (one queue).
+    the model takes in at most that many windows and keeps the best (``long_documents="max"``). ``priority`` orders
+    rerankit serve's queue (lower first: ``server.routes.priority_of``).
     """
     wire = parse_wire(RerankBody, body)
     chunks = {} if wire.max_chunks_per_doc is None else {
