@@ -15,6 +15,7 @@ input order; the first chunk that fails fails its request, once.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import time
 from collections import deque
@@ -190,25 +191,30 @@ class FairQueue:
         queues: dict[str, deque[Submission]] = {}
         for submission in sorted(self._submissions, key=lambda entry: (entry.priority, entry.served, entry.arrival)):
             queues.setdefault(submission.caller, deque()).append(submission)
+        def turn(caller: str) -> tuple[int, int, int, int, str]:  # the caller's place: its next request's
+            head = queues[caller][0]
+            return head.priority, self._callers[caller], head.served, head.arrival, caller
+
+        turns = [turn(caller) for caller in queues]  # a heap: O(log callers) a chunk, whoever many callers wait
+        heapq.heapify(turns)
         pieces: list[Piece] = []
         items = tokens = 0
-        while queues:
-            caller = min(queues, key=lambda name: (queues[name][0].priority, self._callers[name],
-                                                    queues[name][0].served, queues[name][0].arrival))
+        while turns:
+            caller = heapq.heappop(turns)[-1]
             submission = queues[caller].popleft()
-            if not queues[caller]:
-                del queues[caller]
             chunk = submission.waiting[0]
             size = chunk.end - chunk.start
-            if pieces and (items + size > max_items or tokens + chunk.tokens > max_tokens):
-                continue  # a smaller chunk further on may still fit
-            pieces.append(submission.take())
-            self._virtual = max(self._virtual, submission.served)
-            self._callers[caller] += chunk.tokens
-            self._caller_virtual = max(self._caller_virtual, self._callers[caller])
-            items, tokens = items + size, tokens + chunk.tokens
-            if max_requests is not None and len(pieces) >= max_requests:
-                break
+            if not pieces or (items + size <= max_items and tokens + chunk.tokens <= max_tokens):
+                pieces.append(submission.take())
+                self._virtual = max(self._virtual, submission.served)
+                self._callers[caller] += chunk.tokens
+                self._caller_virtual = max(self._caller_virtual, self._callers[caller])
+                items, tokens = items + size, tokens + chunk.tokens
+                if max_requests is not None and len(pieces) >= max_requests:
+                    break
+            # else a smaller chunk further on may still fit
+            if queues[caller]:
+                heapq.heappush(turns, turn(caller))
         self._submissions = [submission for submission in self._submissions if submission.waiting]
         self._forget_idle_callers()
         return pieces
