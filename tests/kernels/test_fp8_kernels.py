@@ -19,7 +19,11 @@ from rerankit.kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference  # noqa
 from rerankit.kernels.fp8_quant import (  # noqa: E402
     FP8_DTYPE,
     FP8_MAX,
+    abs_max,
+    abs_max_reference,
     dequantize_rows,
+    quantize_bounded,
+    quantize_bounded_reference,
     quantize_rows,
     quantize_rows_reference,
     rms_norm_quant,
@@ -64,6 +68,33 @@ def test_quant_kernel_equals_the_reference(monkeypatch, rows, width):
     forbid_reference(monkeypatch, fp8_quant, "quantize_rows_reference")
     codes, scale = quantize_rows(x.to(DEVICE))
     assert torch.equal(scale.cpu(), expected[1]) and torch.equal(codes.cpu().float(), expected[0].float())
+
+
+@pytest.mark.parametrize("rows, width", [(1, 64), (37, 96), (300, 1000), (0, 32)])
+def test_abs_max_kernel_reads_a_slice_of_columns_in_place_and_equals_the_reference(monkeypatch, rows, width):
+    """The largest |v| of v, a slice of the q/k/v projection's columns (rows strided), as the reference finds it;
+    an empty tensor's is MIN_AMAX."""
+    fused = (torch.randn(rows, 64 + width, generator=torch.Generator().manual_seed(rows)) * 3).bfloat16()
+    v = fused[:, 64:].unflatten(1, (-1, 16) if width % 16 == 0 else (1, width))
+    expected = abs_max_reference(v)
+    forbid_reference(monkeypatch, fp8_quant, "abs_max_reference")
+    assert torch.equal(abs_max(v.to(DEVICE)).cpu(), expected)
+
+
+@pytest.mark.parametrize("rows, width", [(1, 64), (7, 96), (3, 1000), (0, 32)])
+@pytest.mark.parametrize("loose", [1.0, 37.5])
+def test_bounded_quant_kernel_equals_the_reference(monkeypatch, rows, width, loose):
+    """One scale for every row, from a bound of |x| (exact, or far above it): the reference's codes and scales,
+    bit for bit; the largest |x| maps to 448 under the exact bound."""
+    x = (torch.randn(rows, width, generator=torch.Generator().manual_seed(width)) * 3).bfloat16()
+    bound = abs_max_reference(x) * loose
+    expected = quantize_bounded_reference(x, bound)
+    forbid_reference(monkeypatch, fp8_quant, "quantize_bounded_reference")
+    codes, scale = quantize_bounded(x.to(DEVICE), bound.to(DEVICE))
+    assert torch.equal(scale.cpu(), expected[1]) and torch.equal(codes.cpu().float(), expected[0].float())
+    assert scale.shape == (rows,) and (rows == 0 or torch.equal(scale.cpu(), (bound / FP8_MAX).expand(rows)))
+    if rows and loose == 1.0:
+        assert codes.float().abs().max() == FP8_MAX
 
 
 @pytest.mark.parametrize("rows, width", [(1, 64), (7, 96), (3, 1000)])

@@ -161,6 +161,27 @@ def test_read_rows_equal_the_full_kernels_rows(layout, causal, q_heads, kv_heads
         torch.testing.assert_close(got, whole[reads], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("config", [None, CONFIGS[1], CONFIGS[3]], ids=["unpacked", "packed", "packed-tma"])
+@pytest.mark.parametrize("reads", [None, [3, 0, 17, 17]], ids=["all-rows", "reads"])
+def test_fp8_output_is_the_bounded_quantization_of_the_output(config, reads):
+    """``fp8_bound`` (the largest |v|, which bounds every output: a row is a convex combination of v rows): the
+    kernel writes the e4m3 codes of its own output under the one scale bound / 448 (``quantize_bounded``'s, bit
+    for bit) and that scale for each row, for every kernel (all rows, packed heads, read rows)."""
+    from rerankit.kernels.fp8_quant import FP8_DTYPE, abs_max_reference, quantize_bounded_reference
+
+    (q, k, v), meta = make_pack(MIS_RAGGED, 4, 2, 16, seed=5)
+    whole = prefix_attention(q, k, v, **meta, config=config)
+    bound = abs_max_reference(v)
+    assert (whole.abs() <= bound).all()
+    chosen = None if reads is None else torch.tensor(reads)
+    codes, scales = prefix_attention(q, k, v, **meta, config=config, reads=chosen, fp8_bound=bound)
+    rows = whole if chosen is None else whole[chosen]
+    expected_codes, expected_scales = quantize_bounded_reference(rows.flatten(1), bound)
+    assert codes.dtype == FP8_DTYPE and codes.shape == rows.shape
+    assert torch.equal(scales, expected_scales)
+    assert torch.equal(codes.flatten(1).float(), expected_codes.float())
+
+
 def test_read_rows_with_cached_keys_and_empty_sequences():
     """Reads of sequences that begin with kept keys, and a pack with empty sequences (a graph's padding)."""
     layout, cached_len, cached_seqs = CACHED_LAYOUTS[0]
@@ -347,3 +368,30 @@ def test_warp_specialized_kernel_with_kept_keys_and_a_batch_prefix():
                                           cached=(cached[0], kept_k.float(), kept_v.float()))
     got = prefix_attention(q, k, v, **meta, config=CUDA_LONG_KEYS_CONFIG, cached=cached)
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs FP8 (sm_89+)")
+@pytest.mark.parametrize("config", [None, TRITON_LONG_KEYS_CONFIG, CUDA_LONG_KEYS_CONFIG],
+                         ids=["default", "long-keys-triton", "long-keys"])
+@pytest.mark.parametrize("layout", [[(76, [64 + 37 * i % 384 for i in range(20)] + [1])],
+                                    [(1076, [146] * 12), (0, [500])]], ids=["mis-prefix-76", "li"])
+def test_fp8_output_on_gpu_bf16(layout, config):
+    """``fp8_bound`` on the projection's views, bf16: the codes written by the Triton tiles (or, after the Gluon
+    kernel, by the bounded quantization pass) stand for the bf16 output within e4m3's step, one scale a row."""
+    from rerankit.kernels.fp8_quant import abs_max, quantize_bounded_reference
+
+    qkv, meta = make_pack(layout, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
+    q, k, v = projection_views(*qkv)
+    bound = abs_max(v)
+    plain = prefix_attention(q, k, v, **meta, config=config)
+    codes, scales = prefix_attention(q, k, v, **meta, config=config, fp8_bound=bound)
+    expected_codes, expected_scales = quantize_bounded_reference(plain.flatten(1), bound)
+    assert torch.equal(scales, expected_scales)
+    back = codes.flatten(1).float() * scales[:, None]
+    step = plain.flatten(1).float().abs() * 2 ** -3 + bound / 448 * 2 ** -9  # an e4m3 step, or a subnormal's
+    assert ((back - plain.flatten(1).float()).abs() <= step).all()
+    # the Triton tiles quantize their float32 tile, the pass the bf16 output: codes one step apart at most
+    apart = (codes.flatten(1).float() - expected_codes.float()).abs()
+    assert (apart <= expected_codes.float().abs() / 8 + 2 ** -9).all()

@@ -58,21 +58,31 @@ def packed_attention(
     backend: str | None = None,
     cached: tuple[torch.Tensor, torch.Tensor] | None = None,
     reads: torch.Tensor | None = None,
-) -> torch.Tensor:
+    fp8_bound: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [T, Hq, D] over k/v [T, Hkv, D] under the batch's packed (and MIS) mask -> [T, Hq, D].
 
     ``cached`` = (k, v) [C, Hkv, D]: keys and values of a prefix head kept from an earlier forward; sequence b sees
     their first ``batch.cached_lens[b]`` rows before its own keys (triton and sdpa backends only).
     ``reads`` [R]: only those tokens' rows, [R, Hq, D]; the triton backend computes only them, the others compute
     every row and keep those.
+    ``fp8_bound`` [1] (the largest |v|): float8 codes and one scale a row instead (``prefix_attention``'s); the
+    triton backend writes them from its own tiles, the others quantize their output in a pass.
     """
     backend = backend or default_backend(q.device)
+    if fp8_bound is not None and backend != "triton":
+        from rerankit.kernels.fp8_quant import quantize_bounded
+
+        out = packed_attention(q, k, v, batch, scale, backend, cached, reads)
+        codes, scales = quantize_bounded(out.flatten(1), fp8_bound)
+        return codes.view(out.shape), scales
     if cached is not None and backend not in ("triton", "sdpa"):
         raise ValueError(f"the {backend} backend cannot attend to cached prefix keys; use 'triton' or 'sdpa'")
     if backend == "triton":
         return prefix_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, batch.prefix_lens,
                                 batch.span_starts, batch.causal, scale, keys_per_query=batch.keys_per_query,
-                                cached=None if cached is None else (batch.cached_lens, *cached), reads=reads)
+                                cached=None if cached is None else (batch.cached_lens, *cached), reads=reads,
+                                fp8_bound=fp8_bound)
     if reads is not None:
         return packed_attention(q, k, v, batch, scale, backend, cached)[reads]
     if backend == "sdpa":

@@ -29,6 +29,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_AMAX = 1e-12  # an all-zero row gets a tiny scale instead of a division by zero; its codes stay zero
 _TILE_ELEMENTS = 4096  # elements a program holds, as in rms_norm
+_MAX_BLOCK = 16384  # elements an abs_max program reads (fewer atomics on its one address)
 
 
 def check_scaled(x: Tensor, weight: Tensor, x_scale: Tensor | None, w_scale: Tensor | None) -> None:
@@ -42,7 +43,13 @@ def quantize_rows_reference(x: Tensor) -> tuple[Tensor, Tensor]:
     """Plain torch: each row of ``x`` [T, d] as float8_e4m3fn codes [T, d] and its float32 scale [T]."""
     x32 = x.float()
     amax = x32.abs().amax(dim=-1).clamp(min=MIN_AMAX)
-    return (x32 * (FP8_MAX / amax)[:, None]).to(FP8_DTYPE), amax / FP8_MAX
+    return (x32 * _over(FP8_MAX, amax)[:, None]).to(FP8_DTYPE), amax / FP8_MAX
+
+
+def _over(value: float, divisor: Tensor) -> Tensor:
+    """``value / divisor`` rounded once, as the kernels' ``div_rn``: torch's ``float / tensor`` is the tensor's
+    reciprocal times the float, two roundings (448 / 12 came out a unit in the last place above)."""
+    return torch.div(torch.full_like(divisor, value), divisor)
 
 
 def rms_norm_quant_reference(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -56,6 +63,43 @@ def add_rms_norm_quant_reference(x: Tensor, delta: Tensor, weight: Tensor, eps: 
     """Plain torch: ``x += delta`` in place (the residual add, rounded to x's dtype), then
     ``rms_norm_quant_reference`` of the sum."""
     return rms_norm_quant_reference(x.add_(delta), weight, eps)
+
+
+def abs_max_reference(x: Tensor) -> Tensor:
+    """Plain torch: the largest |x| of the whole tensor (at least MIN_AMAX), float32 [1]."""
+    if x.numel() == 0:
+        return torch.full((1,), MIN_AMAX, dtype=torch.float32, device=x.device)
+    return x.float().abs().amax().clamp(min=MIN_AMAX).reshape(1)
+
+
+def quantize_bounded_reference(x: Tensor, bound: Tensor) -> tuple[Tensor, Tensor]:
+    """Plain torch: every row of ``x`` [T, d] quantized with one scale, ``bound / 448`` (``bound`` [1] float32: a
+    bound of |x| known beforehand, such as the largest |v| for an attention output); codes [T, d], scales [T]."""
+    x32 = x.float()
+    codes = (x32 * _over(FP8_MAX, bound)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return codes, (bound / FP8_MAX).expand(x.shape[0]).contiguous()
+
+
+def abs_max(x: Tensor) -> Tensor:
+    """``abs_max_reference`` of ``x`` [T, ...] in one Triton launch, rows read with their stride (a slice of a
+    projection's columns, such as v, is read in place); each program's maximum joins the result by an atomic
+    max."""
+    rows = x.flatten(1) if x.dim() > 1 else x[:, None]
+    if triton is None or not (x.is_cuda or _INTERPRET) or rows.stride(-1) != 1:
+        return abs_max_reference(x)
+    bound = torch.full((1,), MIN_AMAX, dtype=torch.float32, device=x.device)
+    count, width = rows.shape
+    if count and width:
+        block_d = triton.next_power_of_2(width)
+        block_t = max(1, min(_MAX_BLOCK // block_d, triton.next_power_of_2(count)))
+        _abs_max_kernel[(triton.cdiv(count, block_t),)](rows, bound, count, width, rows.stride(0), BLOCK_T=block_t,
+                                                        BLOCK_D=block_d)
+    return bound
+
+
+def quantize_bounded(x: Tensor, bound: Tensor) -> tuple[Tensor, Tensor]:
+    """``quantize_bounded_reference`` in one Triton launch."""
+    return _launch(x, None, 0.0, bound=bound)
 
 
 def dequantize_rows(codes: Tensor, scale: Tensor) -> Tensor:
@@ -88,11 +132,14 @@ def add_rms_norm_quant(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> 
     return _launch(x, weight, eps, delta)
 
 
-def _launch(x: Tensor, weight: Tensor | None, eps: float, delta: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def _launch(x: Tensor, weight: Tensor | None, eps: float, delta: Tensor | None = None,
+            bound: Tensor | None = None) -> tuple[Tensor, Tensor]:
     if x.dim() != 2:
         raise ValueError(f"x must be [T, d], got {tuple(x.shape)}")
     if triton is None or not (x.is_cuda or _INTERPRET) or (weight is not None and weight.dtype != x.dtype) \
             or (delta is not None and delta.dtype != x.dtype):
+        if bound is not None:
+            return quantize_bounded_reference(x, bound)
         if delta is not None:
             return add_rms_norm_quant_reference(x, delta, weight, eps)
         return quantize_rows_reference(x) if weight is None else rms_norm_quant_reference(x, weight, eps)
@@ -106,9 +153,10 @@ def _launch(x: Tensor, weight: Tensor | None, eps: float, delta: Tensor | None =
     block_d = triton.next_power_of_2(width)
     block_t = max(1, min(_TILE_ELEMENTS // block_d, triton.next_power_of_2(rows)))
     _quantize_kernel[(triton.cdiv(rows, block_t),)](
-        x, x if weight is None else weight, x if delta is None else delta, codes, scale, rows, width, x.stride(0),
-        0 if delta is None else delta.stride(0), eps, NORM=weight is not None, ADD=delta is not None,
-        ROUND_FIRST=_INTERPRET, BLOCK_T=block_t, BLOCK_D=block_d,
+        x, x if weight is None else weight, x if delta is None else delta, codes, scale,
+        scale if bound is None else bound, rows, width, x.stride(0), 0 if delta is None else delta.stride(0), eps,
+        NORM=weight is not None, ADD=delta is not None, BOUNDED=bound is not None, ROUND_FIRST=_INTERPRET,
+        BLOCK_T=block_t, BLOCK_D=block_d,
         num_warps=4 if block_d <= 2048 else 8,
     )
     return codes, scale
@@ -130,12 +178,33 @@ if triton is not None:
         return (v + magic) - magic
 
     @triton.jit
-    def _quantize_kernel(x_ptr, weight_ptr, delta_ptr, codes_ptr, scale_ptr, n_rows, width, stride_x, stride_d,
-                         eps, NORM: tl.constexpr, ADD: tl.constexpr, ROUND_FIRST: tl.constexpr,
-                         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    def bounded_codes(x32, bound, ROUND_FIRST: tl.constexpr):
+        """``x32 * (448 / bound)`` within +-448, rounded to e4m3 (still float32: the caller casts), as
+        ``quantize_bounded_reference`` computes it; ``bound`` is a float32 scalar."""
+        # float32 operands throughout: the interpreter would divide a scalar in float64 (and round ties off)
+        scaled = x32 * tl.math.div_rn(tl.full([], _MAX, tl.float32), bound.to(tl.float32))
+        scaled = tl.minimum(tl.maximum(scaled, -_MAX), _MAX).to(tl.float32)
+        if ROUND_FIRST:
+            scaled = _round_to_e4m3(scaled)
+        return scaled
+
+    @triton.jit
+    def _abs_max_kernel(x_ptr, bound_ptr, n_rows, width, stride_x, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        """BLOCK_T rows' largest |x|, joined into ``bound`` by an atomic max."""
+        rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+        cols = tl.arange(0, BLOCK_D)
+        mask = (rows < n_rows)[:, None] & (cols < width)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        tl.atomic_max(bound_ptr, tl.max(tl.max(tl.abs(x.to(tl.float32)), axis=1), axis=0))
+
+    @triton.jit
+    def _quantize_kernel(x_ptr, weight_ptr, delta_ptr, codes_ptr, scale_ptr, bound_ptr, n_rows, width, stride_x,
+                         stride_d, eps, NORM: tl.constexpr, ADD: tl.constexpr, BOUNDED: tl.constexpr,
+                         ROUND_FIRST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
         """BLOCK_T rows: load, (add ``delta`` and store the sum back, rounded as torch's add rounds it,) (RMSNorm
-        as rms_norm rounds it,) row amax, scale, float8 codes, store. ``ROUND_FIRST``: round to e4m3 in float32
-        before the cast (the interpreter's cast does not round)."""
+        as rms_norm rounds it,) row amax, scale, float8 codes, store. ``BOUNDED``: one scale for every row, from
+        ``bound`` (``quantize_bounded``). ``ROUND_FIRST``: round to e4m3 in float32 before the cast (the
+        interpreter's cast does not round)."""
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         cols = tl.arange(0, BLOCK_D)
         row_ok = rows < n_rows
@@ -153,13 +222,18 @@ if triton is not None:
             weight = tl.load(weight_ptr + cols, mask=cols < width, other=0.0)
             x = (weight[None, :].to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
         x32 = x.to(tl.float32)
-        # Two IEEE divisions a row, then products (exact IEEE on any device): the GPU's `/` is an approximate
-        # division (a last bit off at times), and a correctly rounded one per element took 4x the pass's time.
-        amax = tl.maximum(tl.max(tl.abs(x32), axis=1), _MIN_AMAX)
-        scale = tl.math.div_rn(amax, _MAX)
-        scaled = x32 * tl.math.div_rn(_MAX, amax)[:, None]
-        if ROUND_FIRST:
-            scaled = _round_to_e4m3(scaled)
+        if BOUNDED:
+            bound = tl.load(bound_ptr)
+            scale = tl.zeros([BLOCK_T], dtype=tl.float32) + tl.math.div_rn(bound, tl.full([], _MAX, tl.float32))
+            scaled = bounded_codes(x32, bound, ROUND_FIRST)
+        else:
+            # Two IEEE divisions a row, then products (exact IEEE on any device): the GPU's `/` is an approximate
+            # division (a last bit off at times), and a correctly rounded one per element took 4x the pass's time.
+            amax = tl.maximum(tl.max(tl.abs(x32), axis=1), _MIN_AMAX)
+            scale = tl.math.div_rn(amax, _MAX)
+            scaled = x32 * tl.math.div_rn(_MAX, amax)[:, None]
+            if ROUND_FIRST:
+                scaled = _round_to_e4m3(scaled)
         codes = scaled.to(codes_ptr.dtype.element_ty)
         tl.store(codes_ptr + rows[:, None] * width + cols[None, :], codes, mask=mask)
         tl.store(scale_ptr + rows, scale, mask=row_ok)

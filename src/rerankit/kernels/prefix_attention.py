@@ -55,6 +55,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from rerankit.kernels.fp8_quant import _INTERPRET, FP8_DTYPE, bounded_codes, quantize_bounded
+
 from rerankit.kernels import rows_take_tma
 
 try:
@@ -301,13 +303,30 @@ def _query_block(cu_seqlens, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _store_out(out, out_ptr, offsets, mask, bound_ptr, scales_ptr, scale_rows, scale_mask, first_group,
+               FP8_OUT: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """An output tile (float32) stored in ``out_ptr``'s dtype; ``FP8_OUT``: as e4m3 codes under the one scale
+    ``bound / 448`` (``fp8_quant.bounded_codes``), which the programs of the ``first_group`` of heads also store
+    for their rows (``scale_rows`` where ``scale_mask``)."""
+    if FP8_OUT:
+        bound = tl.load(bound_ptr)
+        tl.store(out_ptr + offsets, bounded_codes(out, bound, ROUND_FIRST).to(out_ptr.dtype.element_ty), mask=mask)
+        if first_group:
+            scale = tl.math.div_rn(bound.to(tl.float32), tl.full([], 448.0, tl.float32))
+            tl.store(scales_ptr + scale_rows, tl.zeros(scale_rows.shape, tl.float32) + scale, mask=scale_mask)
+    else:
+        tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _prefix_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, k_desc, v_desc, cu_seqlens, prefix_lens, span_starts,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     qk_scale, cached_lens, ck_ptr, cv_ptr, ck_desc, cv_desc, stride_ckt, stride_ckh, stride_cvt, stride_cvh,
+    bound_ptr, scales_ptr,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr,
-    HAS_CACHED: tl.constexpr,
+    HAS_CACHED: tl.constexpr, FP8_OUT: tl.constexpr, ROUND_FIRST: tl.constexpr,
 ):
     head = tl.program_id(1)
     seq, seq_start, seq_end, q_first, q_last = _query_block(cu_seqlens, BLOCK_M)
@@ -330,8 +349,8 @@ def _prefix_attention_kernel(
                              TMA, HAS_CACHED)
 
     out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
-    tl.store(out_ptr + offs_m[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    _store_out(out, out_ptr, offs_m[:, None] * stride_ot + head * stride_oh + offs_d[None, :], row_valid[:, None],
+               bound_ptr, scales_ptr, offs_m, row_valid, head == 0, FP8_OUT, ROUND_FIRST)
 
 
 @triton.jit
@@ -339,9 +358,10 @@ def _prefix_attention_packed_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, k_desc, v_desc, cu_seqlens, prefix_lens, span_starts,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     qk_scale, cached_lens, ck_ptr, cv_ptr, ck_desc, cv_desc, stride_ckt, stride_ckh, stride_cvt, stride_cvh,
+    bound_ptr, scales_ptr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr,
-    HAS_CACHED: tl.constexpr,
+    HAS_CACHED: tl.constexpr, FP8_OUT: tl.constexpr, ROUND_FIRST: tl.constexpr,
 ):
     """_prefix_attention_kernel with the GROUP query heads of one kv head in one program (pack_gqa=True).
 
@@ -377,8 +397,9 @@ def _prefix_attention_packed_kernel(
                              HAS_CACHED)
 
     out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
-    tl.store(out_ptr + offs_m[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    _store_out(out, out_ptr, offs_m[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+               row_valid[:, None], bound_ptr, scales_ptr, offs_m, token_valid & (rows % GROUP_PAD == 0),
+               kv_head == 0, FP8_OUT, ROUND_FIRST)
 
 
 @triton.jit
@@ -386,8 +407,10 @@ def _prefix_attention_reads_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, k_desc, v_desc, cu_seqlens, prefix_lens, span_starts, reads_ptr, n_seqs,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     qk_scale, cached_lens, ck_ptr, cv_ptr, ck_desc, cv_desc, stride_ckt, stride_ckh, stride_cvt, stride_cvh,
+    bound_ptr, scales_ptr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, TMA: tl.constexpr, HAS_CACHED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, TMA: tl.constexpr, HAS_CACHED: tl.constexpr, FP8_OUT: tl.constexpr,
+    ROUND_FIRST: tl.constexpr,
 ):
     """The attention of one read token (``reads[program_id(0)]``) for the GROUP query heads of one kv head: the
     rows of the full kernel's output at that token. The Q tile repeats the token's GROUP_PAD head rows to ROWS
@@ -421,8 +444,8 @@ def _prefix_attention_reads_kernel(
                              span_starts, seq, seq_start, seq_end, token, token, qk_scale, cached_lens, cached_kv,
                              CAUSAL, ROWS, BLOCK_N, HEAD_DIM, TMA, HAS_CACHED)
     out = acc / l_i[:, None]
-    tl.store(out_ptr + read * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=stored[:, None])
+    _store_out(out, out_ptr, read * stride_ot + heads[:, None] * stride_oh + offs_d[None, :], stored[:, None],
+               bound_ptr, scales_ptr, read + rows * 0, rows == 0, kv_head == 0, FP8_OUT, ROUND_FIRST)
 
 
 def prefix_attention(
@@ -440,7 +463,8 @@ def prefix_attention(
     keys_per_query: float = 0.0,
     cached: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     reads: torch.Tensor | None = None,
-) -> torch.Tensor:
+    fp8_bound: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Packed attention under the shared-prefix mask: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
 
     ``prefix_lens`` is [B] (zeros when no sequence shares a prefix), ``span_starts`` is [T]. Without a ``config``
@@ -450,6 +474,9 @@ def prefix_attention(
     sequence sees before its own keys; its ``prefix_lens`` count the prefix tokens in the batch only.
     ``reads`` [R] (token indices): only those tokens' rows, [R, Hq, D], each computed by a program of its own (the
     last layer of a forward whose heads read one token an item needs no other row).
+    ``fp8_bound`` [1] float32, a bound of |output| (the largest |v|: each output row is a convex combination of v
+    rows): the output comes as float8_e4m3fn codes [T, Hq, D] under one scale, ``fp8_bound / 448``, with that
+    scale per row [T] (``fp8_quant.quantize_bounded``'s numbers, for an FP8 o projection with no pass of its own).
     """
     total, q_heads, head_dim = q.shape
     kv_heads = k.shape[1]
@@ -458,9 +485,11 @@ def prefix_attention(
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     if cached is not None and not causal:
         raise ValueError("cached prefix keys need causal attention")
-    out = torch.empty_like(q) if reads is None else q.new_empty(reads.numel(), q_heads, head_dim)
+    rows = total if reads is None else reads.numel()
+    out = q.new_empty(rows, q_heads, head_dim, dtype=q.dtype if fp8_bound is None else FP8_DTYPE)
+    scales = out.new_empty(rows if fp8_bound is not None else 0, dtype=torch.float32)
     if out.shape[0] == 0:
-        return out
+        return out if fp8_bound is None else (out, scales)
     config = config or default_config(q.device, causal, keys_per_query)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if not scale > 0:
@@ -469,8 +498,13 @@ def prefix_attention(
         from rerankit.kernels import prefix_attention_ws  # Gluon, imported at first use (~30 ms of import time)
 
         if prefix_attention_ws.takes_ws(q, k, v, causal, reads, cached):
-            return prefix_attention_ws.prefix_attention_ws(q, k, v, cu_seqlens, max_seqlen, prefix_lens, span_starts,
-                                                           scale, cached=cached, out=out)
+            out = prefix_attention_ws.prefix_attention_ws(q, k, v, cu_seqlens, max_seqlen, prefix_lens, span_starts,
+                                                          scale, cached=cached,
+                                                          out=out if fp8_bound is None else None)
+            if fp8_bound is None:
+                return out
+            codes, scales = quantize_bounded(out.flatten(1), fp8_bound)  # its own pass after the Gluon kernel
+            return codes.view(out.shape), scales
     group = q_heads // kv_heads
     group_pad = triton.next_power_of_2(group)
     if reads is not None:  # one program per read token and kv head
@@ -500,10 +534,12 @@ def prefix_attention(
         q, k, v, out, k_desc, v_desc, cu_seqlens, prefix_lens, span_starts, *extra,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         scale, cached_lens, ck, cv, ck_desc, cv_desc, ck.stride(0), ck.stride(1), cv.stride(0), cv.stride(1),
+        scales if fp8_bound is None else fp8_bound, scales,
         GROUP=group, CAUSAL=causal, BLOCK_N=config.block_n, HEAD_DIM=head_dim, TMA=tma,
-        HAS_CACHED=cached is not None, **warps, **packing, **limits,
+        HAS_CACHED=cached is not None, FP8_OUT=fp8_bound is not None, ROUND_FIRST=_INTERPRET, **warps, **packing,
+        **limits,
     )
-    return out
+    return out if fp8_bound is None else (out, scales)
 
 
 def takes_tma(k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -307,6 +307,10 @@ class PackedDecoder(PackedBody):
             if kv_sink is not None:
                 kv_sink.append((k.contiguous(), v.contiguous()))
             reads = last_reads if index == last else {}
+            # FP8 o projection: its input's bound; the Triton attention writes the codes itself (engine.models.fp8)
+            bound = fp8_layers.o_input_bound(v, layer, self.fp8) if self.fp8 is not None else None
+            if bound is not None and self.fp8.kernels and takes_reads(attention):
+                reads = {**reads, "fp8_bound": bound}
             if cached_kv is None:
                 attended = attention(q, k, v, batch, scale=self.scale, **reads)
             else:
@@ -314,10 +318,11 @@ class PackedDecoder(PackedBody):
                                      cached=(cached_kv.keys[index], cached_kv.values[index]), **reads)
             if index == last and read_positions is not None:
                 hidden = hidden[read_positions]
-                if not reads:
-                    attended = attended[read_positions]
+                if "reads" not in reads:
+                    attended = tuple(part[read_positions] for part in attended) if isinstance(attended, tuple) \
+                        else attended[read_positions]
             if self.fp8 is not None:
-                hidden, pending = fp8_layers.output_and_mlp(attended, hidden, layer, self.eps, self.fp8)
+                hidden, pending = fp8_layers.output_and_mlp(attended, hidden, layer, self.eps, self.fp8, bound)
             else:
                 hidden = finish(attended, hidden, layer.o_weight, layer.o_bias, layer.post_norm,
                                 layer.gate_up_weight, layer.gate_up_bias, layer.down_weight, layer.down_bias, self.eps)

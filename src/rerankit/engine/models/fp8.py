@@ -5,8 +5,10 @@ Per layer (``PackedDecoder`` with ``fp8``):
     x, sx  = add_rms_norm_quant(hidden, d, input_norm)   the last layer's d added, RMSNorm, per-token amax / 448
                                                          scales, float8 codes: one kernel
     q,k,v  = qkv_rope_matmul(x, Wqkv; sx, sWqkv)         FP8 GEMM, scales, q/k norm and rotary in its epilogue
-    a      = attention(q, k, v)                          bf16
-    o      = fp8_matmul(quant(a), Wo)                    cuBLAS's scaled FP8 GEMM, bf16 out
+    b      = max |v|                                     one small kernel: a bound of every |a| (softmax weights
+                                                         sum to 1, so a row of a is a convex combination of v's)
+    a, sa  = attention(q, k, v; b)                       bf16 inside; float8 codes out, one scale b / 448 a row
+    o      = fp8_matmul(a, Wo; sa, sWo)                  cuBLAS's scaled FP8 GEMM, bf16 out
     x, sx  = add_rms_norm_quant(hidden, o, post_norm)    hidden += o, RMSNorm, quantization: one kernel
     h      = swiglu_matmul(x, Wgate_up; sx, sWgate_up)   FP8 GEMM, scales and SwiGLU in its epilogue, bf16 out
     d      = fp8_matmul(quant(h), Wdown)                 added by the next layer's add_rms_norm_quant
@@ -14,6 +16,12 @@ Per layer (``PackedDecoder`` with ``fp8``):
 $RERANKIT_FP8_PROJECTIONS picks which of the four projections are FP8 (``engine.fp8.projections``: by default
 o and down stay bf16 on narrow models, where their quantization pass costs more than FP8 saves); a bf16 projection
 runs as the bf16 engine runs it (o and down accumulate into the residual stream in cuBLAS).
+
+The o projection's input is scaled by the bound b rather than per row: e4m3 keeps 3 bits of mantissa at any
+magnitude, so a scale that only bounds the row costs precision only in rows below b's 2^-15 (subnormals), and
+the attention kernel writes the codes itself: no quantization pass, and half the bytes. Attention backends
+other than the Triton kernels quantize their bf16 output with the same bound in a pass
+(``fp8_quant.quantize_bounded``).
 
 Weights are quantized per output channel (amax / 448) at load, or come as they are from an FP8 checkpoint
 (``engine.fp8``). ``KERNELS`` runs the Triton and cuBLAS kernels (a GPU without Hopper's copy engine projects
@@ -33,8 +41,12 @@ from torch import nn
 from rerankit.kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
 from rerankit.kernels.fp8_quant import (
     FP8_DTYPE,
+    abs_max,
+    abs_max_reference,
     add_rms_norm_quant,
     add_rms_norm_quant_reference,
+    quantize_bounded,
+    quantize_bounded_reference,
     quantize_rows,
     quantize_rows_reference,
     rms_norm_quant,
@@ -66,13 +78,16 @@ class Fp8Ops:
     matmul: Callable
     swiglu: Callable
     qkv_rope: Callable
+    abs_max: Callable
+    quant_bounded: Callable
     kernels: bool
 
 
 KERNELS = Fp8Ops(rms_norm_quant, add_rms_norm_quant, rms_norm, quantize_rows, fp8_matmul, swiglu_matmul,
-                 qkv_rope_matmul, kernels=True)
+                 qkv_rope_matmul, abs_max, quantize_bounded, kernels=True)
 REFERENCE = Fp8Ops(rms_norm_quant_reference, add_rms_norm_quant_reference, rms_norm_reference, quantize_rows_reference,
-                   fp8_matmul_reference, swiglu_matmul_reference, qkv_rope_matmul_reference, kernels=False)
+                   fp8_matmul_reference, swiglu_matmul_reference, qkv_rope_matmul_reference, abs_max_reference,
+                   quantize_bounded_reference, kernels=False)
 
 
 @torch.no_grad()  # else each scale's autograd graph keeps float32 copies of its weight alive (8 bytes a weight)
@@ -139,14 +154,26 @@ def attention_inputs(hidden: torch.Tensor, pending: torch.Tensor | None, layer: 
             v.unflatten(-1, (num_kv_heads, head_dim)))
 
 
-def residual_projection(hidden: torch.Tensor, x: torch.Tensor, layer: nn.Module, name: str,
-                        ops: Fp8Ops) -> torch.Tensor | None:
-    """The residual projection ``name`` (o or down) of ``x``. A float8 weight: ``x`` quantized per token, the FP8
-    GEMM's bf16 output (+ bias) returned, for the next norm's kernel to add onto ``hidden``. A 16-bit weight:
-    cuBLAS's GEMM accumulates into ``hidden`` in place, and None is returned."""
+def o_input_bound(v: torch.Tensor, layer: nn.Module, ops: Fp8Ops) -> torch.Tensor | None:
+    """The bound the o projection's input is quantized under (the largest |v|), or None where o stays 16-bit."""
+    return ops.abs_max(v) if is_fp8_weight(layer.o_weight) else None
+
+
+Attended = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # bf16 [T, H, D], or float8 codes and a scale a row
+
+
+def residual_projection(hidden: torch.Tensor, x: Attended, layer: nn.Module, name: str, ops: Fp8Ops,
+                        bound: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The residual projection ``name`` (o or down) of ``x`` [T, d]. A float8 weight: ``x`` quantized per token
+    (under ``bound`` where given; ``x`` may come quantized already, as codes and scales), the FP8 GEMM's bf16
+    output (+ bias) returned, for the next norm's kernel to add onto ``hidden``. A 16-bit weight: cuBLAS's GEMM
+    accumulates into ``hidden`` in place, and None is returned."""
     weight, bias = getattr(layer, f"{name}_weight"), getattr(layer, f"{name}_bias")
     if is_fp8_weight(weight):
-        codes, scale = ops.quant(x)
+        if isinstance(x, tuple):
+            codes, scale = x
+        else:
+            codes, scale = ops.quant(x) if bound is None else ops.quant_bounded(x, bound)
         return ops.matmul(codes, scale, weight, getattr(layer, f"{name}_scale"), bias)
     hidden.addmm_(x, weight.t())
     if bias is not None:
@@ -154,12 +181,14 @@ def residual_projection(hidden: torch.Tensor, x: torch.Tensor, layer: nn.Module,
     return None
 
 
-def output_and_mlp(attended: torch.Tensor, hidden: torch.Tensor, layer: nn.Module, eps: float,
-                   ops: Fp8Ops) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The rest of the layer: o projection, norm, SwiGLU GEMM, down projection. Returns ``hidden`` (the forward's
-    own tensor, updated in place) and the down projection's output still to be added onto it (None when it was):
-    the next layer's norm kernel adds it, or the forward after its last layer."""
-    pending = residual_projection(hidden, attended.flatten(1), layer, "o", ops)
+def output_and_mlp(attended: Attended, hidden: torch.Tensor, layer: nn.Module, eps: float, ops: Fp8Ops,
+                   bound: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rest of the layer: o projection (of the attention's bf16 output, quantized under ``bound``, or of its
+    codes and scales), norm, SwiGLU GEMM, down projection. Returns ``hidden`` (the forward's own tensor, updated in
+    place) and the down projection's output still to be added onto it (None when it was): the next layer's norm
+    kernel adds it, or the forward after its last layer."""
+    rows = (attended[0].flatten(1), attended[1]) if isinstance(attended, tuple) else attended.flatten(1)
+    pending = residual_projection(hidden, rows, layer, "o", ops, bound)
     x, x_scale = _normed(hidden, pending, layer.post_norm, layer.gate_up_weight, eps, ops)
     w_scale = getattr(layer, "gate_up_scale", None) if x_scale is not None else None
     if ops.kernels and not swiglu_takes_tma(x, layer.gate_up_weight):  # no copy engine: cuBLAS, then the activation

@@ -144,7 +144,8 @@ def default_attention():
 
 
 def takes_reads(attention: Callable) -> bool:
-    """Whether ``attention`` is ``packed_attention`` (perhaps with its backend bound), which takes ``reads=``."""
+    """Whether ``attention`` is ``packed_attention`` (perhaps with its backend bound), which takes ``reads=`` and
+    ``fp8_bound=``."""
     from rerankit.engine.attention import packed_attention
 
     return attention is packed_attention or (isinstance(attention, functools.partial)
