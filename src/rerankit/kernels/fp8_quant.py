@@ -43,13 +43,14 @@ def quantize_rows_reference(x: Tensor) -> tuple[Tensor, Tensor]:
     """Plain torch: each row of ``x`` [T, d] as float8_e4m3fn codes [T, d] and its float32 scale [T]."""
     x32 = x.float()
     amax = x32.abs().amax(dim=-1).clamp(min=MIN_AMAX)
-    return (x32 * _over(FP8_MAX, amax)[:, None]).to(FP8_DTYPE), amax / FP8_MAX
+    return (x32 * _divided(torch.full_like(amax, FP8_MAX), amax)[:, None]).to(FP8_DTYPE), _divided(amax, FP8_MAX)
 
 
-def _over(value: float, divisor: Tensor) -> Tensor:
-    """``value / divisor`` rounded once, as the kernels' ``div_rn``: torch's ``float / tensor`` is the tensor's
-    reciprocal times the float, two roundings (448 / 12 came out a unit in the last place above)."""
-    return torch.div(torch.full_like(divisor, value), divisor)
+def _divided(dividend: Tensor, divisor: Tensor | float) -> Tensor:
+    """``dividend / divisor`` rounded once, as the kernels' ``div_rn``: torch's ``float / tensor`` is the tensor's
+    reciprocal times the float, and on CUDA ``tensor / float`` is the tensor times the float's reciprocal, two
+    roundings each (448 / 12 came out a unit in the last place high)."""
+    return torch.div(dividend, divisor if isinstance(divisor, Tensor) else torch.full_like(dividend, divisor))
 
 
 def rms_norm_quant_reference(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -76,8 +77,8 @@ def quantize_bounded_reference(x: Tensor, bound: Tensor) -> tuple[Tensor, Tensor
     """Plain torch: every row of ``x`` [T, d] quantized with one scale, ``bound / 448`` (``bound`` [1] float32: a
     bound of |x| known beforehand, such as the largest |v| for an attention output); codes [T, d], scales [T]."""
     x32 = x.float()
-    codes = (x32 * _over(FP8_MAX, bound)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return codes, (bound / FP8_MAX).expand(x.shape[0]).contiguous()
+    codes = (x32 * _divided(torch.full_like(bound, FP8_MAX), bound)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return codes, _divided(bound, FP8_MAX).expand(x.shape[0]).contiguous()
 
 
 def abs_max(x: Tensor) -> Tensor:

@@ -1,0 +1,55 @@
+"""Pairs/s of FP8 calls alone on one shape, for A/B runs of two builds: run it once per build (its ``src`` on
+PYTHONPATH), alternating, on the same GPU; the model folder is built once and shared (``--build`` first).
+
+    PYTHONPATH=src python benchmarks/fp8_calls.py --shape 4b --root /tmp/fp8 --build
+    PYTHONPATH=src python benchmarks/fp8_calls.py --shape 4b --root /tmp/fp8 --docs 32 --tag new
+    PYTHONPATH=../before/src python benchmarks/fp8_calls.py --shape 4b --root /tmp/fp8 --docs 32 --tag before
+
+Each run warms up with three calls, then prints the medians of three rounds of 15 calls (W1's query and its
+``--docs`` documents, as ``pairs.py`` builds them). ``$RERANKIT_FP8_PROJECTIONS`` picks the projections.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from pairs import build_decoder_dir, decoder_workloads, requests_of, single_token_words, time_call  # noqa: E402
+
+ROUNDS, CALLS, WARM_UP_CALLS = 3, 15, 3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", required=True, help="0.6b, 4b or 8b (pairs.py's SHAPES)")
+    parser.add_argument("--root", required=True, help="folder of the random-weight model")
+    parser.add_argument("--build", action="store_true", help="build the model folder and stop")
+    parser.add_argument("--docs", type=int, default=32, help="documents of the query (W1 has 100)")
+    parser.add_argument("--tag", default="", help="a name for this build in the output line")
+    args = parser.parse_args()
+    if args.build:
+        build_decoder_dir(Path(args.root), args.shape)
+        return
+    from transformers import AutoTokenizer
+
+    from rerankit.engine.backend import EmbeddedBackend
+
+    folder = Path(args.root) / f"qwen3-reranker-{args.shape}-random"
+    words = single_token_words(AutoTokenizer.from_pretrained(folder))
+    requests = requests_of(decoder_workloads(words, random.Random(0), {"W1"}, args.docs)[0], True)
+    backend = EmbeddedBackend(str(folder), device="cuda", dtype="fp8")
+    for _ in range(WARM_UP_CALLS):
+        backend.score_batch(requests)
+    rates = [args.docs / statistics.median(time_call(lambda: backend.score_batch(requests), CALLS))
+             for _ in range(ROUNDS)]
+    print(f"fp8 {args.shape} {args.tag} pairs/s {' '.join(f'{rate:.1f}' for rate in rates)} "
+          f"median {statistics.median(rates):.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
