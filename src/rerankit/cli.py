@@ -15,6 +15,7 @@ from typing import Any, Sequence, TextIO
 
 from rerankit import __version__
 from rerankit.errors import InvalidRequest, RerankitError
+from rerankit.flags_from_env import defaults_from_environment
 from rerankit.reranker import is_url, make_backend
 from rerankit.schema import MODES, ScoreRequest, ScoreResponse
 from rerankit.server.limits import RERANK_DIALECTS
@@ -81,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     render.set_defaults(run=run_render)
 
     serve = commands.add_parser("serve", help="serve a model over HTTP (vLLM, SGLang and Cohere routes)",
-                                description="Serve one embedded model over HTTP.")
+                                description="Serve one embedded model over HTTP.",
+                                epilog="Each flag can also be set as RERANKIT_<FLAG> in the environment "
+                                       "(--max-batch-items: RERANKIT_MAX_BATCH_ITEMS); the command line wins.")
     serve.add_argument("--model", help="model path or hub id (default: the packaged MiniLM); "
                                        "a server URL makes this a proxy")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
@@ -147,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--otlp-service-name",
                        help="with --otlp-traces-endpoint: the service name of the spans (default: "
                             "$OTEL_SERVICE_NAME, else rerankit)")
-    serve.set_defaults(run=run_serve)
+    serve.set_defaults(run=run_serve, environment_problems=defaults_from_environment(serve))
     add_score_command(commands)
     return parser
 
@@ -335,6 +338,8 @@ def _print_sequence(title: str, sequence: Any, out: TextIO) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """``rerankit serve``: hand the flags to the server (a server URL as --model serves it as a proxy)."""
+    if args.environment_problems:
+        raise RerankitError(args.environment_problems[0])
     if is_url(args.model):
         refuse_misplaced(args, ("device", "dtype", "prefix_cache_mib", "template", "template_file", "mode",
                                 "instruction", "data_parallel_size"))

@@ -1,0 +1,64 @@
+"""``rerankit serve``'s flags from the environment (``RERANKIT_<FLAG>``): taken as the flags would be, the command
+line over them, a bad value one error line naming the variable, and no effect on other commands."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from rerankit import cli
+from rerankit.flags_from_env import PREFIX, variable_of
+
+
+@pytest.fixture
+def served(monkeypatch):
+    given: dict = {}
+    monkeypatch.setattr(cli, "serve", lambda model, **options: given.update(options, model=model))
+    for name in [name for name in os.environ if name.startswith(PREFIX)]:
+        monkeypatch.delenv(name)
+    return given
+
+
+def test_every_serve_flag_is_read_from_its_variable_below_the_command_line(served, monkeypatch):
+    for name, value in {"RERANKIT_MODEL": "some/model", "RERANKIT_PORT": "9001", "RERANKIT_HOST": "0.0.0.0",
+                        "RERANKIT_MAX_BATCH_ITEMS": "64", "RERANKIT_BATCH_WINDOW_MS": "2.5",
+                        "RERANKIT_NO_WARMUP": "true", "RERANKIT_NO_BATCHING": "0", "RERANKIT_LOG_FORMAT": "json",
+                        "RERANKIT_CALLER_HEADER": "X-Tenant-Id", "RERANKIT_HEADER_TIMEOUT": "3",
+                        "RERANKIT_OTLP_TRACES_ENDPOINT": "http://collector:4318",
+                        "RERANKIT_PREFIX_CACHE_MIB": "256"}.items():
+        monkeypatch.setenv(name, value)
+    assert cli.main(["serve"]) == 0
+    assert served["model"] == "some/model"
+    assert {key: served[key] for key in ("port", "host", "max_batch_items", "batch_window_ms", "warm_up",
+                                         "batching", "log_format", "caller_header", "header_timeout_s",
+                                         "otlp_traces_endpoint", "prefix_cache_bytes")} == {
+        "port": 9001, "host": "0.0.0.0", "max_batch_items": 64, "batch_window_ms": 2.5, "warm_up": False,
+        "batching": True, "log_format": "json", "caller_header": "X-Tenant-Id", "header_timeout_s": 3.0,
+        "otlp_traces_endpoint": "http://collector:4318", "prefix_cache_bytes": 256 << 20}
+    assert cli.main(["serve", "--port", "9002", "--model", "other/model"]) == 0
+    assert (served["port"], served["model"], served["max_batch_items"]) == (9002, "other/model", 64)
+
+
+@pytest.mark.parametrize(("name", "value", "message"), [
+    ("RERANKIT_PORT", "eighty", "$RERANKIT_PORT='eighty': "),
+    ("RERANKIT_MAX_BATCH_ITEMS", "0", "$RERANKIT_MAX_BATCH_ITEMS='0': "),
+    ("RERANKIT_LOG_FORMAT", "xml", "$RERANKIT_LOG_FORMAT='xml': choose from text, json"),
+    ("RERANKIT_NO_WARMUP", "maybe", "$RERANKIT_NO_WARMUP='maybe': give one of 1, true"),
+])
+def test_a_bad_value_is_one_error_line_naming_the_variable_and_other_commands_run(served, monkeypatch, capsys, name,
+                                                                                  value, message):
+    monkeypatch.setenv(name, value)
+    assert cli.main(["serve"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {message}")
+    assert served == {}
+    assert cli.main(["templates"]) == 0  # a stray variable breaks only the command it belongs to
+
+
+def test_every_flag_but_the_repeatable_key_and_help_has_a_variable():
+    serve = next(action for action in cli.build_parser()._subparsers._actions
+                 if action.dest == "command").choices["serve"]
+    names = {variable_of(action) for action in serve._actions}
+    assert {"RERANKIT_MODEL", "RERANKIT_OTLP_SERVICE_NAME", "RERANKIT_SSL_CERTFILE", "RERANKIT_NO_BATCHING",
+            "RERANKIT_DATA_PARALLEL_SIZE", "RERANKIT_TEMPLATE"} <= names
+    assert "RERANKIT_API_KEY" not in names and "RERANKIT_HELP" not in names
