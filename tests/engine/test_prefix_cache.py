@@ -184,6 +184,27 @@ def test_kept_heads_on_gpu_bf16(tiny_qwen3_lm):
 
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs FP8 (sm_89+)")
+@pytest.mark.parametrize("items", [70, 6], ids=["eager", "graphed"])
+def test_fp8_kept_heads_on_gpu(tiny_qwen3_lm, monkeypatch, items):
+    """The FP8 kernels, o included (its codes written by the attention kernel under a bound that takes in the kept
+    head's values), score with a kept head as with the head computed."""
+    from rerankit.engine.fp8 import PROJECTIONS_ENV
+
+    monkeypatch.setenv(PROJECTIONS_ENV, "qkv,o,gate_up,down")
+    kept = EmbeddedBackend(str(tiny_qwen3_lm), device="cuda", dtype="fp8")
+    computed = EmbeddedBackend(str(tiny_qwen3_lm), device="cuda", dtype="fp8", prefix_cache_bytes=0)
+    rng = random.Random(4)
+    request = ScoreRequest(query="capital of france", items=[words(rng, 40) for _ in range(items)],
+                           instruction=words(rng, 150), template="qwen3-reranker")
+    want = scores([computed.score(request)])[0]
+    for _ in range(2):
+        np.testing.assert_allclose(scores([kept.score(request)])[0], want, atol=2e-2)
+    assert kept._runner.prefix_cache.hits >= 1
+
+
 def test_a_decoder_cross_encoder_keeps_heads_too(tiny_qwen3_classifier):
     kept = EmbeddedBackend(str(tiny_qwen3_classifier), device="cpu")
     computed = EmbeddedBackend(str(tiny_qwen3_classifier), device="cpu", prefix_cache_bytes=0)

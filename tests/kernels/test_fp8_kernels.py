@@ -72,13 +72,16 @@ def test_quant_kernel_equals_the_reference(monkeypatch, rows, width):
 
 @pytest.mark.parametrize("rows, width", [(1, 64), (37, 96), (300, 1000), (0, 32)])
 def test_abs_max_kernel_reads_a_slice_of_columns_in_place_and_equals_the_reference(monkeypatch, rows, width):
-    """The largest |v| of v, a slice of the q/k/v projection's columns (rows strided), as the reference finds it;
-    an empty tensor's is MIN_AMAX."""
+    """The largest |v| of v, a slice of the q/k/v projection's columns (rows strided), alone and with a kept
+    prefix's values, as the reference finds it; an empty tensor's is MIN_AMAX."""
     fused = (torch.randn(rows, 64 + width, generator=torch.Generator().manual_seed(rows)) * 3).bfloat16()
     v = fused[:, 64:].unflatten(1, (-1, 16) if width % 16 == 0 else (1, width))
-    expected = abs_max_reference(v)
+    kept = torch.randn(5, 2, 8, generator=torch.Generator().manual_seed(1)).bfloat16() * 9  # kept prefix values
+    expected, with_kept = abs_max_reference(v), abs_max_reference(v, kept)
+    assert with_kept >= expected
     forbid_reference(monkeypatch, fp8_quant, "abs_max_reference")
     assert torch.equal(abs_max(v.to(DEVICE)).cpu(), expected)
+    assert torch.equal(abs_max(v.to(DEVICE), kept.to(DEVICE)).cpu(), with_kept)
 
 
 @pytest.mark.parametrize("rows, width", [(1, 64), (7, 96), (3, 1000), (0, 32)])

@@ -66,11 +66,13 @@ def add_rms_norm_quant_reference(x: Tensor, delta: Tensor, weight: Tensor, eps: 
     return rms_norm_quant_reference(x.add_(delta), weight, eps)
 
 
-def abs_max_reference(x: Tensor) -> Tensor:
-    """Plain torch: the largest |x| of the whole tensor (at least MIN_AMAX), float32 [1]."""
-    if x.numel() == 0:
-        return torch.full((1,), MIN_AMAX, dtype=torch.float32, device=x.device)
-    return x.float().abs().amax().clamp(min=MIN_AMAX).reshape(1)
+def abs_max_reference(*tensors: Tensor) -> Tensor:
+    """Plain torch: the largest |x| over every element of ``tensors`` (at least MIN_AMAX), float32 [1]."""
+    bound = torch.full((1,), MIN_AMAX, dtype=torch.float32, device=tensors[0].device)
+    for x in tensors:
+        if x.numel():
+            bound = torch.maximum(bound, x.float().abs().amax().reshape(1))
+    return bound
 
 
 def quantize_bounded_reference(x: Tensor, bound: Tensor) -> tuple[Tensor, Tensor]:
@@ -81,20 +83,22 @@ def quantize_bounded_reference(x: Tensor, bound: Tensor) -> tuple[Tensor, Tensor
     return codes, _divided(bound, FP8_MAX).expand(x.shape[0]).contiguous()
 
 
-def abs_max(x: Tensor) -> Tensor:
-    """``abs_max_reference`` of ``x`` [T, ...] in one Triton launch, rows read with their stride (a slice of a
-    projection's columns, such as v, is read in place); each program's maximum joins the result by an atomic
-    max."""
-    rows = x.flatten(1) if x.dim() > 1 else x[:, None]
-    if triton is None or not (x.is_cuda or _INTERPRET) or rows.stride(-1) != 1:
-        return abs_max_reference(x)
-    bound = torch.full((1,), MIN_AMAX, dtype=torch.float32, device=x.device)
-    count, width = rows.shape
-    if count and width:
-        block_d = triton.next_power_of_2(width)
-        block_t = max(1, min(_MAX_BLOCK // block_d, triton.next_power_of_2(count)))
-        _abs_max_kernel[(triton.cdiv(count, block_t),)](rows, bound, count, width, rows.stride(0), BLOCK_T=block_t,
-                                                        BLOCK_D=block_d)
+def abs_max(*tensors: Tensor) -> Tensor:
+    """``abs_max_reference`` of ``tensors`` (each [T, ...]) in a Triton launch each, rows read with their stride (a
+    slice of a projection's columns, such as v, is read in place); each program's maximum joins the one result by
+    an atomic max."""
+    bound = torch.full((1,), MIN_AMAX, dtype=torch.float32, device=tensors[0].device)
+    for x in tensors:
+        rows = x.flatten(1) if x.dim() > 1 else x[:, None]
+        if triton is None or not (x.is_cuda or _INTERPRET) or rows.stride(-1) != 1:
+            bound = torch.maximum(bound, abs_max_reference(x))
+            continue
+        count, width = rows.shape
+        if count and width:
+            block_d = triton.next_power_of_2(width)
+            block_t = max(1, min(_MAX_BLOCK // block_d, triton.next_power_of_2(count)))
+            _abs_max_kernel[(triton.cdiv(count, block_t),)](rows, bound, count, width, rows.stride(0),
+                                                            BLOCK_T=block_t, BLOCK_D=block_d)
     return bound
 
 

@@ -308,7 +308,8 @@ class PackedDecoder(PackedBody):
                 kv_sink.append((k.contiguous(), v.contiguous()))
             reads = last_reads if index == last else {}
             # FP8 o projection: its input's bound; the Triton attention writes the codes itself (engine.models.fp8)
-            bound = fp8_layers.o_input_bound(v, layer, self.fp8) if self.fp8 is not None else None
+            kept = None if cached_kv is None else cached_kv.values[index]
+            bound = fp8_layers.o_input_bound(v, layer, self.fp8, kept) if self.fp8 is not None else None
             if bound is not None and self.fp8.kernels and takes_reads(attention):
                 reads = {**reads, "fp8_bound": bound}
             if cached_kv is None:

@@ -154,9 +154,13 @@ def attention_inputs(hidden: torch.Tensor, pending: torch.Tensor | None, layer: 
             v.unflatten(-1, (num_kv_heads, head_dim)))
 
 
-def o_input_bound(v: torch.Tensor, layer: nn.Module, ops: Fp8Ops) -> torch.Tensor | None:
-    """The bound the o projection's input is quantized under (the largest |v|), or None where o stays 16-bit."""
-    return ops.abs_max(v) if is_fp8_weight(layer.o_weight) else None
+def o_input_bound(v: torch.Tensor, layer: nn.Module, ops: Fp8Ops,
+                  kept: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The bound the o projection's input is quantized under, or None where o stays 16-bit: the largest |v| over
+    the batch's values and the ``kept`` ones (a kept prefix head's, which the batch's queries also attend to)."""
+    if not is_fp8_weight(layer.o_weight):
+        return None
+    return ops.abs_max(v) if kept is None else ops.abs_max(v, kept)
 
 
 Attended = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # bf16 [T, H, D], or float8 codes and a scale a row
