@@ -32,9 +32,8 @@ changes, set ``RERANKIT_ATTENTION_CONFIG`` to comma-separated ``field=value`` pa
 Fields left out keep the default; ``pack_gqa`` and ``tma`` take 1/0/true/false/yes/no, ``maxnreg`` also
 none (or 0) for no cap. Causal attention has two defaults, chosen per call by the mean number of keys a query sees
 (``keys_per_query``, which the planner puts on each ``PackedBatch``): small tiles for short item spans, larger ones
-where queries see long prefixes or documents. To change the defaults in code, edit (in ``kernels/attention_config.py``)
-:data:`CUDA_DEFAULT_CONFIG`,
-:data:`CUDA_LONG_KEYS_CONFIG` (causal) and :data:`CUDA_BIDIRECTIONAL_CONFIG`.
+where queries see long prefixes or documents. To change the defaults in code, edit :data:`CUDA_DEFAULT_CONFIG`,
+:data:`CUDA_LONG_KEYS_CONFIG` (causal) and :data:`CUDA_BIDIRECTIONAL_CONFIG` in ``kernels/attention_config.py``.
 
 ``tma=True`` reads the K and V tiles through tensor descriptors (Hopper's copy engine) where their layout allows it
 (``takes_tma``: each token's heads side by side, as the q/k/v projection leaves them), else through pointers.
