@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+import httpx
 import uvicorn
 
 from rerankit.server.connections import uvicorn_config
@@ -51,3 +53,17 @@ def live_server(app: Any, config: ServerConfig | None = None, **options: Any) ->
                                            **options))
     with serving(server, listener):
         yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+def wait_until_healthy(process: subprocess.Popen, url: str, seconds: float = 60) -> None:
+    """Return once the server ``process`` (``rerankit serve``'s, at ``url``) answers ``/health`` with 200; fail the
+    test if it exits or has not answered within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        assert process.poll() is None, f"the server exited with status {process.returncode}"
+        assert time.monotonic() < deadline, f"the server did not answer /health within {seconds:g} s"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.2)

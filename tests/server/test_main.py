@@ -7,11 +7,11 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from live_server import wait_until_healthy
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -31,15 +31,7 @@ def test_serve_scores_logs_its_steps_draws_no_progress_bar_and_takes_the_api_key
     server = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert server.poll() is None, f"serve() exited with status {server.returncode}"
-            assert time.monotonic() < deadline, "serve() did not answer /health within 60 s"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        wait_until_healthy(server, url)
         body = {"query": "capital of France", "documents": ["Paris", "a dog"]}
         assert httpx.post(url + "/rerank", json=body, timeout=30).status_code == 401
         reply = httpx.post(url + "/rerank", json=body, headers={"Authorization": "Bearer from-env"}, timeout=30)

@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("opentelemetry.sdk")
 
-from live_server import live_server  # noqa: E402
+from live_server import live_server, wait_until_healthy  # noqa: E402
 from opentelemetry import trace  # noqa: E402
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2  # noqa: E402
 from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
@@ -356,15 +356,7 @@ def test_rerankit_serve_sends_its_spans_to_the_collector(tiny_bert_cross_encoder
     server = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert server.poll() is None, f"rerankit serve exited with status {server.returncode}"
-            assert time.monotonic() < deadline, "rerankit serve did not answer /health within 60 s"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        wait_until_healthy(server, url)
         reply = httpx.post(url + "/rerank", json=RERANK, headers={"traceparent": TRACEPARENT}, timeout=30)
         assert reply.status_code == 200, reply.text
     finally:
