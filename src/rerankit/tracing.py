@@ -39,6 +39,12 @@ def available() -> bool:
     return _trace is not None
 
 
+def enabled() -> bool:
+    """Whether spans go anywhere: the API is installed and the process has set up a tracer provider (until then
+    the API's global is a stand-in whose spans record nothing, and rerankit does no tracing work at all)."""
+    return _trace is not None and not isinstance(_trace.get_tracer_provider(), _trace.ProxyTracerProvider)
+
+
 def _tracer() -> Any:
     from rerankit import __version__
 
@@ -52,7 +58,7 @@ def recording() -> bool:
 
 def current_context() -> Any:
     """The current OpenTelemetry context (to carry into work done on the caller's behalf), or None."""
-    return None if _trace is None else _context.get_current()
+    return _context.get_current() if enabled() else None
 
 
 @contextlib.contextmanager
@@ -108,7 +114,7 @@ def client_span(method: str, url: str) -> Iterator[_Try]:
     """A client span around one HTTP try to ``url`` (named ``"<method> <url's path>"``), current while the request
     is built, so that ``inject`` sends it as the far server's parent. An error raised in the block marks it
     failed."""
-    if _trace is None:
+    if not enabled():
         yield _Try(None)
         return
     from urllib.parse import urlsplit

@@ -385,3 +385,14 @@ def test_without_the_opentelemetry_package_requests_and_remote_calls_run_untrace
         assert len(remote.score(ScoreRequest(query="q", items=["a", "b"])).results) == 2
     assert httpx.post(url + "/v1/rerank", json=RERANK, timeout=10).status_code == 200
     assert spans.get_finished_spans() == ()
+
+
+def test_before_a_tracer_provider_is_set_up_no_tracing_work_is_done(url, spans, monkeypatch):
+    import rerankit.tracing
+
+    monkeypatch.setattr(rerankit.tracing._trace, "get_tracer_provider", lambda: trace.ProxyTracerProvider())
+    assert rerankit.tracing.available() and not rerankit.tracing.enabled()
+    assert rerankit.tracing.current_context() is None
+    with RemoteBackend(url, dialect="vllm-rerank") as remote:
+        assert len(remote.score(ScoreRequest(query="q", items=["a", "b"])).results) == 2
+    assert spans.get_finished_spans() == ()

@@ -104,7 +104,7 @@ class Traces:
         self.paths = paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("path") not in self.paths or not tracing.available():
+        if scope["type"] != "http" or scope.get("path") not in self.paths or not tracing.enabled():
             await self.app(scope, receive, send)
             return
         from opentelemetry import context, trace
