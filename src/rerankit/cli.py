@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import shutil
 import sys
@@ -15,6 +14,8 @@ from typing import Any, Sequence, TextIO
 
 from rerankit import __version__
 from rerankit.errors import InvalidRequest, RerankitError
+from rerankit.flag_types import (id_list, non_negative_float, non_negative_int, port, positive_float,
+                                 positive_int, replica_count, word_list)
 from rerankit.flags_from_env import defaults_from_environment
 from rerankit.reranker import is_url, make_backend
 from rerankit.schema import MODES, ScoreRequest, ScoreResponse
@@ -50,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     rank.add_argument("--format", choices=("txt", "jsonl"),
                       help="format of --docs (default: from the file suffix; stdin is txt)")
     rank.add_argument("--text-field", default="text", help="the field holding the text in .jsonl (default: text)")
-    rank.add_argument("--top-n", type=_positive_int, help="print only the N best")
+    rank.add_argument("--top-n", type=positive_int, help="print only the N best")
     rank.add_argument("--json", action="store_true", help="print JSON instead of a table")
     rank.add_argument("--device", help="local model: cpu, cuda, cuda:1, ... (default: the GPU if there is one)")
     rank.add_argument("--dtype", help="local model: float32, bfloat16, float16, "
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", help="model path or hub id (default: the packaged MiniLM); "
                                        "a server URL makes this a proxy")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    serve.add_argument("--port", type=_port, default=8000, help="port to listen on (default: 8000)")
+    serve.add_argument("--port", type=port, default=8000, help="port to listen on (default: 8000)")
     serve.add_argument("--device", help="cpu, cuda, cuda:1, ...")
     serve.add_argument("--dtype", help="float32, bfloat16, float16, fp8 (experimental: decoders on sm_89+ GPUs)")
     serve.add_argument("--api-key", action="append",
@@ -96,36 +97,36 @@ def build_parser() -> argparse.ArgumentParser:
                             "(rotating a key) (default: $RERANKIT_API_KEY)")
     serve.add_argument("--served-model-name", help="the model name /v1/models and the responses report")
     add_prompt_flags(serve, defaults=True)
-    serve.add_argument("--max-batch-items", type=_positive_int, help="items merged into one engine call at most")
-    serve.add_argument("--batch-window-ms", type=_non_negative_float,
+    serve.add_argument("--max-batch-items", type=positive_int, help="items merged into one engine call at most")
+    serve.add_argument("--batch-window-ms", type=non_negative_float,
                        help="how long a request waits for others to batch with")
-    serve.add_argument("--max-items-per-request", type=_positive_int, help="refuse requests with more items")
-    serve.add_argument("--max-batch-tokens", type=_positive_int, help="tokens merged into one engine call at most")
-    serve.add_argument("--prefix-cache-mib", type=_non_negative_int,
+    serve.add_argument("--max-items-per-request", type=positive_int, help="refuse requests with more items")
+    serve.add_argument("--max-batch-tokens", type=positive_int, help="tokens merged into one engine call at most")
+    serve.add_argument("--prefix-cache-mib", type=non_negative_int,
                        help="local model: GPU/CPU memory for the keys and values of long instructions kept across "
                             "requests (default: 1024; 0: none)")
-    serve.add_argument("--data-parallel-size", type=_replica_count,
+    serve.add_argument("--data-parallel-size", type=replica_count,
                        help="local model: engine replicas, one process per GPU ('auto': every visible GPU; "
                             "on CPU, N processes share the cores) (default: 1)")
-    serve.add_argument("--max-tokens-per-item", type=_positive_int, help="refuse items with more tokens")
-    serve.add_argument("--max-queue-requests", type=_positive_int, help="answer 429 when this many requests wait")
-    serve.add_argument("--max-body-bytes", type=_positive_int, help="answer 413 to larger request bodies")
+    serve.add_argument("--max-tokens-per-item", type=positive_int, help="refuse items with more tokens")
+    serve.add_argument("--max-queue-requests", type=positive_int, help="answer 429 when this many requests wait")
+    serve.add_argument("--max-body-bytes", type=positive_int, help="answer 413 to larger request bodies")
     serve.add_argument("--rerank-dialect", choices=RERANK_DIALECTS,
                        help="the dialect answering a rerank body that shows none (bare query and documents) on the "
                             "paths that speak it (default: vllm-rerank on /rerank and /v1/rerank, cohere on "
                             "/v2/rerank)")
-    serve.add_argument("--max-request-tokens", type=_positive_int,
+    serve.add_argument("--max-request-tokens", type=positive_int,
                        help="answer 413 to requests of more estimated tokens, after truncation (default: 262144)")
-    serve.add_argument("--drain-seconds", type=_non_negative_float,
+    serve.add_argument("--drain-seconds", type=non_negative_float,
                        help="on SIGTERM/SIGINT, time given to work in progress before it is answered 503 (default: 10)")
-    serve.add_argument("--max-connections", type=_positive_int,
+    serve.add_argument("--max-connections", type=positive_int,
                        help="open connections at most; one more is answered 503 and closed (default: 1024)")
-    serve.add_argument("--header-timeout", type=_positive_float, dest="header_timeout_s",
+    serve.add_argument("--header-timeout", type=positive_float, dest="header_timeout_s",
                        help="seconds a connection has to send a request's headers, else it is closed (default: 10)")
-    serve.add_argument("--body-timeout", type=_positive_float, dest="body_timeout_s",
+    serve.add_argument("--body-timeout", type=positive_float, dest="body_timeout_s",
                        help="seconds a request's body has to arrive whole once its headers are in, else 408 and the "
                             "connection is closed (default: 30)")
-    serve.add_argument("--timeout-keep-alive", type=_non_negative_float, dest="keep_alive_timeout_s",
+    serve.add_argument("--timeout-keep-alive", type=non_negative_float, dest="keep_alive_timeout_s",
                        help="seconds an idle keep-alive connection stays open (default: 5)")
     serve.add_argument("--no-batching", dest="batching", action="store_false",
                        help="score one request per engine call (to measure what batching gains)")
@@ -167,22 +168,22 @@ def add_prompt_flags(parser: argparse.ArgumentParser, defaults: bool = False) ->
 
 def add_scoring_flags(parser: argparse.ArgumentParser) -> None:
     """Label and length flags of one scoring request (``rank`` and ``render``)."""
-    parser.add_argument("--labels", type=_word_list,
+    parser.add_argument("--labels", type=word_list,
                         help="generative: label words, the positive first, e.g. yes,no (default: the template's)")
-    parser.add_argument("--label-token-ids", type=_id_list,
+    parser.add_argument("--label-token-ids", type=id_list,
                         help="generative: label token ids, the positive first, e.g. 9693,2152 (raw scoring on a "
                              "server without a template)")
-    parser.add_argument("--max-tokens-per-item", type=_positive_int, help="cut each document to N tokens")
+    parser.add_argument("--max-tokens-per-item", type=positive_int, help="cut each document to N tokens")
     parser.add_argument("--truncation", choices=("end", "start", "none"),
                         help="cut a long document's end (default) or start, or refuse it (none)")
     parser.add_argument("--long-documents", choices=("truncate", "max", "mean"),
                         help="a document longer than the model takes: truncate it (default), or score it in "
                              "windows and keep their max or mean")
-    parser.add_argument("--window-tokens", type=_positive_int,
+    parser.add_argument("--window-tokens", type=positive_int,
                         help="with --long-documents: document tokens per window (default: all that fit)")
-    parser.add_argument("--window-stride", type=_positive_int,
+    parser.add_argument("--window-stride", type=positive_int,
                         help="with --long-documents: tokens between window starts (default: 3/4 of a window)")
-    parser.add_argument("--max-windows", type=_positive_int, help="with --long-documents: windows per document "
+    parser.add_argument("--max-windows", type=positive_int, help="with --long-documents: windows per document "
                                                                    "at most")
 
 
@@ -228,13 +229,13 @@ def add_score_command(commands: argparse._SubParsersAction) -> None:
     score.add_argument("--instruction", help="task instruction, for templates that take one")
     score.add_argument("--device", help="cpu, cuda, ... (default: the GPU if there is one)")
     score.add_argument("--dtype", help="float32, bfloat16, float16, fp8 (experimental: decoders on sm_89+ GPUs)")
-    score.add_argument("--data-parallel-size", type=_replica_count,
+    score.add_argument("--data-parallel-size", type=replica_count,
                        help="without --ray: engine replicas, one process per GPU ('auto': every visible GPU)")
     score.add_argument("--ray", action="store_true",
                        help="score on a Ray cluster (RAY_ADDRESS, else a local one) with Ray Data")
-    score.add_argument("--concurrency", type=_positive_int, help="with --ray: engine actors (default: 1)")
-    score.add_argument("--num-gpus", type=_non_negative_float, help="with --ray: GPUs per engine actor (default: 0)")
-    score.add_argument("--batch-size", type=_positive_int,
+    score.add_argument("--concurrency", type=positive_int, help="with --ray: engine actors (default: 1)")
+    score.add_argument("--num-gpus", type=non_negative_float, help="with --ray: GPUs per engine actor (default: 0)")
+    score.add_argument("--batch-size", type=positive_int,
                        help="with --ray: rows per Ray Data batch (default: 4096)")
     score.add_argument("--no-progress", dest="progress", action="store_false", help="without --ray: no progress bar")
     score.set_defaults(run=run_score)
@@ -416,60 +417,6 @@ def read_documents(source: str, file_format: str | None, text_field: str) -> lis
     if not documents:
         raise InvalidRequest("--docs", f"{source} holds no documents")
     return documents
-
-
-# argparse names a type function in its message when it raises ValueError ("invalid _positive_int value"); these
-# raise ArgumentTypeError, whose message argparse prints as is, saying what is expected.
-def _number(text: str, kind: type, low: float, high: float, expected: str) -> Any:
-    try:
-        value = kind(text)
-    except ValueError:
-        value = None
-    if value is None or not low <= value <= high:  # "not <=" also refuses nan
-        raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    return _number(text, int, 1, float("inf"), "a positive integer")
-
-
-def _non_negative_int(text: str) -> int:
-    return _number(text, int, 0, float("inf"), "an integer >= 0")
-
-
-def _non_negative_float(text: str) -> float:
-    return _number(text, float, 0, float("inf"), "a number >= 0")
-
-
-def _positive_float(text: str) -> float:
-    # from the smallest float above 0 to the largest finite one: refuses 0, inf and nan
-    return _number(text, float, math.ulp(0.0), sys.float_info.max, "a finite number > 0")
-
-
-def _replica_count(text: str) -> int | str:
-    return text if text == "auto" else _positive_int(text)
-
-
-def _port(text: str) -> int:
-    return _number(text, int, 0, 65535, "a port number, 0 to 65535")
-
-
-def _word_list(text: str) -> list[str]:
-    words = [word.strip() for word in text.split(",")]
-    if not all(words):
-        raise argparse.ArgumentTypeError(f"must be comma-separated words, e.g. yes,no, got {text!r}")
-    return words
-
-
-def _id_list(text: str) -> list[int]:
-    try:
-        ids = [int(part) for part in text.split(",")]
-    except ValueError:
-        ids = []
-    if not ids or min(ids) < 0:
-        raise argparse.ArgumentTypeError(f"must be comma-separated token ids >= 0, e.g. 9693,2152, got {text!r}")
-    return ids
 
 
 def _jsonl_text(line: str, number: int, source: str, text_field: str) -> str:
