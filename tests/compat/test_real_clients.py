@@ -6,9 +6,12 @@ local ``Reranker`` back, in the shape it parses. A test is skipped when its pack
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import pytest
 from live_server import live_server
+from server_fakes import RecordingBackend
 
 from rerankit import Reranker
 from rerankit.server.app import create_app
@@ -202,3 +205,28 @@ def test_vllm_body_dumped_with_nulls_and_unknown_fields_is_answered(url, local, 
             assert "usage" in payload and payload["results"][0]["document"]["text"] in DOCS  # vLLM's shape
             assert_ranked([(r["index"], r["relevance_score"]) for r in payload["results"]], true_scores(local))
     assert "some_future_field" in caplog.text
+
+
+def test_cohere_v2_clients_priority_orders_the_queue():
+    """The ``cohere`` SDK's ``priority`` (its docs: lower numbers are handled earlier) reaches rerankit serve's queue:
+    while the engine is busy, a priority-0 call sent after three priority-5 calls runs before them."""
+    cohere = pytest.importorskip("cohere")
+    backend = RecordingBackend(hold_first_call=True)
+    with live_server(create_app(backend, ServerConfig(max_batch_items=1, batch_window_ms=0))) as base:
+        client = cohere.ClientV2(api_key="unused", base_url=base)
+
+        def call(query: str, priority: int | None) -> None:
+            extra = {} if priority is None else {"priority": priority}
+            client.rerank(model=MODEL, query=query, documents=["x"], **extra)
+
+        threads = [threading.Thread(target=call, args=("first", None))]
+        threads[0].start()
+        assert backend.entered.wait(10)
+        for query, priority in (("batch-a", 5), ("batch-b", 5), ("batch-c", 5), ("interactive", 0)):
+            threads.append(threading.Thread(target=call, args=(query, priority)))
+            threads[-1].start()
+            time.sleep(0.05)  # each queued before the next is sent
+        backend.gate.set()
+        for thread in threads:
+            thread.join(20)
+    assert [call[0] for call in backend.calls] == ["first", "interactive", "batch-a", "batch-b", "batch-c"]
