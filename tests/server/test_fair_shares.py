@@ -1,11 +1,13 @@
 """Fair shares between callers and request priorities (``server/scheduler.py``): a caller that floods the queue gets
-one share, as a caller with one request does; a lower ``priority`` (vLLM's and Cohere's field) goes first; who
-the caller is (``limits.caller_of``). In the queue itself, through the batcher, and over HTTP with real clients'
-bodies."""
+one share, as a caller with one request does; a lower ``priority`` (vLLM's and Cohere's field) goes first, and
+under a full queue takes the place of queued work of a higher number; who the caller is (``limits.caller_of``).
+In the queue itself, through the batcher, and over HTTP with real clients' bodies."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import httpx
 import pytest
@@ -16,6 +18,7 @@ from rerankit.schema import ScoreRequest
 from rerankit.server.app import create_app
 from rerankit.server.batcher import Batcher
 from rerankit.server.limits import ServerConfig, caller_of
+from rerankit.errors import Overloaded
 from rerankit.server.scheduler import FairQueue, Submission, split
 
 
@@ -134,3 +137,78 @@ async def test_over_http_a_tenants_flood_does_not_hold_up_another_and_cohere_pri
     # the indexer's four arrive in any order
     calls = [[query.rstrip("0123456789") for query in call] for call in backend.calls]
     assert calls == [["first"], ["index", "user-query"], ["index", "index"], ["index", "backfill"]]
+
+
+async def test_under_a_full_queue_a_lower_priority_number_takes_the_place_of_the_newest_highest():
+    """max_queue_requests reached: a priority-0 newcomer sheds the newest queued request of the highest priority
+    number (none of its chunks run yet), which is answered Overloaded (429); a newcomer no queued request yields
+    to is refused itself; the route's check before the body is read lets a request through while some queued
+    request has a priority above 0."""
+    backend = RecordingBackend(hold_first_call=True)
+    batcher = Batcher(backend, ServerConfig(max_queue_requests=2, max_batch_items=1, batch_window_ms=0))
+    batcher.start()
+    first = asyncio.create_task(batcher.submit(ScoreRequest(query="first", items=["x"])))
+    await asyncio.to_thread(backend.entered.wait, 5)
+
+    def submitted(query: str, priority: int) -> asyncio.Task:
+        return asyncio.create_task(batcher.submit(ScoreRequest(query=query, items=["x"]), priority, "c"))
+
+    older, newer = submitted("batch-older", 5), submitted("batch-newer", 5)
+    await asyncio.sleep(0.02)
+    batcher.admit()  # full, but batch work could make room
+    urgent = submitted("urgent", 0)
+    await asyncio.sleep(0.02)
+    with pytest.raises(Overloaded, match="took this one's place"):
+        await newer
+    late = submitted("batch-late", 5)
+    with pytest.raises(Overloaded, match="max_queue_requests"):
+        await late
+    backend.gate.set()
+    await asyncio.wait_for(asyncio.gather(first, older, urgent), 10)
+    await batcher.stop()
+    assert [call[0] for call in backend.calls] == ["first", "urgent", "batch-older"]
+    assert batcher.metrics.shed == 1
+
+
+async def test_a_queue_full_of_priority_0_work_refuses_before_the_body_is_read():
+    backend = RecordingBackend(hold_first_call=True)
+    batcher = Batcher(backend, ServerConfig(max_queue_requests=1, batch_window_ms=0))
+    batcher.start()
+    first = asyncio.create_task(batcher.submit(ScoreRequest(query="first", items=["x"])))
+    await asyncio.to_thread(backend.entered.wait, 5)
+    queued_one = asyncio.create_task(batcher.submit(ScoreRequest(query="q", items=["x"])))
+    await asyncio.sleep(0.02)
+    with pytest.raises(Overloaded):
+        batcher.admit()
+    backend.gate.set()
+    await asyncio.wait_for(asyncio.gather(first, queued_one), 10)
+    await batcher.stop()
+
+
+def test_over_http_the_shed_request_gets_a_429_with_retry_after_in_its_dialect():
+    backend = RecordingBackend(hold_first_call=True)
+    config = ServerConfig(max_queue_requests=1, batch_window_ms=0)
+    with live_server(create_app(backend, config)) as url:
+        replies: dict[str, httpx.Response] = {}
+
+        def post(name: str, path: str, body: dict) -> None:
+            replies[name] = httpx.post(url + path, json=body, timeout=20)
+
+        threads = [threading.Thread(target=post, args=("first", "/rerank", {"query": "first", "documents": ["x"]}))]
+        threads[0].start()
+        assert backend.entered.wait(10)
+        cohere = {"model": "m", "documents": ["x"]}
+        for name, body in (("backfill", {**cohere, "query": "backfill", "priority": 7}),
+                           ("search", {**cohere, "query": "search"})):
+            threads.append(threading.Thread(target=post, args=(name, "/v2/rerank", body)))
+            threads[-1].start()
+            time.sleep(0.1)
+        threads[1].join(10)  # the backfill, shed by the search query
+        backend.gate.set()
+        for thread in threads:
+            thread.join(20)
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+    assert replies["backfill"].status_code == 429 and replies["backfill"].headers["retry-after"] == "1"
+    assert "took this one's place" in replies["backfill"].json()["message"]  # Cohere's error body
+    assert replies["search"].status_code == 200 and replies["first"].status_code == 200
+    assert "rerankit_shed_total 1" in metrics

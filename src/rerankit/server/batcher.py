@@ -173,26 +173,48 @@ class Batcher:
                                                f"drain time of {seconds:g} s (drain_seconds)"))
 
     def admit(self) -> None:
-        """Raise ``ShuttingDown`` (503) once draining, ``Overloaded`` (429) when the queue is full: the route asks
-        before it reads a body, ``submit`` again once it has one."""
+        """Raise ``ShuttingDown`` (503) once draining, ``Overloaded`` (429) when the queue is full and no queued
+        request of a priority above 0 could make room (the route asks before it reads a body, not knowing its
+        priority yet; ``submit`` decides once it has it)."""
         if self._draining:
             raise ShuttingDown("the server is shutting down and takes no new requests")
-        if len(self._queue) >= self.config.max_queue_requests:
-            raise Overloaded(f"the queue holds {len(self._queue)} requests; the limit is "
-                             f"{self.config.max_queue_requests} (max_queue_requests)")
+        if len(self._queue) >= self.config.max_queue_requests and self._queue.sheddable() is None:
+            raise self._full()
+
+    def _full(self) -> Overloaded:
+        return Overloaded(f"the queue holds {len(self._queue)} requests; the limit is "
+                          f"{self.config.max_queue_requests} (max_queue_requests)")
+
+    def _make_room(self, priority: int) -> None:
+        """Under ``max_queue_requests``, or with room made: the sheddable request of the lowest priority (a higher
+        number than ``priority``, none of its chunks run yet) answered 429; else ``Overloaded`` for the newcomer.
+        So under overload, batch work at priority 5 goes before interactive work at 0 is refused."""
+        if len(self._queue) < self.config.max_queue_requests:
+            return
+        victim = self._queue.sheddable(priority)
+        if victim is None:
+            raise self._full()
+        self._queue.remove(victim)
+        victim.future.set_exception(Overloaded(
+            f"the queue was full (max_queue_requests={self.config.max_queue_requests}) and a request of a lower "
+            f"priority number ({priority}, against this one's {victim.priority}) took this one's place"))
+        self.metrics.shed += 1
 
     async def submit(self, request: ScoreRequest, priority: int = 0, caller: str = "") -> ScoreResponse:
         """Queue ``request`` and wait for its response. ``ShuttingDown`` (503) once draining, ``RequestTooLarge``
         (413) over ``max_request_tokens``, ``Overloaded`` (429) when the queue is full. Cancelling the call (its
-        caller went away) takes its chunks out of the queue. ``priority``: lower goes first; ``caller``: whose it
-        is, for the fair shares (``scheduler.FairQueue``)."""
-        self.admit()
+        caller went away) takes its chunks out of the queue. ``priority``: lower goes first, and under a full queue
+        takes the place of a queued request of a higher number (``_make_room``); ``caller``: whose it is, for the
+        fair shares (``scheduler.FairQueue``)."""
+        if self._draining:
+            raise ShuttingDown("the server is shutting down and takes no new requests")
         tokens = item_tokens(request, self.item_cap)
         total = sum(tokens)
         if total > self.config.max_request_tokens:
             raise RequestTooLarge("items", f"hold about {total} tokens after truncation; the limit is "
                                   f"{self.config.max_request_tokens} (max_request_tokens)",
                                   self.config.max_request_tokens)
+        self._make_room(priority)
         future = asyncio.get_running_loop().create_future()
         chunks = ([Chunk(0, len(tokens), total)] if self._one_by_one
                   else split(tokens, self.chunk_tokens, self.config.max_batch_items))

@@ -54,6 +54,7 @@ class Metrics:
         self.cancelled = 0
         self.held_calls = 0
         self.stopped_calls = 0
+        self.shed = 0
         self.batch_requests = Histogram(BATCH_SIZE_BUCKETS)
         self.batch_items = Histogram(tuple(size * 8 for size in BATCH_SIZE_BUCKETS))
 
@@ -101,6 +102,8 @@ class Metrics:
                   f"rerankit_batches_total {self.batches}",
                   "# HELP rerankit_cancelled_total Requests dropped because their client went away.",
                   "# TYPE rerankit_cancelled_total counter", f"rerankit_cancelled_total {self.cancelled}",
+                  "# HELP rerankit_shed_total Queued requests answered 429 to make room for one of higher priority.",
+                  "# TYPE rerankit_shed_total counter", f"rerankit_shed_total {self.shed}",
                   "# HELP rerankit_batches_held_total Engine calls held back (batch window) for more requests.",
                   "# TYPE rerankit_batches_held_total counter", f"rerankit_batches_held_total {self.held_calls}",
                   "# HELP rerankit_batches_stopped_total Engine calls stopped early: every caller had gone.",

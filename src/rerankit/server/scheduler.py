@@ -178,6 +178,13 @@ class FairQueue:
         self._callers.clear()
         return taken
 
+    def sheddable(self, priority: int = 0) -> Submission | None:
+        """The queued request to answer 429 to make room for one of ``priority``: of those none of whose chunks
+        has run yet and whose priority is a higher number, the highest, the newest first; None when there is none."""
+        candidates = [submission for submission in self._submissions
+                      if submission.started_ns is None and not submission.gone and submission.priority > priority]
+        return max(candidates, key=lambda submission: (submission.priority, submission.arrival), default=None)
+
     def holds_at_least(self, items: int, tokens: int) -> bool:
         """Whether the next chunks of the waiting requests fill a call of ``items`` items or ``tokens`` tokens."""
         heads = [submission.waiting[0] for submission in self._submissions if submission.waiting]
