@@ -29,10 +29,13 @@ class Connection:
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
 
-    async def request(self, method: str, path: str, body: object | None = None) -> tuple[int, bytes, dict[str, str]]:
-        """Send one request (``body`` as JSON) and return (status, body bytes, headers with lower-case names)."""
+    async def request(self, method: str, path: str, body: object | None = None,
+                      headers: dict[str, str] | None = None) -> tuple[int, bytes, dict[str, str]]:
+        """Send one request (``body`` as JSON, ``headers`` besides the usual) and return (status, body bytes,
+        headers with lower-case names)."""
         payload = b"" if body is None else json.dumps(body).encode()
-        head = (f"{method} {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+        extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
+        head = (f"{method} {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{extra}"
                 f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode()
         for attempt in (0, 1):  # a keep-alive connection the server closed meanwhile is reopened once
             if self._writer is None:
