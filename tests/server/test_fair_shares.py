@@ -34,6 +34,16 @@ def owners(queue: FairQueue, max_items: int) -> list[str]:
     return [piece.submission.request.query for piece in queue.take(max_items, 1_000_000)]
 
 
+async def busy(**config) -> tuple[RecordingBackend, Batcher, asyncio.Task]:
+    """A started batcher whose engine holds its first call ("first") until ``backend.gate`` is set."""
+    backend = RecordingBackend(hold_first_call=True)
+    batcher = Batcher(backend, ServerConfig(batch_window_ms=0, **config))
+    batcher.start()
+    first = asyncio.create_task(batcher.submit(ScoreRequest(query="first", items=["x"])))
+    await asyncio.to_thread(backend.entered.wait, 5)
+    return backend, batcher, first
+
+
 async def test_a_caller_that_floods_the_queue_gets_one_share_and_a_lone_caller_the_next_turn():
     queue = FairQueue()
     for number in range(10):
@@ -79,11 +89,7 @@ async def test_a_lower_priority_goes_first_whoever_asks_and_ties_keep_the_fair_o
 
 
 async def test_the_batcher_queues_by_priority_and_caller_while_the_engine_is_busy():
-    backend = RecordingBackend(hold_first_call=True)
-    batcher = Batcher(backend, ServerConfig(max_batch_items=2, batch_window_ms=0))
-    batcher.start()
-    first = asyncio.create_task(batcher.submit(ScoreRequest(query="first", items=["x"])))
-    await asyncio.to_thread(backend.entered.wait, 5)
+    backend, batcher, first = await busy(max_batch_items=2)
     waiting = [asyncio.create_task(batcher.submit(ScoreRequest(query=query, items=["x"]), priority, caller))
                for query, priority, caller in (("a0", 0, "a"), ("a1", 0, "a"), ("a2", 0, "a"), ("b-low", 5, "b"),
                                                ("b0", 0, "b"))]
@@ -144,11 +150,7 @@ async def test_under_a_full_queue_a_lower_priority_number_takes_the_place_of_the
     number (none of its chunks run yet), which is answered Overloaded (429); a newcomer no queued request yields
     to is refused itself; the route's check before the body is read lets a request through while some queued
     request has a priority above 0."""
-    backend = RecordingBackend(hold_first_call=True)
-    batcher = Batcher(backend, ServerConfig(max_queue_requests=2, max_batch_items=1, batch_window_ms=0))
-    batcher.start()
-    first = asyncio.create_task(batcher.submit(ScoreRequest(query="first", items=["x"])))
-    await asyncio.to_thread(backend.entered.wait, 5)
+    backend, batcher, first = await busy(max_queue_requests=2, max_batch_items=1)
 
     def submitted(query: str, priority: int) -> asyncio.Task:
         return asyncio.create_task(batcher.submit(ScoreRequest(query=query, items=["x"]), priority, "c"))
@@ -171,11 +173,7 @@ async def test_under_a_full_queue_a_lower_priority_number_takes_the_place_of_the
 
 
 async def test_a_queue_full_of_priority_0_work_refuses_before_the_body_is_read():
-    backend = RecordingBackend(hold_first_call=True)
-    batcher = Batcher(backend, ServerConfig(max_queue_requests=1, batch_window_ms=0))
-    batcher.start()
-    first = asyncio.create_task(batcher.submit(ScoreRequest(query="first", items=["x"])))
-    await asyncio.to_thread(backend.entered.wait, 5)
+    backend, batcher, first = await busy(max_queue_requests=1)
     queued_one = asyncio.create_task(batcher.submit(ScoreRequest(query="q", items=["x"])))
     await asyncio.sleep(0.02)
     with pytest.raises(Overloaded):
