@@ -75,6 +75,9 @@ class ScoreRequest(_Strict):
                                    "logit, log(p / (1 - p)) of the probability it scores by default; bi-encoder "
                                    "and late-interaction scores have no activation and are the same.")
     max_tokens_per_item: int | None = Field(default=None, ge=1, description="Cut each item to this many tokens.")
+    priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1,
+                          description="A server's queue order, lower first (vLLM's and Cohere's priority); the "
+                                      "embedded engine, which has no queue, ignores it.")
     truncation: Truncation = Field(default="end", description="Cut an item's end or start to fit; 'none' refuses.")
     multi_item: bool = Field(default=True, description="Share the prefix among items in one sequence (generative).")
     mis_delimiter_token_id: int | None = Field(default=None, ge=0, description="Raw MIS delimiter token (SGLang layout).")

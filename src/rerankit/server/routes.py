@@ -89,8 +89,10 @@ def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
             asked = bound_request(config, dialect.engine_request(score_request), cut_items=not batcher.proxies)
             forwarded = batcher.proxies
             caller = caller_of(config, request.headers, key_index, request.client.host if request.client else None)
-            response = await unless_disconnected(request.receive,
-                                                 batcher.submit(asked, priority_of(dialect, body), caller))
+            priority = asked.priority
+            if batcher.proxies:  # honoured in this queue, not sent on: vLLM refuses it without priority scheduling
+                asked = asked.model_copy(update={"priority": 0})
+            response = await unless_disconnected(request.receive, batcher.submit(asked, priority, caller))
             payload = dialect.encode_response(response, score_request, model_name(),
                                              dialect.echoed_documents(body))
             status, items, tokens = 200, len(response.results), response.usage.prompt_tokens
@@ -116,16 +118,6 @@ def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
                                    prompt_tokens=tokens if status == 200 else None)
 
     return endpoint
-
-
-def priority_of(dialect: Dialect, body: Any) -> int:
-    """The body's ``priority`` where its dialect has the field (vLLM's and Cohere's: lower goes first), else 0.
-    rerankit serve honours it in its queue; a proxy does not send it on (vLLM refuses it unless started with
-    priority scheduling)."""
-    if "priority" not in dialect.request_body.model_fields or not isinstance(body, dict):
-        return 0
-    value = body.get("priority")
-    return value if type(value) is int else 0
 
 
 def dialect_for(dialects: list[Dialect], body: Any, headers: Mapping[str, str] | None = None,

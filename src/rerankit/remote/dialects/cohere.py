@@ -17,6 +17,7 @@ from rerankit.remote.dialects.common import (
     Dialect,
     Text,
     WireBody,
+    any_priority,
     build_request,
     echoed,
     in_input_order,
@@ -30,6 +31,7 @@ from rerankit.remote.dialects.common import (
     single_text,
     text_list,
     with_model,
+    with_priority,
 )
 from rerankit.schema import ScoreRequest, ScoreResponse
 
@@ -57,8 +59,8 @@ class RerankBody(WireBody):
 def encode_request(request: ScoreRequest, model: str | None) -> tuple[str, dict[str, Any]]:
     """Rerank body with ``model`` (Cohere requires it) and ``max_tokens_per_doc``; no ``top_n``."""
     refuse_for_own_head(request, ENDPOINT, mode=(None, "cross-encoder"), instruction=(None,),
-                        truncation=("end", "none"))
-    body: dict[str, Any] = {"query": request.query, "documents": list(request.items)}
+                        truncation=("end", "none"), **any_priority(request))
+    body: dict[str, Any] = with_priority({"query": request.query, "documents": list(request.items)}, request)
     if request.max_tokens_per_item is not None:
         if request.truncation == "none":
             raise InvalidRequest("max_tokens_per_item", f"{ENDPOINT} cuts documents to max_tokens_per_doc; "
@@ -82,7 +84,7 @@ def parse_request(body: Any) -> ScoreRequest:
 
     ``max_chunks_per_doc`` (Cohere v1: score a long document's chunks, keep the best) scores a document longer than
     the model takes in at most that many windows and keeps the best (``long_documents="max"``). ``priority`` orders
-    rerankit serve's queue (lower first: ``server.routes.priority_of``).
+    rerankit serve's queue (lower first).
     """
     wire = parse_wire(RerankBody, body)
     chunks = {} if wire.max_chunks_per_doc is None else {
@@ -91,7 +93,8 @@ def parse_request(body: Any) -> ScoreRequest:
                           "long_document_max_windows": "max_chunks_per_doc"},
                          query=single_text(wire.query, "query"), items=document_texts(wire.documents,
                                                                                       wire.rank_fields),
-                         top_n=wire.top_n, max_tokens_per_item=wire.max_tokens_per_doc, **chunks)
+                         top_n=wire.top_n, max_tokens_per_item=wire.max_tokens_per_doc, priority=wire.priority or 0,
+                         **chunks)
 
 
 def document_texts(documents: Any, rank_fields: list[str] | None) -> list[str]:

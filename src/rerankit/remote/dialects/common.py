@@ -54,9 +54,21 @@ _REASONS = {
     "long_documents": "scoring a long item in windows is done by rerankit's engine (serve the model with "
                       "rerankit serve, or send Cohere v1's max_chunks_per_doc to it)",
     "raw_scores": "it returns activated scores only",
+    "priority": "it takes no request priority (the server orders its own queue)",
 }
 # What no peer's wire carries: windows of a long item are scored and aggregated by rerankit's engine only.
-_EVERY_ROUTE: dict[str, tuple[Any, ...]] = {"long_documents": ("truncate",), "raw_scores": (False,)}
+_EVERY_ROUTE: dict[str, tuple[Any, ...]] = {"long_documents": ("truncate",), "raw_scores": (False,), "priority": (0,)}
+
+
+def any_priority(request: ScoreRequest) -> dict[str, tuple[Any, ...]]:
+    """``refuse``'s allowance for a route whose body carries ``priority`` (vLLM's, Cohere's): every value."""
+    return {"priority": (request.priority,)}
+
+
+def with_priority(body: dict[str, Any], request: ScoreRequest) -> dict[str, Any]:
+    """The body with the request's ``priority`` where it is not the default 0 (a server without priority
+    scheduling, such as vLLM's default, then keeps taking the request)."""
+    return {**body, "priority": request.priority} if request.priority else body
 # The one value (rerankit's default) that a route scoring with the model's own head takes for these fields.
 _OWN_HEAD: dict[str, tuple[Any, ...]] = {
     "template": (None,), "label_token_ids": (None,), "labels": (None,), "apply_softmax": (True,),

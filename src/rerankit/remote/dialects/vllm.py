@@ -13,17 +13,18 @@ from pydantic import ConfigDict, Field, WithJsonSchema
 from rerankit.errors import InvalidRequest
 from rerankit.remote.dialects.common import (
     NULL_ONLY,
-    TEXT_SCHEMA,
     TEXTS_SCHEMA,
+    TEXT_SCHEMA,
     Dialect,
     LabelIds,
     OptionalText,
     OptionalTexts,
     Text,
-    Texts,
     TextOrTokens,
+    Texts,
     TextsOrTokens,
     WireBody,
+    any_priority,
     build_request,
     echoed,
     in_input_order,
@@ -43,6 +44,7 @@ from rerankit.remote.dialects.common import (
     wire_refuse,
     wire_refuse_set,
     with_model,
+    with_priority,
 )
 from rerankit.schema import ScoreRequest, ScoreResponse
 from rerankit.templates import RAW
@@ -126,7 +128,7 @@ def encode_generative_request(request: ScoreRequest, model: str | None) -> tuple
     """``/generative_scoring`` body: raw layout, the caller's label ids (a text template is rendered here)."""
     refuse(request, GENERATIVE, mode=(None, "generative"), labels=(None,),
            return_pooled_hidden_states=(False,), return_label_logprobs=(False,), max_tokens_per_item=(None,),
-           truncation=("end",), mis_delimiter_token_id=(None,))
+           truncation=("end",), mis_delimiter_token_id=(None,), **any_priority(request))
     query, items, instruction = raw_prompt_parts(request, GENERATIVE)
     if instruction is not None:
         raise InvalidRequest("instruction", f"{GENERATIVE} has no instruction; use a template that takes one")
@@ -135,13 +137,14 @@ def encode_generative_request(request: ScoreRequest, model: str | None) -> tuple
     body = {"query": query, "items": items, "label_token_ids": request.label_token_ids,
             "apply_softmax": request.apply_softmax, "item_first": request.item_first,
             "add_special_tokens": request.add_special_tokens}
-    return "/generative_scoring", with_model(body, model)
+    return "/generative_scoring", with_model(with_priority(body, request), model)
 
 
 def _pooling_options(request: ScoreRequest, endpoint: str) -> dict[str, Any]:
     """The refusals and truncation fields common to ``/score`` and ``/rerank``."""
-    refuse_for_own_head(request, endpoint, mode=POOLING_MODES, truncation=("end", "none"), raw_scores=(False, True))
-    options: dict[str, Any] = {}
+    refuse_for_own_head(request, endpoint, mode=POOLING_MODES, truncation=("end", "none"), raw_scores=(False, True),
+                        **any_priority(request))
+    options: dict[str, Any] = with_priority({}, request)
     if request.raw_scores:
         options["use_activation"] = False
     if request.instruction is not None:
@@ -188,7 +191,8 @@ def parse_generative_request(body: Any) -> ScoreRequest:
     # vLLM cuts too-long prompts at the end; rerankit cuts the item's end, never the suffix.
     return build_request(query=wire.query, items=wire.items, mode="generative", template=RAW,
                          label_token_ids=wire.label_token_ids, apply_softmax=wire.apply_softmax,
-                         item_first=wire.item_first, add_special_tokens=wire.add_special_tokens)
+                         item_first=wire.item_first, add_special_tokens=wire.add_special_tokens,
+                         priority=wire.priority)
 
 
 def _pooling_request(wire: PoolingFields, query: str, documents: list[str], names: dict[str, str],
@@ -204,7 +208,7 @@ def _pooling_request(wire: PoolingFields, query: str, documents: list[str], name
     cuts = wire.truncate_prompt_tokens == -1 or wire.max_tokens_per_doc > 0
     return build_request(names, query=query, items=documents, instruction=wire.instruction, top_n=top_n,
                          max_tokens_per_item=wire.max_tokens_per_doc or None,
-                         truncation="end" if cuts else "none", raw_scores=not activation)
+                         truncation="end" if cuts else "none", raw_scores=not activation, priority=wire.priority)
 
 
 def parse_score_request(body: Any) -> ScoreRequest:
