@@ -23,9 +23,9 @@ from rerankit.server.scheduler import FairQueue, Submission, split
 
 
 def queued(queue: FairQueue, query: str, tokens: list[int], caller: str = "", priority: int = 0) -> Submission:
-    request = ScoreRequest(query=query, items=["d"] * len(tokens))
+    request = ScoreRequest(query=query, items=["d"] * len(tokens), priority=priority)
     submission = Submission(request, split(tokens, 1_000, 512), asyncio.get_running_loop().create_future(),
-                            priority=priority, caller=caller)
+                            caller=caller)
     queue.add(submission)
     return submission
 
@@ -90,7 +90,7 @@ async def test_a_lower_priority_goes_first_whoever_asks_and_ties_keep_the_fair_o
 
 async def test_the_batcher_queues_by_priority_and_caller_while_the_engine_is_busy():
     backend, batcher, first = await busy(max_batch_items=2)
-    waiting = [asyncio.create_task(batcher.submit(ScoreRequest(query=query, items=["x"]), priority, caller))
+    waiting = [asyncio.create_task(batcher.submit(ScoreRequest(query=query, items=["x"], priority=priority), caller))
                for query, priority, caller in (("a0", 0, "a"), ("a1", 0, "a"), ("a2", 0, "a"), ("b-low", 5, "b"),
                                                ("b0", 0, "b"))]
     await asyncio.sleep(0.05)
@@ -153,7 +153,7 @@ async def test_under_a_full_queue_a_lower_priority_number_takes_the_place_of_the
     backend, batcher, first = await busy(max_queue_requests=2, max_batch_items=1)
 
     def submitted(query: str, priority: int) -> asyncio.Task:
-        return asyncio.create_task(batcher.submit(ScoreRequest(query=query, items=["x"]), priority, "c"))
+        return asyncio.create_task(batcher.submit(ScoreRequest(query=query, items=["x"], priority=priority), "c"))
 
     older, newer = submitted("batch-older", 5), submitted("batch-newer", 5)
     await asyncio.sleep(0.02)

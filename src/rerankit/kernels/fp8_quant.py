@@ -183,6 +183,11 @@ if triton is not None:
         return (v + magic) - magic
 
     @triton.jit
+    def bounded_scale(bound):
+        """The one scale of codes under ``bound`` (a float32 scalar): ``bound / 448``, rounded once."""
+        return tl.math.div_rn(bound.to(tl.float32), tl.full([], _MAX, tl.float32))
+
+    @triton.jit
     def bounded_codes(x32, bound, ROUND_FIRST: tl.constexpr):
         """``x32 * (448 / bound)`` within +-448, rounded to e4m3 (still float32: the caller casts), as
         ``quantize_bounded_reference`` computes it; ``bound`` is a float32 scalar."""
@@ -229,7 +234,7 @@ if triton is not None:
         x32 = x.to(tl.float32)
         if BOUNDED:
             bound = tl.load(bound_ptr)
-            scale = tl.zeros([BLOCK_T], dtype=tl.float32) + tl.math.div_rn(bound, tl.full([], _MAX, tl.float32))
+            scale = tl.zeros([BLOCK_T], dtype=tl.float32) + bounded_scale(bound)
             scaled = bounded_codes(x32, bound, ROUND_FIRST)
         else:
             # Two IEEE divisions a row, then products (exact IEEE on any device): the GPU's `/` is an approximate

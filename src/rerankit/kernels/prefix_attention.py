@@ -64,7 +64,7 @@ from rerankit.kernels.attention_config import (  # noqa: F401 - the configs' nam
     parse_config,
     takes_long_keys_tile,
 )
-from rerankit.kernels.fp8_quant import _INTERPRET, FP8_DTYPE, bounded_codes, quantize_bounded
+from rerankit.kernels.fp8_quant import _INTERPRET, FP8_DTYPE, bounded_codes, bounded_scale, quantize_bounded
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -210,8 +210,8 @@ def _store_out(out, out_ptr, offsets, mask, bound_ptr, scales_ptr, scale_rows, s
         bound = tl.load(bound_ptr)
         tl.store(out_ptr + offsets, bounded_codes(out, bound, ROUND_FIRST).to(out_ptr.dtype.element_ty), mask=mask)
         if first_group:
-            scale = tl.math.div_rn(bound.to(tl.float32), tl.full([], 448.0, tl.float32))
-            tl.store(scales_ptr + scale_rows, tl.zeros(scale_rows.shape, tl.float32) + scale, mask=scale_mask)
+            tl.store(scales_ptr + scale_rows, tl.zeros(scale_rows.shape, tl.float32) + bounded_scale(bound),
+                     mask=scale_mask)
     else:
         tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 

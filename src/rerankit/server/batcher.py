@@ -176,10 +176,13 @@ class Batcher:
         """Raise ``ShuttingDown`` (503) once draining, ``Overloaded`` (429) when the queue is full and no queued
         request of a priority above 0 could make room (the route asks before it reads a body, not knowing its
         priority yet; ``submit`` decides once it has it)."""
-        if self._draining:
-            raise ShuttingDown("the server is shutting down and takes no new requests")
+        self._refuse_if_draining()
         if len(self._queue) >= self.config.max_queue_requests and self._queue.sheddable() is None:
             raise self._full()
+
+    def _refuse_if_draining(self) -> None:
+        if self._draining:
+            raise ShuttingDown("the server is shutting down and takes no new requests")
 
     def _full(self) -> Overloaded:
         return Overloaded(f"the queue holds {len(self._queue)} requests; the limit is "
@@ -200,27 +203,25 @@ class Batcher:
             f"priority number ({priority}, against this one's {victim.priority}) took this one's place"))
         self.metrics.shed += 1
 
-    async def submit(self, request: ScoreRequest, priority: int = 0, caller: str = "") -> ScoreResponse:
+    async def submit(self, request: ScoreRequest, caller: str = "") -> ScoreResponse:
         """Queue ``request`` and wait for its response. ``ShuttingDown`` (503) once draining, ``RequestTooLarge``
         (413) over ``max_request_tokens``, ``Overloaded`` (429) when the queue is full. Cancelling the call (its
-        caller went away) takes its chunks out of the queue. ``priority``: lower goes first, and under a full queue
-        takes the place of a queued request of a higher number (``_make_room``); ``caller``: whose it is, for the
-        fair shares (``scheduler.FairQueue``)."""
-        if self._draining:
-            raise ShuttingDown("the server is shutting down and takes no new requests")
+        caller went away) takes its chunks out of the queue. The request's ``priority``: lower goes first, and under a
+        full queue takes the place of a queued request of a higher number (``_make_room``); ``caller``: whose it is,
+        for the fair shares (``scheduler.FairQueue``)."""
+        self._refuse_if_draining()
         tokens = item_tokens(request, self.item_cap)
         total = sum(tokens)
         if total > self.config.max_request_tokens:
             raise RequestTooLarge("items", f"hold about {total} tokens after truncation; the limit is "
                                   f"{self.config.max_request_tokens} (max_request_tokens)",
                                   self.config.max_request_tokens)
-        self._make_room(priority)
+        self._make_room(request.priority)
         future = asyncio.get_running_loop().create_future()
         chunks = ([Chunk(0, len(tokens), total)] if self._one_by_one
                   else split(tokens, self.chunk_tokens, self.config.max_batch_items))
         # submit runs in the route's context: its request id and trace
-        submission = Submission(request, chunks, future, REQUEST_ID.get(), tracing.current_context(), priority,
-                                caller)
+        submission = Submission(request, chunks, future, REQUEST_ID.get(), tracing.current_context(), caller)
         self._queue.add(submission)
         self._live.add(submission)
         future.add_done_callback(lambda _: self._live.discard(submission))
@@ -291,6 +292,10 @@ class Batcher:
 
     async def _call(self, pieces: list[Piece]) -> None:
         requests = [piece.request() for piece in pieces]
+        # A proxy honours priority in its own queue and sends 0 on: vLLM refuses any other value unless it was
+        # started with priority scheduling.
+        if self._one_by_one:
+            requests = [request.model_copy(update={"priority": 0}) for request in requests]
         self.metrics.observe_batch(len(requests), sum(len(request.items) for request in requests))
 
         def should_stop() -> bool:  # runs on the engine thread; reads flags the loop's thread sets

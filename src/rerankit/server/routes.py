@@ -89,10 +89,7 @@ def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
             asked = bound_request(config, dialect.engine_request(score_request), cut_items=not batcher.proxies)
             forwarded = batcher.proxies
             caller = caller_of(config, request.headers, key_index, request.client.host if request.client else None)
-            priority = asked.priority
-            if batcher.proxies:  # honoured in this queue, not sent on: vLLM refuses it without priority scheduling
-                asked = asked.model_copy(update={"priority": 0})
-            response = await unless_disconnected(request.receive, batcher.submit(asked, priority, caller))
+            response = await unless_disconnected(request.receive, batcher.submit(asked, caller))
             payload = dialect.encode_response(response, score_request, model_name(),
                                              dialect.echoed_documents(body))
             status, items, tokens = 200, len(response.results), response.usage.prompt_tokens

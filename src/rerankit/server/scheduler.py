@@ -64,10 +64,8 @@ class Submission:
     _arrivals = itertools.count()
 
     def __init__(self, request: ScoreRequest, chunks: list[Chunk], future: asyncio.Future,
-                 request_id: str | None = None, trace_context: object = None, priority: int = 0,
-                 caller: str = "") -> None:
+                 request_id: str | None = None, trace_context: object = None, caller: str = "") -> None:
         self.request = request
-        self.priority = priority  # lower goes first (vLLM's and Cohere's ``priority``)
         self.caller = caller  # whose request: the fair share is per caller first (``FairQueue``)
         self.request_id = request_id  # its HTTP request's X-Request-Id: logged, and forwarded by a proxy
         self.trace_context = trace_context  # its OpenTelemetry context, for a proxied call to continue its trace
@@ -81,6 +79,11 @@ class Submission:
         self.served = 0  # the fairness key: where it started in the queue, plus the tokens handed out since
         self.arrival = next(self._arrivals)
         self.done: list[tuple[int, ScoreResponse]] = []  # (chunk's first item, its response) of chunks answered
+
+    @property
+    def priority(self) -> int:
+        """The request's ``priority``: lower goes first (vLLM's and Cohere's field)."""
+        return self.request.priority
 
     @property
     def gone(self) -> bool:

@@ -306,20 +306,18 @@ class PackedDecoder(PackedBody):
                                                  self.num_kv_heads, self.head_dim)
             if kv_sink is not None:
                 kv_sink.append((k.contiguous(), v.contiguous()))
-            reads = last_reads if index == last else {}
+            options = dict(last_reads) if index == last else {}  # the attention call's keywords
             # FP8 o projection: its input's bound; the Triton attention writes the codes itself (engine.models.fp8)
             kept = None if cached_kv is None else cached_kv.values[index]
             bound = fp8_layers.o_input_bound(v, layer, self.fp8, kept) if self.fp8 is not None else None
             if bound is not None and self.fp8.kernels and takes_reads(attention):
-                reads = {**reads, "fp8_bound": bound}
-            if cached_kv is None:
-                attended = attention(q, k, v, batch, scale=self.scale, **reads)
-            else:
-                attended = attention(q, k, v, batch, scale=self.scale,
-                                     cached=(cached_kv.keys[index], cached_kv.values[index]), **reads)
+                options["fp8_bound"] = bound
+            if cached_kv is not None:
+                options["cached"] = (cached_kv.keys[index], kept)
+            attended = attention(q, k, v, batch, scale=self.scale, **options)
             if index == last and read_positions is not None:
                 hidden = hidden[read_positions]
-                if "reads" not in reads:
+                if "reads" not in options:
                     attended = tuple(part[read_positions] for part in attended) if isinstance(attended, tuple) \
                         else attended[read_positions]
             if self.fp8 is not None:
