@@ -398,12 +398,11 @@ def main() -> None:
         baseline_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
         fidelity: dict[str, torch.Tensor] = {}
         for dtype, variant in dtypes:
-            projections, _, residual = (variant or "").partition("/")
+            projections = variant or ""
             label = "rerankit" if dtype == "bfloat16" else "rerankit-fp8"
             if variant:
-                label += "-" + variant.replace(",", "+").replace("/", "-")
-            os.environ["RERANKIT_FP8_PROJECTIONS"] = projections  # engine.fp8.projections; empty: all four
-            os.environ["RERANKIT_FP8_RESIDUAL"] = residual  # engine.models.fp8.ops_for; "unfused" for the A/B
+                label += "-" + variant.replace(",", "+")
+            os.environ["RERANKIT_FP8_PROJECTIONS"] = projections  # engine.fp8.projections; empty: the defaults
             begun = time.perf_counter()
             backend = EmbeddedBackend(str(folder), device=DEVICE, dtype=dtype)
             weights = weights_gib(backend)

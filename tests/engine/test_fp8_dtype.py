@@ -2,6 +2,7 @@
 (against float32), checkpoints stored in FP8 (quant_method "fp8" with block scales, compressed-tensors per channel),
 and on a GPU with FP8 tensor cores the kernels against the references."""
 
+import dataclasses
 import json
 import shutil
 
@@ -65,6 +66,28 @@ def test_fp8_reference_follows_float32(tiny_qwen3_lm, reference_mode, monkeypatc
     assert (scores - fp32).abs().max() > 0  # FP8 rounding did happen
     torch.testing.assert_close(torch.tensor(fp8.score(request(multi_item=False)).scores), scores,
                                atol=2e-3, rtol=0)
+
+
+def test_fp8_kernels_in_the_interpreter_follow_the_reference_steps(tiny_qwen3_lm, reference_mode, monkeypatch):
+    """The kernels' steps (Triton's interpreter on the CPU; cuBLAS's GEMM is the reference there) with all four
+    projections in FP8: the SwiGLU GEMM writes the down projection's float8 input itself (no quantization pass),
+    and the scores are the reference steps' within FP8's rounding."""
+    from rerankit.engine.models import fp8 as fp8_layers
+    from rerankit.kernels import swiglu_matmul
+
+    if torch.cuda.is_available() or not swiglu_matmul._INTERPRET:
+        pytest.skip("the interpreter's run of the kernels (a GPU runs them in test_gpu_fp8_kernels_follow_...)")
+    monkeypatch.setenv(PROJECTIONS_ENV, "qkv,o,gate_up,down")
+    backend = EmbeddedBackend(str(tiny_qwen3_lm), device="cpu", dtype="fp8")
+    model = backend._runner.model
+    reference = torch.tensor(backend.score(request()).scores)
+    passes = []
+    model.fp8 = dataclasses.replace(
+        fp8_layers.KERNELS, quant=lambda *a: passes.append("rows") or fp8_layers.quantize_rows(*a),
+        quant_bounded=lambda *a: passes.append("bounded") or fp8_layers.quantize_bounded(*a))
+    kernels = torch.tensor(backend.score(request()).scores)
+    assert passes == []  # neither down's nor o's input took a quantization pass
+    torch.testing.assert_close(kernels, reference, atol=5e-3, rtol=0)
 
 
 def test_fp8_projections_can_be_chosen(tiny_qwen3_lm, reference_mode, monkeypatch):

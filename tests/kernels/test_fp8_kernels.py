@@ -152,6 +152,88 @@ def test_gpu_add_norm_quant_rounds_the_sum_as_torch_does():
     assert torch.equal(got[0].view(torch.uint8), expected[0].view(torch.uint8))
 
 
+@pytest.mark.parametrize("rows, width", [(1, 64), (7, 96), (3, 1000), (0, 32)])
+@pytest.mark.parametrize("add", [False, True])
+def test_norm_quant_kernels_give_the_quantized_rows_squared_lengths(monkeypatch, rows, width, add):
+    """``sumsq=True``: the codes and scales as without it, and each row's squared length after quantization,
+    scale^2 * sum(codes^2), within float32 summation order of the reference's."""
+    gen = torch.Generator().manual_seed(rows + width)
+    x = (torch.randn(rows, width, generator=gen) * 3).to(DEVICE)
+    delta = torch.randn(rows, width, generator=gen).to(DEVICE) if add else None
+    norm = (torch.rand(width, generator=gen) + 0.5).to(DEVICE)
+    reference = "add_rms_norm_quant_reference" if add else "rms_norm_quant_reference"
+    if DEVICE == "cpu":
+        forbid_reference(monkeypatch, fp8_quant, reference)
+    if add:
+        codes, scale, lengths = fp8_quant.add_rms_norm_quant(x.clone(), delta, norm, 1e-6, sumsq=True)
+        plain = fp8_quant.add_rms_norm_quant(x.clone(), delta, norm, 1e-6)
+    else:
+        codes, scale, lengths = rms_norm_quant(x, norm, 1e-6, sumsq=True)
+        plain = rms_norm_quant(x, norm, 1e-6)
+    assert torch.equal(scale, plain[1]) and torch.equal(codes.float(), plain[0].float())
+    assert lengths.shape == (rows,) and lengths.dtype == torch.float32
+    torch.testing.assert_close(lengths, fp8_quant.squared_lengths(codes, scale), atol=0, rtol=1e-5)
+    torch.testing.assert_close(lengths, dequantize_rows(codes, scale).square().sum(-1), atol=0, rtol=1e-5)
+
+
+def swiglu_fp8_inputs(tokens, hidden, width, seed, device=DEVICE):
+    """Float8 x (a normed activation, with its squared lengths) and gate/up weight [2 * width, hidden]."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(tokens, hidden, generator=gen) * 3).bfloat16()
+    norm = (torch.rand(hidden, generator=gen) + 0.5).bfloat16()
+    codes, scale, lengths = rms_norm_quant_reference(x, norm, 1e-6, sumsq=True)
+    weight, w_scale = quantize_rows_reference(torch.randn(2 * width, hidden, generator=gen) / hidden ** 0.5)
+    return [t.to(device) for t in (codes, scale, lengths, weight, w_scale)]
+
+
+@pytest.mark.parametrize("tokens, hidden, width", [(37, 48, 48), (1, 32, 16), (20, 64, 80)])
+def test_swiglu_fp8_out_kernel_equals_its_reference(monkeypatch, tokens, hidden, width):
+    """The SwiGLU GEMM's float8 output: the reference's codes within one e4m3 step, most of them equal (the
+    interpreter's bf16 cast truncates the gate and up projections where torch rounds them; summation order), and
+    the same scales bit for bit; the codes stand for the float32 products within an e4m3 step of each, or a
+    subnormal step of the row's scale."""
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the gpu tests run the FP8 GEMMs")
+    codes, scale, lengths, weight, w_scale = swiglu_fp8_inputs(tokens, hidden, width, tokens + hidden)
+    bound = swiglu_matmul.swiglu_bound(weight, w_scale)
+    expected = swiglu_matmul.swiglu_matmul_fp8_out_reference(codes, weight, scale, w_scale, lengths, bound)
+    values = swiglu_matmul.swiglu_matmul_reference(codes, weight, x_scale=scale, w_scale=w_scale,
+                                                   out_dtype=torch.float32)
+    forbid_reference(monkeypatch, swiglu_matmul, "swiglu_matmul_fp8_out_reference")
+    got_codes, got_scale = swiglu_matmul.swiglu_matmul_fp8_out(codes, weight, scale, w_scale, lengths, bound)
+    assert got_codes.dtype == FP8_DTYPE and got_codes.shape == (tokens, width)
+    assert torch.equal(got_scale, expected[1])
+    assert torch.equal(got_scale, (lengths * torch.tensor(bound)).clamp(min=fp8_quant.MIN_AMAX) / FP8_MAX)
+    assert_within_one_step(got_codes, expected[0], 0.85)
+    back = dequantize_rows(got_codes, got_scale)
+    assert ((back - values).abs() <= values.abs() * 2 ** -3 + got_scale[:, None] * 2 ** -9).all()
+
+
+def test_swiglu_bound_holds_where_x_lies_along_a_gate_and_an_up_row():
+    """Cauchy-Schwarz is tight where x is parallel to the gate and the up row of a column: that column's product
+    reaches the bound (silu(g) ~ g for a large positive g), and its code stands for it within e4m3's rounding: no
+    clipping at 448."""
+    hidden, width = 64, 32
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(2 * width, hidden, generator=gen) / hidden ** 0.5
+    weight[width + 5] = weight[5] * 1.5  # column 5: up row along the gate row
+    weight, w_scale = quantize_rows_reference(weight)
+    row = dequantize_rows(weight[5:6], w_scale[5:6])[0]
+    x = torch.stack([row * 40, -row * 40, torch.randn(hidden, generator=gen)])
+    codes, scale, lengths = quantize_rows_reference(x) + (None,)
+    lengths = fp8_quant.squared_lengths(codes, scale)
+    bound = swiglu_matmul.swiglu_bound(weight, w_scale)
+    got_codes, got_scale = swiglu_matmul.swiglu_matmul_fp8_out_reference(codes, weight, scale, w_scale, lengths,
+                                                                         bound)
+    values = swiglu_matmul.swiglu_matmul_reference(codes, weight, x_scale=scale, w_scale=w_scale,
+                                                   out_dtype=torch.float32)
+    assert (values.abs().amax(-1) <= lengths * bound * 1.01).all()
+    assert got_codes.float().abs()[0, 5] > 0.9 * FP8_MAX
+    back = dequantize_rows(got_codes, got_scale)
+    assert ((back - values).abs() <= values.abs() * 2 ** -4 + got_scale[:, None] * 2 ** -10).all()
+    torch.testing.assert_close(back[0, 5], values[0, 5], atol=0, rtol=2 ** -4)
+
+
 def assert_within_one_step(codes, expected, equal_share=0.8):
     """Codes at most one e4m3 step (2^-3 of the value) from the expected ones, most of them equal."""
     steps = (codes.float() - expected.float()).abs() / expected.float().abs().clamp(min=2 ** -6)
@@ -245,6 +327,22 @@ def test_gpu_fp8_gemms_follow_their_references(shape, tokens):
             (swiglu_matmul.swiglu_matmul(codes, weight, x_scale=scale, w_scale=w_scale),
              swiglu_matmul.swiglu_matmul_reference(codes, weight, x_scale=scale, w_scale=w_scale))):
         torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    # float8 output for the down projection: the codes stand for the products within half an e4m3 step of each
+    # (3 mantissa bits) or of the row's scale (subnormals), beside the GEMM's own deviation allowed above
+    lengths = fp8_quant.squared_lengths(codes, scale)
+    bound = swiglu_matmul.swiglu_bound(weight, w_scale)
+    if HAS_HOPPER:
+        assert swiglu_matmul.takes_tma(codes, weight)
+    got_codes, got_scale = swiglu_matmul.swiglu_matmul_fp8_out(codes, weight, scale, w_scale, lengths, bound)
+    expected_codes, expected_scale = swiglu_matmul.swiglu_matmul_fp8_out_reference(codes, weight, scale, w_scale,
+                                                                                   lengths, bound)
+    torch.testing.assert_close(got_scale, expected_scale, atol=0, rtol=0)
+    values = swiglu_matmul.swiglu_matmul_reference(codes, weight, x_scale=scale, w_scale=w_scale,
+                                                   out_dtype=torch.float32)
+    back = dequantize_rows(got_codes, got_scale)
+    allowed = values.abs() * (2 ** -4 + 2e-2) + got_scale[:, None] * 2 ** -10 + 2e-2
+    assert ((back - values).abs() <= allowed).all()
+    assert (got_codes.float() == expected_codes.float()).float().mean() >= 0.9
 
 
 @pytest.mark.gpu

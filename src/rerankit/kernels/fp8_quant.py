@@ -7,8 +7,10 @@ so ``q * scale`` gives ``x`` back to within e4m3's 3-bit mantissa. Activations a
 right before each FP8 GEMM (dynamic: the scale comes from the row itself); weights per output channel at load time
 (a weight's rows are its output channels). ``rms_norm_quant`` first normalises the row exactly as ``rms_norm``
 does (statistics in float32, the scale and the weight applied in the input dtype), so the quantized row is that
-of the bf16 row the bf16 engine would project. The kernel runs on CUDA tensors, or on CPU tensors when
-TRITON_INTERPRET=1; anything else falls back to the reference.
+of the bf16 row the bf16 engine would project. With ``sumsq=True`` the norm kernels also give each quantized row's
+squared length, ``scale[t]^2 * sum(q[t, :]^2)``: what a bound of the next projection's outputs is built from
+(``swiglu_matmul``'s FP8 output). The kernel runs on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1;
+anything else falls back to the reference.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ _TILE_ELEMENTS = 4096  # elements a program holds, as in rms_norm
 _MAX_BLOCK = 16384  # elements an abs_max program reads (fewer atomics on its one address)
 
 
+# (codes, scales), or (codes, scales, squared lengths) where asked for
+Quantized = tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]
+
+
 def check_scaled(x: Tensor, weight: Tensor, x_scale: Tensor | None, w_scale: Tensor | None) -> None:
     """``ValueError`` unless ``x`` and ``weight`` share a dtype and come with both scales exactly when float8."""
     if (x.dtype == FP8_DTYPE) != (x_scale is not None and w_scale is not None) or weight.dtype != x.dtype:
@@ -53,17 +59,25 @@ def _divided(dividend: Tensor, divisor: Tensor | float) -> Tensor:
     return torch.div(dividend, divisor if isinstance(divisor, Tensor) else torch.full_like(dividend, divisor))
 
 
-def rms_norm_quant_reference(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """Plain torch: the decoder's ``rms_norm``, then ``quantize_rows_reference``."""
+def squared_lengths(codes: Tensor, scale: Tensor) -> Tensor:
+    """float32 [T]: each quantized row's squared length, ``scale^2 * sum(codes^2)`` (the codes' squares summed in
+    float32; the kernels' order of summation may differ in the last bits)."""
+    return codes.float().square().sum(-1) * (scale * scale)
+
+
+def rms_norm_quant_reference(x: Tensor, weight: Tensor, eps: float, sumsq: bool = False) -> Quantized:
+    """Plain torch: the decoder's ``rms_norm``, then ``quantize_rows_reference`` (and ``squared_lengths``)."""
     from rerankit.engine.models.layers import rms_norm  # at call time: kernels do not depend on the engine
 
-    return quantize_rows_reference(rms_norm(x, weight, eps))
+    codes, scale = quantize_rows_reference(rms_norm(x, weight, eps))
+    return (codes, scale, squared_lengths(codes, scale)) if sumsq else (codes, scale)
 
 
-def add_rms_norm_quant_reference(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def add_rms_norm_quant_reference(x: Tensor, delta: Tensor, weight: Tensor, eps: float,
+                                 sumsq: bool = False) -> Quantized:
     """Plain torch: ``x += delta`` in place (the residual add, rounded to x's dtype), then
     ``rms_norm_quant_reference`` of the sum."""
-    return rms_norm_quant_reference(x.add_(delta), weight, eps)
+    return rms_norm_quant_reference(x.add_(delta), weight, eps, sumsq)
 
 
 def abs_max_reference(*tensors: Tensor) -> Tensor:
@@ -76,10 +90,12 @@ def abs_max_reference(*tensors: Tensor) -> Tensor:
 
 
 def quantize_bounded_reference(x: Tensor, bound: Tensor) -> tuple[Tensor, Tensor]:
-    """Plain torch: every row of ``x`` [T, d] quantized with one scale, ``bound / 448`` (``bound`` [1] float32: a
-    bound of |x| known beforehand, such as the largest |v| for an attention output); codes [T, d], scales [T]."""
+    """Plain torch: the rows of ``x`` [T, d] quantized with the scale ``bound / 448``, where ``bound`` (float32) is
+    a bound of |x| known beforehand: one for every row ([1], such as the largest |v| for an attention output) or
+    one a row ([T]); codes [T, d], scales [T]."""
     x32 = x.float()
-    codes = (x32 * _divided(torch.full_like(bound, FP8_MAX), bound)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    factor = _divided(torch.full_like(bound, FP8_MAX), bound).reshape(-1, 1)
+    codes = (x32 * factor).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return codes, _divided(bound, FP8_MAX).expand(x.shape[0]).contiguous()
 
 
@@ -117,16 +133,16 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     return _launch(x, None, 0.0)
 
 
-def rms_norm_quant(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def rms_norm_quant(x: Tensor, weight: Tensor, eps: float, sumsq: bool = False) -> Quantized:
     """RMSNorm of each row of ``x`` [T, d] with ``weight`` [d], quantized per row, in one Triton launch: the
-    normalised bf16 row never goes to memory."""
+    normalised bf16 row never goes to memory. ``sumsq``: each quantized row's squared length too."""
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"rms_norm_quant takes x [T, d] and weight [d], got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
-    return _launch(x, weight, eps)
+    return _launch(x, weight, eps, sumsq=sumsq)
 
 
-def add_rms_norm_quant(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def add_rms_norm_quant(x: Tensor, delta: Tensor, weight: Tensor, eps: float, sumsq: bool = False) -> Quantized:
     """``x += delta`` in place (a residual stream and a projection's output, [T, d]), then ``rms_norm_quant`` of
     the sum, in one Triton launch: the add's own pass (read both, write x) folds into the norm's read."""
     if delta.shape != x.shape or weight.shape != (x.shape[-1],):
@@ -134,11 +150,11 @@ def add_rms_norm_quant(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> 
                          f"{tuple(delta.shape)} and {tuple(weight.shape)}")
     if x.stride(-1) != 1 or delta.stride(-1) != 1:
         raise ValueError("add_rms_norm_quant updates x in place: x and delta need contiguous rows")
-    return _launch(x, weight, eps, delta)
+    return _launch(x, weight, eps, delta, sumsq=sumsq)
 
 
 def _launch(x: Tensor, weight: Tensor | None, eps: float, delta: Tensor | None = None,
-            bound: Tensor | None = None) -> tuple[Tensor, Tensor]:
+            bound: Tensor | None = None, sumsq: bool = False) -> Quantized:
     if x.dim() != 2:
         raise ValueError(f"x must be [T, d], got {tuple(x.shape)}")
     if triton is None or not (x.is_cuda or _INTERPRET) or (weight is not None and weight.dtype != x.dtype) \
@@ -146,25 +162,26 @@ def _launch(x: Tensor, weight: Tensor | None, eps: float, delta: Tensor | None =
         if bound is not None:
             return quantize_bounded_reference(x, bound)
         if delta is not None:
-            return add_rms_norm_quant_reference(x, delta, weight, eps)
-        return quantize_rows_reference(x) if weight is None else rms_norm_quant_reference(x, weight, eps)
+            return add_rms_norm_quant_reference(x, delta, weight, eps, sumsq)
+        return quantize_rows_reference(x) if weight is None else rms_norm_quant_reference(x, weight, eps, sumsq)
     if x.stride(1) != 1:
         x = x.contiguous()
     rows, width = x.shape
     codes = torch.empty(rows, width, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+    lengths = torch.empty(rows, dtype=torch.float32, device=x.device) if sumsq else scale
     if rows == 0:
-        return codes, scale
+        return (codes, scale, lengths) if sumsq else (codes, scale)
     block_d = triton.next_power_of_2(width)
     block_t = max(1, min(_TILE_ELEMENTS // block_d, triton.next_power_of_2(rows)))
     _quantize_kernel[(triton.cdiv(rows, block_t),)](
         x, x if weight is None else weight, x if delta is None else delta, codes, scale,
-        scale if bound is None else bound, rows, width, x.stride(0), 0 if delta is None else delta.stride(0), eps,
-        NORM=weight is not None, ADD=delta is not None, BOUNDED=bound is not None, ROUND_FIRST=_INTERPRET,
-        BLOCK_T=block_t, BLOCK_D=block_d,
+        scale if bound is None else bound, lengths, rows, width, x.stride(0), 0 if delta is None else delta.stride(0),
+        eps, NORM=weight is not None, ADD=delta is not None, BOUNDED=bound is not None, SUMSQ=sumsq,
+        ROUND_FIRST=_INTERPRET, BLOCK_T=block_t, BLOCK_D=block_d,
         num_warps=4 if block_d <= 2048 else 8,
     )
-    return codes, scale
+    return (codes, scale, lengths) if sumsq else (codes, scale)
 
 
 if triton is not None:
@@ -208,13 +225,14 @@ if triton is not None:
         tl.atomic_max(bound_ptr, tl.max(tl.max(tl.abs(x.to(tl.float32)), axis=1), axis=0))
 
     @triton.jit
-    def _quantize_kernel(x_ptr, weight_ptr, delta_ptr, codes_ptr, scale_ptr, bound_ptr, n_rows, width, stride_x,
-                         stride_d, eps, NORM: tl.constexpr, ADD: tl.constexpr, BOUNDED: tl.constexpr,
-                         ROUND_FIRST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _quantize_kernel(x_ptr, weight_ptr, delta_ptr, codes_ptr, scale_ptr, bound_ptr, sumsq_ptr, n_rows, width,
+                         stride_x, stride_d, eps, NORM: tl.constexpr, ADD: tl.constexpr, BOUNDED: tl.constexpr,
+                         SUMSQ: tl.constexpr, ROUND_FIRST: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
         """BLOCK_T rows: load, (add ``delta`` and store the sum back, rounded as torch's add rounds it,) (RMSNorm
         as rms_norm rounds it,) row amax, scale, float8 codes, store. ``BOUNDED``: one scale for every row, from
-        ``bound`` (``quantize_bounded``). ``ROUND_FIRST``: round to e4m3 in float32 before the cast (the
-        interpreter's cast does not round)."""
+        ``bound`` (``quantize_bounded``). ``SUMSQ``: each row's squared length after quantization too.
+        ``ROUND_FIRST``: round to e4m3 in float32 before the cast (the interpreter's cast does not round)."""
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         cols = tl.arange(0, BLOCK_D)
         row_ok = rows < n_rows
@@ -247,3 +265,6 @@ if triton is not None:
         codes = scaled.to(codes_ptr.dtype.element_ty)
         tl.store(codes_ptr + rows[:, None] * width + cols[None, :], codes, mask=mask)
         tl.store(scale_ptr + rows, scale, mask=row_ok)
+        if SUMSQ:
+            exact = codes.to(tl.float32)  # e4m3 values are exact in float32
+            tl.store(sumsq_ptr + rows, tl.sum(exact * exact, axis=1) * (scale * scale), mask=row_ok)

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from rerankit.kernels import cuda_capability, launch_tuned, sm_count
 from rerankit.kernels.fp8_matmul import project_reference
-from rerankit.kernels.fp8_quant import FP8_DTYPE, check_scaled
+from rerankit.kernels.fp8_quant import FP8_DTYPE, MIN_AMAX, check_scaled, quantize_bounded_reference
 
 try:
     import triton
@@ -104,23 +104,9 @@ def swiglu_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tma:
     elif tma and x.is_cuda and x.element_size() != 2 and not fp8:
         raise ValueError(f"the descriptor kernel's tiles are sized for 16-bit (or float8) inputs, not {x.dtype}")
     bias_arg = bias if bias is not None else out
-    scales = (x_scale.float().contiguous(), w_scale.float().contiguous()) if fp8 else (out, out)
     if tma:
-        # Block shapes are set per tuning config by _set_block_shapes; the ones given here are placeholders.
-        x_desc, out_desc = (TensorDescriptor.from_tensor(t, [16, 16]) for t in (x, out))
-        w_desc = TensorDescriptor.from_tensor(weight.view(2, width, x.shape[1]), [2, 16, 16])
-        programs = sm_count(x.device, interpreted=4)  # the persistent kernel: one program per SM
-        grid = lambda meta: (min(programs, triton.cdiv(tokens, meta["BLOCK_M"])  # noqa: E731
-                                 * triton.cdiv(width, meta["BLOCK_N"])),)
-        args = (x_desc, w_desc, bias_arg, *scales, out_desc, tokens, width, x.shape[1])
-        meta = dict(HAS_BIAS=bias is not None, SCALED=fp8, NUM_SMS=programs)
-        if _INTERPRET:
-            _swiglu_tma_kernel_interpreted[grid](*args, **meta)
-        else:
-            descriptors = {"x_desc": x_desc, "w_desc": w_desc, "out_desc": out_desc}
-            kernel = _swiglu_tma_fp8_kernel if fp8 else _swiglu_tma_kernel
-            launch_tuned(kernel, (width, x.shape[1], x.dtype, bias is not None, programs), grid, args,
-                         meta, lambda config: _set_block_shapes({**descriptors, **config.kwargs}), tokens)
+        scales = (x_scale.float().contiguous(), w_scale.float().contiguous()) if fp8 else (out, out)
+        _launch_tma(x, weight, bias, scales, out)
         return out
     grid = lambda meta: (triton.cdiv(tokens, meta["BLOCK_M"]) * triton.cdiv(width, meta["BLOCK_N"]),)  # noqa: E731
     args = (x, weight, bias_arg, out, tokens, width, x.shape[1])
@@ -130,6 +116,76 @@ def swiglu_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tma:
         launch_tuned(_swiglu_matmul_kernel, (width, x.shape[1], x.dtype, bias is not None), grid, args,
                      dict(HAS_BIAS=bias is not None), lambda config: None, tokens)
     return out
+
+
+def swiglu_matmul_fp8_out_reference(x: Tensor, weight: Tensor, x_scale: Tensor, w_scale: Tensor, lengths: Tensor,
+                                    bound: float) -> tuple[Tensor, Tensor]:
+    """Plain torch: ``swiglu_matmul_reference``'s products in float32 (the projections rounded to bf16, silu(gate)
+    * up not rounded), row t quantized to float8_e4m3fn under the bound ``bound * lengths[t]``."""
+    _check(x, weight, None, x_scale, w_scale)
+    gate, up = project_reference(x, weight, None, x_scale, w_scale, torch.bfloat16).chunk(2, dim=-1)
+    row_bounds = (lengths.float() * torch.tensor(bound, dtype=torch.float32)).clamp(min=MIN_AMAX)
+    return quantize_bounded_reference(F.silu(gate.float()) * up.float(), row_bounds)
+
+
+def swiglu_matmul_fp8_out(x: Tensor, weight: Tensor, x_scale: Tensor, w_scale: Tensor, lengths: Tensor,
+                          bound: float) -> tuple[Tensor, Tensor]:
+    """The FP8 SwiGLU GEMM (bias-free) with float8_e4m3fn output for the down projection: codes [T, I] and a scale
+    a row [T], the products of row t quantized under ``bound * lengths[t]`` in the epilogue, so no pass reads them
+    back to find each row's largest value.
+
+    ``lengths`` [T] are the rows' squared lengths (``rms_norm_quant(..., sumsq=True)``) and ``bound`` the weight's
+    ``swiglu_bound``: by Cauchy-Schwarz |gate| <= |x| |w_gate| and |up| <= |x| |w_up|, and |silu(g)| <= |g|, so
+    |silu(gate) * up| <= |x|^2 max_n |w_gate,n| |w_up,n|. e4m3 keeps 3 bits of mantissa over 2^15 below its
+    largest value, so a bound some hundred times the row's largest product costs precision only in its smallest
+    ones (subnormal codes, an absolute error below 2^-10 of the bound's scale). Descriptor kernel where it applies,
+    else the reference."""
+    if triton is None or not (x.is_cuda or _INTERPRET) or not takes_tma(x, weight):
+        return swiglu_matmul_fp8_out_reference(x, weight, x_scale, w_scale, lengths, bound)
+    _check(x, weight, None, x_scale, w_scale)
+    x, weight = x.contiguous(), weight.contiguous()
+    tokens, width = x.shape[0], weight.shape[0] // 2
+    codes = torch.empty(tokens, width, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(tokens, dtype=torch.float32, device=x.device)
+    if tokens:
+        _launch_tma(x, weight, None, (x_scale.float().contiguous(), w_scale.float().contiguous()), codes,
+                    (lengths.float().contiguous(), scale, bound))
+    return codes, scale
+
+
+def swiglu_bound(weight: Tensor, w_scale: Tensor) -> float:
+    """``max_n |w_gate,n| |w_up,n|`` of a float8 gate/up weight [2I, d] with its scales [2I] (its rows'
+    dequantized lengths): ``swiglu_matmul_fp8_out``'s bound per squared length of x, a float32 value."""
+    lengths = weight.float().square().sum(-1).sqrt() * w_scale.float()
+    gate, up = lengths.chunk(2)
+    return float((gate * up).max().to(torch.float32))
+
+
+def _launch_tma(x: Tensor, weight: Tensor, bias: Tensor | None, scales: tuple[Tensor, Tensor], out: Tensor,
+                quant: tuple[Tensor, Tensor, float] | None = None) -> None:
+    """The persistent descriptor kernel into ``out``; ``quant`` (rows' squared lengths, their scales' output, the
+    bound) for float8 output."""
+    tokens, width = x.shape[0], weight.shape[0] // 2
+    # Block shapes are set per tuning config by _set_block_shapes; the ones given here are placeholders.
+    x_desc, out_desc = (TensorDescriptor.from_tensor(t, [16, 16]) for t in (x, out))
+    w_desc = TensorDescriptor.from_tensor(weight.view(2, width, x.shape[1]), [2, 16, 16])
+    programs = sm_count(x.device, interpreted=4)  # the persistent kernel: one program per SM
+    grid = lambda meta: (min(programs, triton.cdiv(tokens, meta["BLOCK_M"])  # noqa: E731
+                             * triton.cdiv(width, meta["BLOCK_N"])),)
+    lengths, out_scale, bound = quant if quant is not None else (out, out, 0.0)
+    args = (x_desc, w_desc, bias if bias is not None else out, *scales, out_desc, lengths, out_scale, bound, tokens,
+            width, x.shape[1])
+    fp8 = x.dtype == FP8_DTYPE
+    meta = dict(HAS_BIAS=bias is not None, SCALED=fp8, QUANT_OUT=quant is not None, ROUND_FIRST=_INTERPRET,
+                NUM_SMS=programs)
+    if _INTERPRET:
+        _swiglu_tma_kernel_interpreted[grid](*args, **meta)
+        return
+    descriptors = {"x_desc": x_desc, "w_desc": w_desc, "out_desc": out_desc}
+    kernel = (_swiglu_tma_fp8_out_kernel if quant is not None else _swiglu_tma_fp8_kernel) if fp8 else \
+        _swiglu_tma_kernel
+    launch_tuned(kernel, (width, x.shape[1], x.dtype, bias is not None, programs), grid, args, meta,
+                 lambda config: _set_block_shapes({**descriptors, **config.kwargs}), tokens)
 
 
 def takes_tma(x: Tensor, weight: Tensor, any_device: bool = False) -> bool:
@@ -154,6 +210,9 @@ def has_copy_engine(device: torch.device) -> bool:
 
 
 if triton is not None:
+    from rerankit.kernels.fp8_quant import bounded_codes, bounded_scale
+
+    _MIN_AMAX = tl.constexpr(MIN_AMAX)
 
     @triton.jit
     def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
@@ -168,13 +227,13 @@ if triton is not None:
 
     @triton.jit
     def _activate(gate, up, b_ptr, cols, col_ok, out_type: tl.constexpr, HAS_BIAS: tl.constexpr, N):
-        """Bias, each projection rounded as F.linear rounds it, then silu(gate) * up in float32."""
+        """Bias, each projection rounded to ``out_type`` as F.linear rounds it, then silu(gate) * up in float32."""
         if HAS_BIAS:
             gate += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             up += tl.load(b_ptr + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         gate = gate.to(out_type).to(tl.float32)
         up = up.to(out_type).to(tl.float32)
-        return (gate / (1.0 + tl.exp(-gate)) * up).to(out_type)
+        return gate / (1.0 + tl.exp(-gate)) * up  # float32: the caller rounds (or quantizes) it
 
     def _swiglu_matmul_body(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
@@ -200,19 +259,23 @@ if triton is not None:
             gate_ptrs += BLOCK_K
             up_ptrs += BLOCK_K
         activated = _activate(gate, up, b_ptr, cols, col_ok, out_ptr.dtype.element_ty, HAS_BIAS, N)
+        activated = activated.to(out_ptr.dtype.element_ty)
         out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
         tl.store(out_ptrs, activated, mask=row_ok[:, None] & col_ok[None, :])
 
-    def _swiglu_tma_body(x_desc, w_desc, b_ptr, xs_ptr, ws_ptr, out_desc, M, N, K, HAS_BIAS: tl.constexpr,
-                         SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
+    def _swiglu_tma_body(x_desc, w_desc, b_ptr, xs_ptr, ws_ptr, out_desc, lengths_ptr, out_scale_ptr, bound, M, N,
+                         K, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, QUANT_OUT: tl.constexpr,
+                         ROUND_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
         """Persistent: NUM_SMS programs walk the output tiles, each loop flattened so that the next tile's loads
         overlap this tile's activation and store. ``w_desc`` views the weight as [2, N, K] (gate rows, up rows):
         one copy-engine load brings the gate and the up tile of the same columns, and one [BLOCK_M, 2 * BLOCK_N]
         dot computes both (one wide tensor-core instruction per step, not two narrow ones). The accumulator's
         halves are the gate and the up projection. ``SCALED`` (float8 tiles): the accumulator times each row's
-        ``xs`` and each column's ``ws`` first. Past the edges the copy engine reads zeros and the store drops what
-        lies outside."""
+        ``xs`` and each column's ``ws`` first. ``QUANT_OUT`` (float8 output): row t's products are quantized under
+        the bound ``bound * lengths[t]`` (``swiglu_matmul_fp8_out``), and the programs of the first column block
+        store the rows' scales. Past the edges the copy engine reads zeros and the store drops what lies
+        outside."""
         tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         steps = tl.cdiv(K, BLOCK_K)
         stored = tl.program_id(0) - NUM_SMS  # the epilogue's tile, counted apart from the loads' (as Triton's
@@ -226,13 +289,20 @@ if triton is not None:
             pid_m, pid_n = grouped_tile(stored, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             gate, up = tl.split(tl.permute(tl.reshape(both, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             if SCALED:
-                rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
                 row_scale = tl.load(xs_ptr + rows, mask=rows < M, other=0.0)[:, None]
                 gate = gate * row_scale * tl.load(ws_ptr + cols, mask=cols < N, other=0.0)[None, :]
                 up = up * row_scale * tl.load(ws_ptr + N + cols, mask=cols < N, other=0.0)[None, :]
-            activated = _activate(gate, up, b_ptr, cols, cols < N, out_desc.dtype, HAS_BIAS, N)
-            out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], activated)
+            if QUANT_OUT:
+                activated = _activate(gate, up, b_ptr, cols, cols < N, tl.bfloat16, HAS_BIAS, N)
+                row_bound = tl.maximum(tl.load(lengths_ptr + rows, mask=rows < M, other=0.0) * bound, _MIN_AMAX)
+                activated = bounded_codes(activated, row_bound[:, None], ROUND_FIRST)
+                if pid_n == 0:
+                    tl.store(out_scale_ptr + rows, bounded_scale(row_bound), mask=rows < M)
+            else:
+                activated = _activate(gate, up, b_ptr, cols, cols < N, out_desc.dtype, HAS_BIAS, N)
+            out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], activated.to(out_desc.dtype))
 
     def _set_block_shapes(nargs: dict) -> None:
         """Each tuning config's tile shapes into the descriptors (they are built before a config is chosen)."""
@@ -278,6 +348,13 @@ if triton is not None:
     _swiglu_matmul_kernel = triton.autotune(_CONFIGS, key=["M", "N", "K"])(triton.jit(_swiglu_matmul_body))
     _swiglu_tma_kernel = triton.autotune(_TMA_CONFIGS, key=["M", "N", "K"])(triton.jit(_swiglu_tma_body))
     _swiglu_tma_fp8_kernel = triton.autotune(_TMA_FP8_CONFIGS, key=["M", "N", "K"])(triton.jit(_swiglu_tma_body))
+    # float8 output: the epilogue's tile takes half the shared memory of a bf16 one, which leaves room for a fourth
+    # stage of 128-deep tiles (4 x 48 KB + 16 KB).
+    _TMA_FP8_OUT_CONFIGS = [*_TMA_FP8_CONFIGS, triton.Config(
+        {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=8, num_stages=4,
+        pre_hook=_set_block_shapes)]
+    _swiglu_tma_fp8_out_kernel = triton.autotune(_TMA_FP8_OUT_CONFIGS, key=["M", "N", "K"])(
+        triton.jit(_swiglu_tma_body))
     # The interpreter runs one small tile: tuning there would only multiply the test time.
     _INTERPRETED = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}
     _swiglu_matmul_kernel_interpreted = triton.autotune(

@@ -9,13 +9,20 @@ Per layer (``PackedDecoder`` with ``fp8``):
                                                          sum to 1, so a row of a is a convex combination of v's)
     a, sa  = attention(q, k, v; b)                       bf16 inside; float8 codes out, one scale b / 448 a row
     o      = fp8_matmul(a, Wo; sa, sWo)                  cuBLAS's scaled FP8 GEMM, bf16 out
-    x, sx  = add_rms_norm_quant(hidden, o, post_norm)    hidden += o, RMSNorm, quantization: one kernel
-    h      = swiglu_matmul(x, Wgate_up; sx, sWgate_up)   FP8 GEMM, scales and SwiGLU in its epilogue, bf16 out
-    d      = fp8_matmul(quant(h), Wdown)                 added by the next layer's add_rms_norm_quant
+    x, sx, n  = add_rms_norm_quant(hidden, o, post_norm)  hidden += o, RMSNorm, quantization, each row's squared
+                                                         length n: one kernel
+    h, sh  = swiglu_matmul_fp8_out(x, Wgate_up; sx, sWgate_up; n)
+                                                         FP8 GEMM, scales and SwiGLU in its epilogue, float8
+                                                         codes out under a bound of each row (n times the
+                                                         weight's swiglu_bound)
+    d      = fp8_matmul(h, Wdown; sh, sWdown)            added by the next layer's add_rms_norm_quant
 
 $RERANKIT_FP8_PROJECTIONS picks which of the four projections are FP8 (``engine.fp8.projections``: by default
 o and down stay bf16 on narrow models, where their quantization pass costs more than FP8 saves); a bf16 projection
 runs as the bf16 engine runs it (o and down accumulate into the residual stream in cuBLAS).
+
+Where down stays bf16 (or gate/up has a bias, or no copy engine runs the fused kernel), the SwiGLU GEMM writes bf16
+h, and an FP8 down projection quantizes it per row in a pass.
 
 The o projection's input is scaled by the bound b rather than per row: e4m3 keeps 3 bits of mantissa at any
 magnitude, so a scale that only bounds the row costs precision only in rows below b's 2^-15 (subnormals), and
@@ -55,7 +62,13 @@ from rerankit.kernels.fp8_quant import (
 from rerankit.kernels.qkv_rope_matmul import qkv_rope_matmul, qkv_rope_matmul_reference
 from rerankit.kernels.qkv_rope_matmul import takes_tma as qkv_takes_tma
 from rerankit.kernels.rms_norm import rms_norm, rms_norm_reference
-from rerankit.kernels.swiglu_matmul import swiglu_matmul, swiglu_matmul_reference
+from rerankit.kernels.swiglu_matmul import (
+    swiglu_bound,
+    swiglu_matmul,
+    swiglu_matmul_fp8_out,
+    swiglu_matmul_fp8_out_reference,
+    swiglu_matmul_reference,
+)
 from rerankit.kernels.swiglu_matmul import takes_tma as swiglu_takes_tma
 
 # The PackedDecoderLayer attribute of each fused projection, and the transformers modules fused into it.
@@ -80,14 +93,15 @@ class Fp8Ops:
     qkv_rope: Callable
     abs_max: Callable
     quant_bounded: Callable
+    swiglu_fp8_out: Callable
     kernels: bool
 
 
 KERNELS = Fp8Ops(rms_norm_quant, add_rms_norm_quant, rms_norm, quantize_rows, fp8_matmul, swiglu_matmul,
-                 qkv_rope_matmul, abs_max, quantize_bounded, kernels=True)
+                 qkv_rope_matmul, abs_max, quantize_bounded, swiglu_matmul_fp8_out, kernels=True)
 REFERENCE = Fp8Ops(rms_norm_quant_reference, add_rms_norm_quant_reference, rms_norm_reference, quantize_rows_reference,
                    fp8_matmul_reference, swiglu_matmul_reference, qkv_rope_matmul_reference, abs_max_reference,
-                   quantize_bounded_reference, kernels=False)
+                   quantize_bounded_reference, swiglu_matmul_fp8_out_reference, kernels=False)
 
 
 @torch.no_grad()  # else each scale's autograd graph keeps float32 copies of its weight alive (8 bytes a weight)
@@ -106,6 +120,8 @@ def quantize_layers(layers: nn.ModuleList, hf_layers: nn.ModuleList,
             setattr(layer, f"{name}_weight", nn.Parameter(torch.cat([codes for codes, _ in parts]),
                                                           requires_grad=False))
             layer.register_buffer(f"{name}_scale", torch.cat([scale for _, scale in parts]), persistent=False)
+            if name == "gate_up":  # what bounds the SwiGLU's products per squared length of x
+                layer.gate_up_bound = swiglu_bound(layer.gate_up_weight, layer.gate_up_scale)
             for module in modules:  # the packed layer no longer reads them; nor can the transformers model
                 module.weight.data = module.weight.data.new_empty(0)
 
@@ -116,14 +132,14 @@ def is_fp8_weight(weight: torch.Tensor) -> bool:
 
 
 def _normed(hidden: torch.Tensor, pending: torch.Tensor | None, norm: torch.Tensor, weight: torch.Tensor, eps: float,
-            ops: Fp8Ops) -> tuple[torch.Tensor, torch.Tensor | None]:
+            ops: Fp8Ops, sumsq: bool = False) -> tuple:
     """``pending`` (an FP8 projection's output, or None) added onto ``hidden`` in place, then the RMSNorm as the
-    projection ``weight`` takes it: float8 codes and scales (the add, norm and quantization in one kernel), or bf16
-    and None."""
+    projection ``weight`` takes it: float8 codes and scales (the add, norm and quantization in one kernel; with
+    ``sumsq``, the rows' squared lengths too), or bf16 and None."""
     if is_fp8_weight(weight):
         if pending is not None:
-            return ops.add_norm_quant(hidden, pending, norm, eps)
-        return ops.norm_quant(hidden, norm, eps)
+            return ops.add_norm_quant(hidden, pending, norm, eps, sumsq=sumsq)
+        return ops.norm_quant(hidden, norm, eps, sumsq=sumsq)
     if pending is not None:
         hidden.add_(pending)
     return ops.norm(hidden, norm, eps), None
@@ -185,6 +201,12 @@ def residual_projection(hidden: torch.Tensor, x: Attended, layer: nn.Module, nam
     return None
 
 
+def quantizes_swiglu(layer: nn.Module) -> bool:
+    """Whether the SwiGLU GEMM writes float8 codes for the down projection (``swiglu_matmul_fp8_out``): gate/up
+    and down in FP8, and gate/up without a bias (its bound does not cover one)."""
+    return is_fp8_weight(layer.gate_up_weight) and is_fp8_weight(layer.down_weight) and layer.gate_up_bias is None
+
+
 def output_and_mlp(attended: Attended, hidden: torch.Tensor, layer: nn.Module, eps: float, ops: Fp8Ops,
                    bound: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The rest of the layer: o projection (of the attention's bf16 output, quantized under ``bound``, or of its
@@ -193,7 +215,14 @@ def output_and_mlp(attended: Attended, hidden: torch.Tensor, layer: nn.Module, e
     kernel adds it, or the forward after its last layer."""
     rows = (attended[0].flatten(1), attended[1]) if isinstance(attended, tuple) else attended.flatten(1)
     pending = residual_projection(hidden, rows, layer, "o", ops, bound)
-    x, x_scale = _normed(hidden, pending, layer.post_norm, layer.gate_up_weight, eps, ops)
+    if quantizes_swiglu(layer):  # the SwiGLU GEMM writes the down projection's float8 input itself
+        x, x_scale, lengths = _normed(hidden, pending, layer.post_norm, layer.gate_up_weight, eps, ops, sumsq=True)
+        if not ops.kernels or swiglu_takes_tma(x, layer.gate_up_weight):
+            activated = ops.swiglu_fp8_out(x, layer.gate_up_weight, x_scale, layer.gate_up_scale, lengths,
+                                           layer.gate_up_bound)
+            return hidden, residual_projection(hidden, activated, layer, "down", ops)
+    else:
+        x, x_scale = _normed(hidden, pending, layer.post_norm, layer.gate_up_weight, eps, ops)
     w_scale = getattr(layer, "gate_up_scale", None) if x_scale is not None else None
     if ops.kernels and not swiglu_takes_tma(x, layer.gate_up_weight):  # no copy engine: cuBLAS, then the activation
         projected = fp8_matmul(x, x_scale, layer.gate_up_weight, w_scale, layer.gate_up_bias) \
