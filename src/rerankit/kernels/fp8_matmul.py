@@ -18,6 +18,12 @@ from rerankit.kernels import cuda_capability
 from rerankit.kernels.fp8_quant import FP8_DTYPE
 
 SCALED_MM_MULTIPLE = 16  # cuBLAS's FP8 GEMM takes K and N in multiples of 16
+# cuBLAS's fast accumulation, off: on Hopper the FP8 tensor cores accumulate in reduced precision, and cuBLAS adds
+# their partial sums into float32 every few steps unless asked not to (Triton's FP8 dots, the SwiGLU and q/k/v
+# GEMMs, never do: max_num_imprecise_acc is 2^30 on compute capability 9.0). H100, 2026-11-27,
+# ``benchmarks/fp8_accumulation.py`` (both settings in one process, alternating): 4B 453.4 pairs/s off, 454.1 on;
+# 8B 269.9 off, 269.8 on. No speed to gain for the precision.
+FAST_ACCUM = False
 
 
 def _check(x: Tensor, x_scale: Tensor, weight: Tensor, w_scale: Tensor, bias: Tensor | None) -> None:
@@ -67,5 +73,6 @@ def fp8_matmul(x: Tensor, x_scale: Tensor, weight: Tensor, w_scale: Tensor, bias
         return fp8_matmul_reference(x, x_scale, weight, w_scale, bias, out_dtype)
     _check(x, x_scale, weight, w_scale, bias)
     out = torch._scaled_mm(x.contiguous(), weight.t(), scale_a=x_scale[:, None].contiguous(),
-                           scale_b=w_scale[None, :].contiguous(), out_dtype=out_dtype)
+                           scale_b=w_scale[None, :].contiguous(), out_dtype=out_dtype,
+                           use_fast_accum=FAST_ACCUM)
     return out if bias is None else out.add_(bias)
