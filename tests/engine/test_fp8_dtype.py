@@ -88,6 +88,11 @@ def test_fp8_kernels_in_the_interpreter_follow_the_reference_steps(tiny_qwen3_lm
     kernels = torch.tensor(backend.score(request()).scores)
     assert passes == []  # neither down's nor o's input took a quantization pass
     torch.testing.assert_close(kernels, reference, atol=5e-3, rtol=0)
+    # without the copy engine (Ada) gate/up goes through cuBLAS and down's input through a pass, one a layer
+    monkeypatch.setattr(fp8_layers, "swiglu_takes_tma", lambda *args: False)
+    fallback = torch.tensor(backend.score(request()).scores)
+    assert passes == ["rows"] * len(model.layers)  # one micro-batch on the CPU
+    torch.testing.assert_close(fallback, reference, atol=5e-3, rtol=0)
 
 
 def test_fp8_projections_can_be_chosen(tiny_qwen3_lm, reference_mode, monkeypatch):
