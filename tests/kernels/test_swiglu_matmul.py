@@ -82,7 +82,7 @@ def test_gpu_float32_takes_the_pointer_kernel():
     x = torch.randn(300, 64, device="cuda")
     weight = torch.randn(96, 64, device="cuda") / 8
     assert not kernels.takes_tma(x, weight) and kernels.takes_tma(x.bfloat16(), weight.bfloat16())
-    with pytest.raises(ValueError, match="16-bit inputs"):
+    with pytest.raises(ValueError, match=r"16-bit \(or float8\) inputs"):
         kernels.swiglu_matmul(x, weight, tma=True)
     torch.testing.assert_close(kernels.swiglu_matmul(x, weight), swiglu_matmul_reference(x, weight),
                                atol=2e-2, rtol=2e-2)  # tf32 dots
