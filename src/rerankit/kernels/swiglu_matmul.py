@@ -22,7 +22,8 @@ Two kernels:
 bf16): the descriptor kernel only (Hopper on, or the interpreter). FP8 tiles feed ``tl.dot`` with a float32
 accumulator, the scales multiply it in the epilogue before the bias and the activation; tiles 128 deep in K (one
 byte an element: the same shared memory as the 16-bit kernel's 64). Where it does not apply (no copy engine: Ada)
-``swiglu_matmul`` computes the reference.
+``swiglu_matmul`` computes the reference. ``swiglu_matmul_fp8_out`` gives float8 codes instead, for an FP8 down
+projection: each row quantized in the epilogue under a bound known before the GEMM (see its docstring).
 
 The Triton kernels run on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1; anything else falls back to
 ``swiglu_matmul_reference``.
@@ -349,7 +350,8 @@ if triton is not None:
     _swiglu_tma_kernel = triton.autotune(_TMA_CONFIGS, key=["M", "N", "K"])(triton.jit(_swiglu_tma_body))
     _swiglu_tma_fp8_kernel = triton.autotune(_TMA_FP8_CONFIGS, key=["M", "N", "K"])(triton.jit(_swiglu_tma_body))
     # float8 output: the epilogue's tile takes half the shared memory of a bf16 one, which leaves room for a fourth
-    # stage of 128-deep tiles (4 x 48 KB + 16 KB).
+    # stage of 128-deep tiles (4 x 48 KB + 16 KB). H100, benchmarks/swiglu_fp8_out.py: 4 stages 0.720 ms against
+    # 0.729 for 3 on the 4B MLP at 8k tokens; 3 ahead at 4k (0.343 against 0.350) and on 8B (0.671 against 0.684).
     _TMA_FP8_OUT_CONFIGS = [*_TMA_FP8_CONFIGS, triton.Config(
         {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=8, num_stages=4,
         pre_hook=_set_block_shapes)]
