@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 
 import httpx
@@ -56,6 +57,10 @@ class FakeServer:
         if path == "/v1/score":
             scores = [[doc_score(doc), 1 - doc_score(doc)] for doc in body["items"]]
             return httpx.Response(200, json={"scores": scores, "model": "served", "object": "scoring"})
+        if path == "/v1/ranking":  # NIM: a logit a passage, best first
+            logits = [doc_score(passage["text"]) for passage in body["passages"]]
+            order = sorted(range(len(logits)), key=lambda i: -logits[i])
+            return httpx.Response(200, json={"rankings": [{"index": i, "logit": logits[i]} for i in order]})
         if path in ("/v2/rerank", "/v1/rerank", "/rerank"):
             docs = body.get("documents") or body.get("texts")
             ranked = sorted(range(len(docs)), key=lambda i: -doc_score(docs[i]))
@@ -159,6 +164,19 @@ def test_discovery_reads_what_the_server_publishes(paths, models, info, label_id
         response = remote.score(ScoreRequest(query="q", items=DOCS[:2], label_token_ids=label_ids))
     assert server.posts()[0].url.path == route
     assert response.scores == [doc_score(doc) for doc in DOCS[:2]]
+
+
+def test_discovery_finds_a_nim_by_its_published_ranking_path():
+    """NVIDIA NIM's /v1/models names no owner (its docs' example: ``{"id": "nvidia/llama-3.2-nv-rerankqa-1b-v2"}``):
+    /v1/ranking among the paths of its /openapi.json tells it apart; its logits come back through the sigmoid."""
+    server = FakeServer(openapi_paths=["/v1/ranking", "/v1/models", "/v1/health/ready", "/v1/health/live"],
+                        models=[{"id": "nvidia/llama-3.2-nv-rerankqa-1b-v2"}])
+    with backend(server) as remote:
+        response = remote.score(ScoreRequest(query="q", items=DOCS[:2]))
+        assert remote.model_name == "nvidia/llama-3.2-nv-rerankqa-1b-v2"
+    assert [r.url.path for r in server.posts()] == ["/v1/ranking"]
+    assert json.loads(server.posts()[0].content)["model"] == "nvidia/llama-3.2-nv-rerankqa-1b-v2"
+    assert response.scores == pytest.approx([1 / (1 + math.exp(-doc_score(doc))) for doc in DOCS[:2]])
 
 
 def test_discovery_is_cached_per_base_url():

@@ -1,5 +1,5 @@
-"""Which dialects a server speaks, read from what it publishes: the paths of ``/openapi.json``, the owner
-in ``/v1/models``, TEI's ``/info``; and, for a client told its dialect, only the served model from ``/v1/models``.
+"""Which dialects a server speaks, read from what it publishes: the paths of ``/openapi.json`` (NVIDIA NIM's
+``/v1/ranking`` among them), the owner in ``/v1/models``, TEI's ``/info``; and, for a client told its dialect, only the served model from ``/v1/models``.
 Results are cached per base URL for the life of the process.
 
 The probing is written once, as a generator that yields the path to GET and is sent back the ``Reply``;
@@ -53,7 +53,9 @@ def routes_from_paths(paths: Iterable[str]) -> list[Route]:
     routes += [("vllm-score", path) for path in ("/score", "/v1/score") if path in paths][:1]
     if routes:
         return routes
-    return [("cohere", path) for path in ("/v2/rerank", "/v1/rerank", "/rerank") if path in paths][:1]
+    routes = [("cohere", path) for path in ("/v2/rerank", "/v1/rerank", "/rerank") if path in paths][:1]
+    # NVIDIA NIM: its /v1/models names no owner, so only its published paths tell it apart
+    return routes or ([("nim", "/v1/ranking")] if "/v1/ranking" in paths else [])
 
 
 def _probe() -> Probe:
