@@ -51,11 +51,12 @@ def reference_mode() -> bool:
     return os.environ.get(REFERENCE_ENV, "").strip() == "1"
 
 
-# o and down in FP8 cost a quantization pass each (their inputs come from attention and the SwiGLU GEMM, not from a
-# norm whose kernel quantizes). H100, 2026-11-25, 26.6k tokens a layer (`benchmarks/fp8_matmul.py` beside the A/B
-# of `pairs.py --fp8-projections`): at hidden size 1,024 (0.6B) the pass + FP8 GEMM + add took 0.210 / 0.285 ms
-# (o / down) against 0.179 / 0.258 for bf16 GEMMs accumulating into the residual; at 2,560 (4B) 0.678 / 1.442
-# against 0.826 / 1.907. Below this hidden size the default leaves them bf16.
+# o and down in FP8 take their inputs quantized (the attention kernel and the SwiGLU GEMM write the codes), but their
+# bf16 outputs are added by the next norm kernel, where bf16 GEMMs add into the residual stream in cuBLAS's
+# epilogue. At hidden size 1,024 that costs more than FP8 saves: H100, 2026-11-27, `benchmarks/fp8_calls.py --shape
+# 0.6b --docs 100`: q/k/v and gate/up 2,421 / 2,393 pairs/s, with down too 2,323, with o and down too 2,395. At 2,560
+# (4B) they paid even with a quantization pass each (H100, 2026-11-25, 26.6k tokens: pass + FP8 GEMM + add 0.678 /
+# 1.442 ms a layer for o / down, against 0.826 / 1.907 for bf16). Below this hidden size the default leaves them bf16.
 RESIDUAL_FP8_MIN_HIDDEN = 2048
 
 

@@ -18,7 +18,7 @@ Per layer (``PackedDecoder`` with ``fp8``):
     d      = fp8_matmul(h, Wdown; sh, sWdown)            added by the next layer's add_rms_norm_quant
 
 $RERANKIT_FP8_PROJECTIONS picks which of the four projections are FP8 (``engine.fp8.projections``: by default
-o and down stay bf16 on narrow models, where their quantization pass costs more than FP8 saves); a bf16 projection
+o and down stay bf16 on narrow models, where FP8 saves less than their output's add costs); a bf16 projection
 runs as the bf16 engine runs it (o and down accumulate into the residual stream in cuBLAS).
 
 Where down stays bf16 (or gate/up has a bias, or no copy engine runs the fused kernel), the SwiGLU GEMM writes bf16
