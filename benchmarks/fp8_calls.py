@@ -7,11 +7,16 @@ PYTHONPATH), alternating, on the same GPU; the model folder is built once and sh
 
 Each run warms up with three calls, then prints the medians of three rounds of 15 calls (W1's query and its
 ``--docs`` documents, as ``pairs.py`` builds them). ``$RERANKIT_FP8_PROJECTIONS`` picks the projections.
+
+``--projections "qkv,gate_up;qkv,gate_up,down"`` loads one backend per choice of projections in the one process
+and alternates them round by round (``--rounds`` each): an A/B of defaults without the spread between processes.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import random
 import statistics
 import sys
@@ -31,6 +36,9 @@ def main() -> None:
     parser.add_argument("--build", action="store_true", help="build the model folder and stop")
     parser.add_argument("--docs", type=int, default=32, help="documents of the query (W1 has 100)")
     parser.add_argument("--tag", default="", help="a name for this build in the output line")
+    parser.add_argument("--projections", default=None,
+                        help="semicolon-separated choices of $RERANKIT_FP8_PROJECTIONS, alternated in one process")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="rounds of 15 calls for each backend")
     args = parser.parse_args()
     if args.build:
         build_decoder_dir(Path(args.root), args.shape)
@@ -42,13 +50,22 @@ def main() -> None:
     folder = Path(args.root) / f"qwen3-reranker-{args.shape}-random"
     words = single_token_words(AutoTokenizer.from_pretrained(folder))
     requests = requests_of(decoder_workloads(words, random.Random(0), {"W1"}, args.docs)[0], True)
-    backend = EmbeddedBackend(str(folder), device="cuda", dtype="fp8")
-    for _ in range(WARM_UP_CALLS):
-        backend.score_batch(requests)
-    rates = [args.docs / statistics.median(time_call(lambda: backend.score_batch(requests), CALLS))
-             for _ in range(ROUNDS)]
-    print(f"fp8 {args.shape} {args.tag} pairs/s {' '.join(f'{rate:.1f}' for rate in rates)} "
-          f"median {statistics.median(rates):.1f}", flush=True)
+    choices = args.projections.split(";") if args.projections is not None else [None]
+    backends = {}
+    for choice in choices:
+        if choice is not None:
+            os.environ["RERANKIT_FP8_PROJECTIONS"] = choice  # read when the backend loads
+        backends[choice] = EmbeddedBackend(str(folder), device="cuda", dtype="fp8")
+        for _ in range(WARM_UP_CALLS):
+            backends[choice].score_batch(requests)
+    rates: dict = {choice: [] for choice in choices}
+    for _ in range(args.rounds):
+        for choice, backend in backends.items():
+            call = functools.partial(backend.score_batch, requests)
+            rates[choice].append(args.docs / statistics.median(time_call(call, CALLS)))
+    for choice, values in rates.items():
+        print(f"fp8 {args.shape} {args.tag or choice or ''} pairs/s {' '.join(f'{rate:.1f}' for rate in values)} "
+              f"median {statistics.median(values):.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -53,10 +53,12 @@ def reference_mode() -> bool:
 
 # o and down in FP8 take their inputs quantized (the attention kernel and the SwiGLU GEMM write the codes), but their
 # bf16 outputs are added by the next norm kernel, where bf16 GEMMs add into the residual stream in cuBLAS's
-# epilogue. At hidden size 1,024 that costs more than FP8 saves: H100, 2026-11-27, `benchmarks/fp8_calls.py --shape
-# 0.6b --docs 100`: q/k/v and gate/up 2,421 / 2,393 pairs/s, with down too 2,323, with o and down too 2,395. At 2,560
-# (4B) they paid even with a quantization pass each (H100, 2026-11-25, 26.6k tokens: pass + FP8 GEMM + add 0.678 /
-# 1.442 ms a layer for o / down, against 0.826 / 1.907 for bf16). Below this hidden size the default leaves them bf16.
+# epilogue. At hidden size 1,024 that leaves a gain of ~2% at most, for a larger deviation from float32: H100,
+# 2026-11-27, `benchmarks/fp8_calls.py --shape 0.6b --docs 100 --rounds 5 --projections ...` (one process,
+# alternating): q/k/v and gate/up 2,392 pairs/s, with down too 2,439, with o and down too 2,388, rounds spreading by
+# 5%. At 2,560 (4B) they paid even with a quantization pass each (H100, 2026-11-25, 26.6k tokens: pass + FP8 GEMM
+# + add 0.678 / 1.442 ms a layer for o / down, against 0.826 / 1.907 for bf16). Below this hidden size the default
+# leaves them bf16.
 RESIDUAL_FP8_MIN_HIDDEN = 2048
 
 
