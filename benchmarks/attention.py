@@ -10,7 +10,7 @@ sweep result is printed as a JSON line as soon as it is measured, then one "best
     PYTHONPATH=src python benchmarks/attention.py --out bench_out/attention.json [--sweep] [--sweep-only]
         [--sweep-set all|tma|tiles|wide|defaults] [--workloads MIS 32k encoder]
 
-The default config is rerankit.kernels.prefix_attention.default_config, so RERANKIT_ATTENTION_CONFIG applies to
+The default config is rerankit.kernels.attention_config.default_config, so RERANKIT_ATTENTION_CONFIG applies to
 the "triton" backend rows and to the sweep's reference.
 """
 
@@ -30,8 +30,8 @@ from triton.testing import do_bench
 
 from rerankit.engine.attention import available_backends, build_block_mask, packed_attention
 from rerankit.engine.batch import PackedBatch
-from rerankit.kernels.prefix_attention import (CUDA_DEFAULT_CONFIG, CUDA_LONG_KEYS_CONFIG, AttentionConfig,
-                                               prefix_attention)
+from rerankit.kernels.attention_config import CUDA_DEFAULT_CONFIG, CUDA_LONG_KEYS_CONFIG, AttentionConfig
+from rerankit.kernels.prefix_attention import prefix_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from packs import pack_meta  # noqa: E402  (the tests' pack layouts)

@@ -110,7 +110,7 @@ def kernel_ab(workloads: list[Workload], backend: EmbeddedBackend, results: list
     """W1, W3 and LI call times in one process: the fused q/k kernel on/off and each attention tiling (eager), with
     and without CUDA graphs and the ramp-up, then the unfused residual projections and the fused SwiGLU GEMM."""
     from rerankit.engine.runner import graphed_forward
-    from rerankit.kernels.prefix_attention import CONFIG_ENV
+    from rerankit.kernels.attention_config import CONFIG_ENV
 
     runner = backend._runner
     model = runner.model

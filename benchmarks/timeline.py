@@ -45,7 +45,7 @@ from rerankit.engine import prefix_cache as prefix_cache_module  # noqa: E402
 from rerankit.engine.backend import _Call  # noqa: E402
 from rerankit.engine.graphs import MAX_GRAPH_TOKENS  # noqa: E402
 from rerankit.engine.runner import graphed_forward  # noqa: E402
-from rerankit.kernels.prefix_attention import CONFIG_ENV  # noqa: E402
+from rerankit.kernels.attention_config import CONFIG_ENV  # noqa: E402
 
 @dataclass(frozen=True)
 class Setting:

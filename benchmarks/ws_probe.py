@@ -32,7 +32,8 @@ import triton.language as tl
 from triton.testing import do_bench
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from rerankit.kernels.prefix_attention import CUDA_DEFAULT_CONFIG, prefix_attention
+from rerankit.kernels.attention_config import CUDA_DEFAULT_CONFIG
+from rerankit.kernels.prefix_attention import prefix_attention
 from rerankit.kernels.swiglu_matmul import _tile, swiglu_matmul, swiglu_matmul_reference  # _tile: tile order
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

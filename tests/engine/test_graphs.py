@@ -44,7 +44,7 @@ def test_graph_keys_round_tokens_up_and_count_the_padding_sequence():
 def test_batches_whose_queries_see_many_keys_get_graphs_of_their_own():
     """The attention tile is chosen from ``keys_per_query`` when the graph is captured: a batch past the long-keys
     threshold gets a key (and an empty capture batch) that picks the long-keys tile."""
-    from rerankit.kernels.prefix_attention import CUDA_LONG_KEYS_CONFIG, LONG_KEYS_PER_QUERY, default_config
+    from rerankit.kernels.attention_config import CUDA_LONG_KEYS_CONFIG, LONG_KEYS_PER_QUERY, default_config
 
     short = pack(random_sequences([7, 19, 1, 12]))
     long = dataclasses.replace(short, keys_per_query=float(LONG_KEYS_PER_QUERY))

@@ -7,7 +7,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernel's import
 
-from rerankit.kernels.prefix_attention import (  # noqa: E402
+from rerankit.kernels.attention_config import (  # noqa: E402
     CONFIG_ENV,
     CPU_DEFAULT_CONFIG,
     CUDA_DEFAULT_CONFIG,
@@ -16,9 +16,8 @@ from rerankit.kernels.prefix_attention import (  # noqa: E402
     AttentionConfig,
     default_config,
     parse_config,
-    prefix_attention,
-    prefix_attention_reference,
 )
+from rerankit.kernels.prefix_attention import prefix_attention, prefix_attention_reference  # noqa: E402
 from rerankit.kernels.prefix_attention_ws import takes_ws  # noqa: E402
 from packs import pack_meta  # noqa: E402
 

@@ -32,7 +32,7 @@ class PackedBatch:
     causal:        True for decoders; False for bidirectional encoders (MIS is never used there).
     token_type_ids:[T] int64 segment ids for BERT-style pair encoders, else None.
     keys_per_query: mean number of keys a token attends to under the mask (on the host; 0 when not known): the
-                   attention kernel picks its tiles by it (``rerankit.kernels.prefix_attention.default_config``).
+                   attention kernel picks its tiles by it (``rerankit.kernels.attention_config.default_config``).
     cached_head:   [C] int64 ids (on the host) of a prefix head whose keys and values the runner keeps from an
                    earlier forward (``engine.prefix_cache``), or None. Sequences with ``cached_lens[b] = C`` begin
                    with that head: its tokens are not in the batch, their positions start at C, and they attend to

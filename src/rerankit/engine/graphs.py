@@ -33,7 +33,7 @@ import torch
 
 from rerankit.engine.batch import PackedBatch
 from rerankit.engine.prefix_cache import CachedKV
-from rerankit.kernels.prefix_attention import LONG_KEYS_PER_QUERY, takes_long_keys_tile
+from rerankit.kernels.attention_config import LONG_KEYS_PER_QUERY, takes_long_keys_tile
 
 # Steps of 256 tokens up to 2,048, then of 512 up to 8,192, then of 1,024: a batch pays for at most ~10% of padding
 # above 2k tokens (W3's 5.4k tokens in powers of two padded to 8,192 ran as slowly as eager launches).

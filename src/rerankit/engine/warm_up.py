@@ -24,7 +24,7 @@ from rerankit.engine.batch import PackedBatch
 from rerankit.engine.encode import Sequence
 from rerankit.engine.graphs import TOKEN_BUCKETS, graph_key
 from rerankit.engine.plan import pack
-from rerankit.kernels.prefix_attention import LONG_KEYS_PER_QUERY
+from rerankit.kernels.attention_config import LONG_KEYS_PER_QUERY
 
 log = logging.getLogger("rerankit.engine")
 

@@ -52,18 +52,7 @@ import triton
 import triton.language as tl
 
 from rerankit.kernels import rows_take_tma
-from rerankit.kernels.attention_config import (  # noqa: F401 - the configs' names, also reached from here
-    CONFIG_ENV,
-    CPU_DEFAULT_CONFIG,
-    CUDA_BIDIRECTIONAL_CONFIG,
-    CUDA_DEFAULT_CONFIG,
-    CUDA_LONG_KEYS_CONFIG,
-    LONG_KEYS_PER_QUERY,
-    AttentionConfig,
-    default_config,
-    parse_config,
-    takes_long_keys_tile,
-)
+from rerankit.kernels.attention_config import AttentionConfig, default_config
 from rerankit.kernels.fp8_quant import _INTERPRET, FP8_DTYPE, bounded_codes, bounded_scale, quantize_bounded
 
 try:
