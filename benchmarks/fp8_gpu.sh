@@ -3,7 +3,7 @@
 # on W1 (0.6B shape) and the 4B and 8B shapes (W1 with fewer docs there), each with its float32 fidelity check.
 # Results land in ${OUT:-gpu_out}. Stages: tests kernels w1 w4 (default: all; about 7 minutes on an H100 is the aim:
 # name fewer stages, or set FP8_W4_DOCS lower, when a call must be shorter). A stage's failure is printed and the
-# next stage runs. Eight files come back, each stage's full output (every row is a JSON line in it). Set-up as in
+# next stage runs. Nine files come back, each stage's full output (every row is a JSON line in it). Set-up as in
 # gpu_all.sh: carry .whl (pydantic & co. as cp312 wheels), then
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:.whl/minilm:src:tests && bash benchmarks/fp8_gpu.sh
@@ -32,6 +32,7 @@ has tests && TAIL=15 stage bf16_kernel_tests python3 -m pytest -q -m gpu -p no:c
   tests/kernels/test_swiglu_matmul.py tests/kernels/test_qkv_rope_matmul.py
 has kernels && TAIL=14 stage fp8_matmul python3 benchmarks/fp8_matmul.py
 has kernels && TAIL=20 stage swiglu_fp8_out python3 benchmarks/swiglu_fp8_out.py
+has kernels && TAIL=8 stage qkv_epilogue python3 benchmarks/qkv_epilogue.py
 # W1: the default projections (q/k/v and gate/up at 0.6B) beside all four
 has w1 && TAIL=30 stage pairs_fp8_w1 python3 benchmarks/pairs.py --workloads W1 --dtype fp8 \
   --fp8-projections ";qkv,o,gate_up,down"

@@ -245,11 +245,15 @@ if triton is not None:
     _qkv_rope_kernel = triton.autotune(_CONFIGS, key=["M", "N", "K", "HEAD_DIM", "NUM_HEADS", "NUM_KV_HEADS"],
                                        prune_configs_by={"early_config_prune": _prune})(triton.jit(_qkv_rope_body))
     # FP8 tiles take half the shared memory of 16-bit ones: the 16-bit configs' stages at twice the K depth, and
-    # 128-deep steps (a [256, 128] weight tile is 32 KB), and deeper pipelines: K = 1,024 is only 8-16 steps.
+    # 128-deep steps (a [256, 128] weight tile is 32 KB). Beside the stages, the epilogue holds the [128, 256] bf16
+    # output tile (64 KB) and the cos/sin shuffle (32 KB), so two heads fit 5 stages of 64-deep steps (221 KB) or 2
+    # of 128-deep ones (197 KB), not 7 or 3 (264 / 240 KB, over sm_90's 227 KB). H100, ms at 4k tokens of the 4B
+    # shape / W1's 26.6k of the 0.6B: (2, 64, 5) 0.119 / 0.277, (2, 64, 4) 0.121 / 0.277 (ahead at 4B's 8k: 0.254
+    # against 0.258), (2, 128, 2) 0.157 / 0.301, (1, 128, 4) 0.138 / 0.315.
     _FP8_CONFIGS = [
         triton.Config({"BLOCK_M": 128, "HEADS": heads, "BLOCK_K": block_k, "GROUP_M": 8}, num_warps=8,
                       num_stages=stages, pre_hook=_set_block_shapes)
-        for heads, block_k, stages in ((2, 64, 5), (2, 64, 7), (2, 128, 2), (2, 128, 3), (1, 128, 4))
+        for heads, block_k, stages in ((2, 64, 5), (2, 64, 4), (2, 128, 2), (1, 128, 4))
     ]
     _qkv_rope_fp8_kernel = triton.autotune(_FP8_CONFIGS, key=["M", "N", "K", "HEAD_DIM", "NUM_HEADS",
                                                                "NUM_KV_HEADS"],

@@ -337,7 +337,8 @@ if triton is not None:
                       pre_hook=_set_block_shapes),
     ]
     # FP8 tiles: one byte an element, so 128-deep K steps take the shared memory that 64-deep 16-bit ones took (three
-    # stages of [128, 128] x and [2, 128, 128] weight tiles: 144 KB). Not yet tuned on a GPU.
+    # stages of [128, 128] x and [2, 128, 128] weight tiles: 144 KB). The tuner picks among them per bucket of token
+    # counts (benchmarks/fp8_matmul.py, benchmarks/swiglu_fp8_out.py time each).
     _TMA_FP8_CONFIGS = [
         triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8}, num_warps=8, num_stages=3,
                       pre_hook=_set_block_shapes),
