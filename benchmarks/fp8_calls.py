@@ -10,6 +10,8 @@ Each run warms up with three calls, then prints the medians of three rounds of 1
 
 ``--projections "qkv,gate_up;qkv,gate_up,down"`` loads one backend per choice of projections in the one process
 and alternates them round by round (``--rounds`` each): an A/B of defaults without the spread between processes.
+``--env "RERANKIT_QKV_KERNEL=triton;"`` does the same for environment settings (each set while its backend loads,
+warms up and runs), e.g. the Triton q/k/v kernel against the warp-specialized one.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="a name for this build in the output line")
     parser.add_argument("--projections", default=None,
                         help="semicolon-separated choices of $RERANKIT_FP8_PROJECTIONS, alternated in one process")
+    parser.add_argument("--env", default=None,
+                        help="semicolon-separated choices of comma-separated NAME=VALUE settings, alternated in one "
+                             "process (an empty choice: the environment as it is)")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="rounds of 15 calls for each backend")
     args = parser.parse_args()
     if args.build:
@@ -50,19 +55,29 @@ def main() -> None:
     folder = Path(args.root) / f"qwen3-reranker-{args.shape}-random"
     words = single_token_words(AutoTokenizer.from_pretrained(folder))
     requests = requests_of(decoder_workloads(words, random.Random(0), {"W1"}, args.docs)[0], True)
-    choices = args.projections.split(";") if args.projections is not None else [None]
+    if args.projections is not None:  # read when the backend loads
+        choices = {choice: {"RERANKIT_FP8_PROJECTIONS": choice} for choice in args.projections.split(";")}
+    elif args.env is not None:  # read when the backend loads, or on each call
+        choices = {choice: dict(pair.split("=", 1) for pair in choice.split(",") if pair)
+                   for choice in args.env.split(";")}
+    else:
+        choices = {None: {}}
     backends = {}
-    for choice in choices:
-        if choice is not None:
-            os.environ["RERANKIT_FP8_PROJECTIONS"] = choice  # read when the backend loads
+    for choice, settings in choices.items():
+        os.environ.update(settings)
         backends[choice] = EmbeddedBackend(str(folder), device="cuda", dtype="fp8")
         for _ in range(WARM_UP_CALLS):
             backends[choice].score_batch(requests)
+        for name in settings:
+            os.environ.pop(name)
     rates: dict = {choice: [] for choice in choices}
     for _ in range(args.rounds):
         for choice, backend in backends.items():
+            os.environ.update(choices[choice])
             call = functools.partial(backend.score_batch, requests)
             rates[choice].append(args.docs / statistics.median(time_call(call, CALLS)))
+            for name in choices[choice]:
+                os.environ.pop(name)
     for choice, values in rates.items():
         print(f"fp8 {args.shape} {args.tag or choice or ''} pairs/s {' '.join(f'{rate:.1f}' for rate in values)} "
               f"median {statistics.median(values):.1f}", flush=True)

@@ -4,8 +4,10 @@
 Triton loads that table in a layout of its own and moves it into the accumulator's through shared memory (32 KB a
 tile), which also leaves no room for a third stage of 128-deep K steps. This times, ms (do_bench median, best tile
 config of each), the FP8 kernel at the Qwen3 shapes and token counts of W1 / W4 micro-batches, as:
-  shipped      ``qkv_rope_matmul`` (its tuned config);
-  table        the shipped kernel body over the configs below (the shipped one's own number, config by config);
+  shipped      ``qkv_rope_matmul``: from 2,048 tokens on sm_90 the warp-specialized Gluon kernel (``qkv_rope_ws``,
+               the table read in the accumulator's layout);
+  triton       ``qkv_rope_matmul`` with ``$RERANKIT_QKV_KERNEL=triton``: the Triton kernel, its tuned config;
+  table        the Triton kernel's body over the configs below, config by config;
   no-table     constant angles instead of the table: what a table load in the accumulator's layout would save at most;
   approx-trig  angles computed in the kernel (position x inverse frequency) with the SFU's sin/cos after one turn
                is taken off: no table, but outputs one bf16 step off the reference in ~1e-4 of the elements;
@@ -23,6 +25,7 @@ import argparse
 import importlib.util
 import inspect
 import json
+import os
 import tempfile
 import textwrap
 from pathlib import Path
@@ -36,7 +39,7 @@ from rerankit.kernels import qkv_rope_matmul as shipped_module
 from rerankit.kernels.fp8_matmul import fp8_matmul
 from rerankit.kernels.fp8_quant import quantize_rows_reference, rms_norm_quant
 from rerankit.kernels.qk_norm_rope import qk_norm_rope
-from rerankit.kernels.qkv_rope_matmul import qkv_rope_matmul, rope_table
+from rerankit.kernels.qkv_rope_matmul import KERNEL_ENV, qkv_rope_matmul, rope_table
 
 SHAPES = {"0.6b": (1024, 16), "4b": (2560, 32), "8b": (4096, 32)}  # hidden size, q heads (8 kv heads of 128)
 CASES = [("0.6b", 26624), ("0.6b", 4352), ("4b", 4096), ("4b", 8192), ("8b", 4096)]
@@ -109,7 +112,12 @@ def run_case(shape: str, tokens: int, kernels: dict) -> dict:
     rope = (heads, kv_heads, head_dim, cos, sin, q_norm, k_norm)
     shipped = lambda: qkv_rope_matmul(codes, weight, None, *rope, x_scale=x_scale, w_scale=w_scale)  # noqa: E731
     reference = shipped()
+    os.environ[KERNEL_ENV] = "triton"
+    triton_kernel = do_bench(shipped, return_mode="median")
+    triton_output = shipped()
+    del os.environ[KERNEL_ENV]
     row: dict = {"shape": shape, "tokens": tokens, "shipped": do_bench(shipped, return_mode="median"),
+                 "triton": triton_kernel, "shipped equals triton": bool(torch.equal(reference, triton_output)),
                  "scaled_mm": do_bench(lambda: fp8_matmul(codes, x_scale, weight, w_scale), return_mode="median"),
                  "scaled_mm+qk_norm_rope": do_bench(lambda: qk_norm_rope(
                      fp8_matmul(codes, x_scale, weight, w_scale), heads, kv_heads, head_dim, positions, inv_freq,
@@ -143,7 +151,7 @@ def run_case(shape: str, tokens: int, kernels: dict) -> dict:
         row[name] = min(time for time in times.values() if isinstance(time, float))
         row[f"{name} by config"] = times
     flop = 2 * tokens * hidden * width
-    row["tflops"] = {name: round(flop / row[name] / 1e9) for name in ("shipped", "scaled_mm", *kernels)}
+    row["tflops"] = {name: round(flop / row[name] / 1e9) for name in ("shipped", "triton", "scaled_mm", *kernels)}
     return row
 
 
@@ -159,7 +167,7 @@ def main() -> None:
     for shape, tokens in CASES:
         rows.append(run_case(shape, tokens, kernels))
         print(json.dumps(rows[-1]), flush=True)
-    names = ("shipped", *VARIANTS, "scaled_mm", "scaled_mm+qk_norm_rope")
+    names = ("shipped", "triton", *VARIANTS, "scaled_mm", "scaled_mm+qk_norm_rope")
     print(f"\n{'shape':<6}{'tokens':>7} | " + "".join(f"{name:>13}" for name in names) + "   (ms)")
     for row in rows:
         print(f"{row['shape']:<6}{row['tokens']:>7} | " + "".join(f"{row[name]:>13.4f}" for name in names))
