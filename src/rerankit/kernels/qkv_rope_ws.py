@@ -64,14 +64,15 @@ def available() -> bool:
 
 
 def takes_ws(x: torch.Tensor, weight: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Whether :func:`qkv_rope_ws` runs this projection: Gluon, an sm_90 device, float8 x and weight with K a
-    multiple of 16 bytes, heads of 128 in even numbers (a tile holds two q, two k or two v heads) and at least
-    ``MIN_TOKENS`` rows."""
+    """Whether :func:`qkv_rope_ws` runs this projection: Gluon, an sm_90 device, float8 x and weight, contiguous
+    and 16-byte aligned with K a multiple of 16 (the copy engine's rows), heads of 128 in even numbers (a tile holds
+    two q, two k or two v heads) and at least ``MIN_TOKENS`` rows."""
     if gluon is None or not x.is_cuda or x.dtype != FP8_DTYPE or weight.dtype != FP8_DTYPE:
         return False
     if cuda_capability(x.device)[0] != 9 or head_dim != 128 or num_heads % 2 or num_kv_heads % 2:
         return False
-    return x.shape[0] >= MIN_TOKENS and x.shape[1] % 16 == 0 and x.is_contiguous() and weight.is_contiguous()
+    return (x.shape[0] >= MIN_TOKENS and x.shape[1] % 16 == 0 and x.is_contiguous() and weight.is_contiguous()
+            and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
 
 
 if gluon is not None:
