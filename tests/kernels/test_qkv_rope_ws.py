@@ -83,3 +83,25 @@ def test_gpu_replays_from_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+
+
+def test_a_gluon_kernel_that_does_not_compile_gives_way_to_the_triton_kernel(monkeypatch, caplog):
+    """On a triton whose Gluon API differs, the first call logs the failure and the caller's Triton kernel runs;
+    later calls do not try the Gluon kernel again."""
+    from triton.compiler.errors import CompilationError
+
+    import rerankit.kernels as kernels
+
+    monkeypatch.setattr(kernels, "_GLUON_BROKEN", set())
+    tries = []
+
+    def broken():
+        tries.append(1)
+        raise CompilationError("gl.warp_specialize(...)", None, "unexpected keyword") from TypeError("old API")
+
+    with caplog.at_level("WARNING", logger="rerankit.engine"):
+        assert kernels.run_gluon("q/k/v GEMM", broken) is None
+        assert kernels.run_gluon("q/k/v GEMM", broken) is None
+    assert len(tries) == 1
+    assert "q/k/v GEMM kernel (Gluon) does not compile" in caplog.text and "TypeError: old API" in caplog.text
+    assert kernels.run_gluon("attention", lambda: "ran") == "ran"  # one kernel's failure does not stop the others

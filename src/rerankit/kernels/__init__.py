@@ -1,6 +1,7 @@
 """Triton kernels, one per module, each beside its plain-torch reference."""
 
 import functools
+import logging
 import threading
 
 import torch
@@ -68,3 +69,29 @@ def launch_tuned(kernel, key: tuple, grid, args: tuple, kwargs: dict, set_block_
         return
     set_block_shapes(config)
     kernel.fn[grid](*args, **kwargs, **config.all_kwargs())
+
+
+_GLUON_BROKEN: set[str] = set()  # Gluon kernels that failed to compile on this triton
+
+
+def run_gluon(name: str, launch):
+    """``launch()`` (a Gluon kernel's call), or None where it does not compile on this triton: Gluon's API moves
+    between releases (``gl.warp_specialize`` took other arguments before Triton 3.6), and a fast path that cannot
+    compile must not fail a call the Triton kernel can run. The first failure is logged and the kernel is not tried
+    again in this process; the caller then runs its Triton kernel."""
+    if name in _GLUON_BROKEN:
+        return None
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        return launch()
+    except (CompilationError, OutOfResources) as error:
+        import triton
+
+        _GLUON_BROKEN.add(name)
+        cause = error.__cause__ or error
+        logging.getLogger("rerankit.engine").warning(
+            "the %s kernel (Gluon) does not compile on triton %s, its Triton kernel runs instead: %s", name,
+            triton.__version__, f"{type(cause).__name__}: {str(cause).strip().splitlines()[-1][:300]}")
+        return None

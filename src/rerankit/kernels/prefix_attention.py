@@ -51,7 +51,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rerankit.kernels import rows_take_tma
+from rerankit.kernels import rows_take_tma, run_gluon
 from rerankit.kernels.attention_config import AttentionConfig, default_config
 from rerankit.kernels.fp8_quant import _INTERPRET, FP8_DTYPE, bounded_codes, bounded_scale, quantize_bounded
 
@@ -385,13 +385,14 @@ def prefix_attention(
         from rerankit.kernels import prefix_attention_ws  # Gluon, imported at first use (~30 ms of import time)
 
         if prefix_attention_ws.takes_ws(q, k, v, causal, reads, cached):
-            out = prefix_attention_ws.prefix_attention_ws(q, k, v, cu_seqlens, max_seqlen, prefix_lens, span_starts,
-                                                          scale, cached=cached,
-                                                          out=out if fp8_bound is None else None)
-            if fp8_bound is None:
-                return out
-            codes, scales = quantize_bounded(out.flatten(1), fp8_bound)  # its own pass after the Gluon kernel
-            return codes.view(out.shape), scales
+            got = run_gluon("attention", lambda: prefix_attention_ws.prefix_attention_ws(
+                q, k, v, cu_seqlens, max_seqlen, prefix_lens, span_starts, scale, cached=cached,
+                out=out if fp8_bound is None else None))
+            if got is not None and fp8_bound is None:
+                return got
+            if got is not None:
+                codes, scales = quantize_bounded(got.flatten(1), fp8_bound)  # its own pass after the Gluon kernel
+                return codes.view(got.shape), scales
     group = q_heads // kv_heads
     group_pad = triton.next_power_of_2(group)
     if reads is not None:  # one program per read token and kv head

@@ -29,7 +29,7 @@ import os
 import torch
 from torch import Tensor
 
-from rerankit.kernels import cuda_capability, launch_tuned, sm_count, takes_head_dim
+from rerankit.kernels import cuda_capability, launch_tuned, run_gluon, sm_count, takes_head_dim
 from rerankit.kernels.fp8_matmul import project_reference
 from rerankit.kernels.fp8_quant import FP8_DTYPE, check_scaled
 
@@ -116,8 +116,10 @@ def qkv_rope_matmul(x: Tensor, weight: Tensor, bias: Tensor | None, num_heads: i
         from rerankit.kernels import qkv_rope_ws  # Gluon's import: only where it may run
 
         if qkv_rope_ws.takes_ws(x, weight, num_heads, num_kv_heads, head_dim):
-            return qkv_rope_ws.qkv_rope_ws(x, weight, bias, num_heads, num_kv_heads, head_dim, cos, sin, q_norm,
-                                           k_norm, eps, x_scale, w_scale)
+            out = run_gluon("q/k/v GEMM", lambda: qkv_rope_ws.qkv_rope_ws(
+                x, weight, bias, num_heads, num_kv_heads, head_dim, cos, sin, q_norm, k_norm, eps, x_scale, w_scale))
+            if out is not None:
+                return out
     x, weight = x.contiguous(), weight.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
     tokens, width = x.shape[0], weight.shape[0]
