@@ -38,7 +38,12 @@ try:
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
-except ImportError:  # a triton without Gluon's Hopper ops: the Triton kernel serves every call
+
+    # Triton 3.6 names the copies async_copy_global_to_shared / async_copy_shared_to_global; later releases
+    # async_load / async_store (where the old names raise).
+    _load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+    _store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
+except (ImportError, AttributeError):  # a triton without Gluon's Hopper ops: the Triton kernel serves every call
     gluon = None
 
 BLOCK_M = 128  # tokens a tile: two consumer warpgroups of 64
@@ -50,13 +55,6 @@ CONSUMER_REGS = 232
 # Below this many tokens the Triton kernel runs (a tile or two a program, where the loader's head start matters
 # little and the launch's host time more).
 MIN_TOKENS = 2048
-
-if gluon is not None:
-    # Triton 3.6 names the copies async_copy_global_to_shared / async_copy_shared_to_global; later releases
-    # async_load / async_store (where the old names raise).
-    _load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
-    _store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
-
 
 def available() -> bool:
     """Whether this triton has the Gluon Hopper ops the kernel is written in."""
