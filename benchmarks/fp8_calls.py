@@ -17,6 +17,7 @@ warms up and runs), e.g. the Triton q/k/v kernel against the warp-specialized on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import random
@@ -29,6 +30,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pairs import build_decoder_dir, decoder_workloads, requests_of, single_token_words, time_call  # noqa: E402
 
 ROUNDS, CALLS, WARM_UP_CALLS = 3, 15, 3
+
+
+@contextlib.contextmanager
+def environment(settings: dict[str, str]):
+    """``settings`` in the environment for the block; each variable's earlier value (or absence) after it."""
+    before = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def main() -> None:
@@ -64,20 +80,16 @@ def main() -> None:
         choices = {None: {}}
     backends = {}
     for choice, settings in choices.items():
-        os.environ.update(settings)
-        backends[choice] = EmbeddedBackend(str(folder), device="cuda", dtype="fp8")
-        for _ in range(WARM_UP_CALLS):
-            backends[choice].score_batch(requests)
-        for name in settings:
-            os.environ.pop(name)
+        with environment(settings):
+            backends[choice] = EmbeddedBackend(str(folder), device="cuda", dtype="fp8")
+            for _ in range(WARM_UP_CALLS):
+                backends[choice].score_batch(requests)
     rates: dict = {choice: [] for choice in choices}
     for _ in range(args.rounds):
         for choice, backend in backends.items():
-            os.environ.update(choices[choice])
-            call = functools.partial(backend.score_batch, requests)
-            rates[choice].append(args.docs / statistics.median(time_call(call, CALLS)))
-            for name in choices[choice]:
-                os.environ.pop(name)
+            with environment(choices[choice]):
+                call = functools.partial(backend.score_batch, requests)
+                rates[choice].append(args.docs / statistics.median(time_call(call, CALLS)))
     for choice, values in rates.items():
         print(f"fp8 {args.shape} {args.tag or choice or ''} pairs/s {' '.join(f'{rate:.1f}' for rate in values)} "
               f"median {statistics.median(values):.1f}", flush=True)

@@ -25,7 +25,7 @@ import argparse
 import importlib.util
 import inspect
 import json
-import os
+import sys
 import tempfile
 import textwrap
 from pathlib import Path
@@ -40,6 +40,9 @@ from rerankit.kernels.fp8_matmul import fp8_matmul
 from rerankit.kernels.fp8_quant import quantize_rows_reference, rms_norm_quant
 from rerankit.kernels.qk_norm_rope import qk_norm_rope
 from rerankit.kernels.qkv_rope_matmul import KERNEL_ENV, qkv_rope_matmul, rope_table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fp8_calls import environment  # noqa: E402
 
 SHAPES = {"0.6b": (1024, 16), "4b": (2560, 32), "8b": (4096, 32)}  # hidden size, q heads (8 kv heads of 128)
 CASES = [("0.6b", 26624), ("0.6b", 4352), ("4b", 4096), ("4b", 8192), ("8b", 4096)]
@@ -112,10 +115,9 @@ def run_case(shape: str, tokens: int, kernels: dict) -> dict:
     rope = (heads, kv_heads, head_dim, cos, sin, q_norm, k_norm)
     shipped = lambda: qkv_rope_matmul(codes, weight, None, *rope, x_scale=x_scale, w_scale=w_scale)  # noqa: E731
     reference = shipped()
-    os.environ[KERNEL_ENV] = "triton"
-    triton_kernel = do_bench(shipped, return_mode="median")
-    triton_output = shipped()
-    del os.environ[KERNEL_ENV]
+    with environment({KERNEL_ENV: "triton"}):
+        triton_kernel = do_bench(shipped, return_mode="median")
+        triton_output = shipped()
     row: dict = {"shape": shape, "tokens": tokens, "shipped": do_bench(shipped, return_mode="median"),
                  "triton": triton_kernel, "shipped equals triton": bool(torch.equal(reference, triton_output)),
                  "scaled_mm": do_bench(lambda: fp8_matmul(codes, x_scale, weight, w_scale), return_mode="median"),

@@ -81,14 +81,15 @@ def run_gluon(name: str, launch):
     again in this process; the caller then runs its Triton kernel."""
     if name in _GLUON_BROKEN:
         return None
-    from triton.compiler.errors import CompilationError
-    from triton.runtime.errors import OutOfResources
-
     try:
         return launch()
-    except (CompilationError, OutOfResources) as error:
+    except Exception as error:  # the exception types are looked up only when one is raised (no imports a call)
         import triton
+        from triton.compiler.errors import CompilationError
+        from triton.runtime.errors import OutOfResources
 
+        if not isinstance(error, (CompilationError, OutOfResources)):
+            raise
         _GLUON_BROKEN.add(name)
         cause = error.__cause__ or error
         logging.getLogger("rerankit.engine").warning(

@@ -1,5 +1,6 @@
 """Which dialects a server speaks, read from what it publishes: the paths of ``/openapi.json`` (NVIDIA NIM's
-``/v1/ranking`` among them), the owner in ``/v1/models``, TEI's ``/info``; and, for a client told its dialect, only the served model from ``/v1/models``.
+``/v1/ranking`` among them), the owner in ``/v1/models``, TEI's ``/info``; and, for a client told its dialect, only
+the served model from ``/v1/models``.
 Results are cached per base URL for the life of the process.
 
 The probing is written once, as a generator that yields the path to GET and is sent back the ``Reply``;
