@@ -1,6 +1,6 @@
 """Where a call's wall time goes, without a profiler: host time to each micro-batch's launch, and the GPU's time.
 
-For W1, W3 and LI (``pairs.py``'s workloads, Qwen3-Reranker-0.6B shape, random weights), on the GPU:
+For W1, W3 and LI (``pairs.py``'s workloads, Qwen3-Reranker-0.6B shape by default, random weights), on the GPU:
   wall_ms        median wall time of a ``score_batch`` call (15 calls after 3 warm-ups);
   launches       for two instrumented calls, each micro-batch's (event, host ms, GPU ms, tokens): "enter" when the
                  runner is called for it (host clock) and when the GPU reaches that point of the stream (a CUDA event
@@ -18,6 +18,7 @@ ids kept or not, its keys and values kept or not, cut to whole key tiles or not)
 own (a graph keeps the kernels it was captured with).
 
     PYTHONPATH=src python benchmarks/timeline.py [--out timeline.json] [--ab [--rounds 3] [--settings ramp,norms]]
+        [--shape 4b --docs 32 --workloads W1] [--dtype fp8]
 """
 
 from __future__ import annotations
@@ -190,14 +191,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of --ab")
     parser.add_argument("--settings", default="", help="--ab: only the settings whose name contains one of these "
                         "comma-separated words (the default setting always runs)")
+    parser.add_argument("--shape", default="0.6b", help="the model shape (pairs.py's SHAPES: 0.6b, 4b, 8b)")
+    parser.add_argument("--dtype", default="bfloat16", help="the engine's dtype: bfloat16 or fp8")
+    parser.add_argument("--docs", type=int, default=100, help="W1's documents")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    folder = build_decoder_dir(Path(tempfile.mkdtemp(prefix="rerankit-timeline-")), "0.6b")
-    backend = EmbeddedBackend(str(folder), device="cuda", dtype="bfloat16")
+    folder = build_decoder_dir(Path(tempfile.mkdtemp(prefix="rerankit-timeline-")), args.shape)
+    backend = EmbeddedBackend(str(folder), device="cuda", dtype=args.dtype)
     loaded = backend._model()
     workloads = decoder_workloads(single_token_words(loaded.tokenizer), random.Random(0),
-                                  set(args.workloads.split(",")))
-    rows = [{"device": torch.cuda.get_device_name(), "torch": torch.__version__}]
+                                  set(args.workloads.split(",")), args.docs)
+    rows = [{"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": args.shape,
+             "dtype": args.dtype}]
     print(json.dumps(rows[0]), flush=True)
     with torch.inference_mode():
         if args.ab:
