@@ -12,10 +12,10 @@ For W1, W3 and LI (``pairs.py``'s workloads, Qwen3-Reranker-0.6B shape by defaul
 The profiler slows the host and so overstates the GPU's idle time; these numbers do not.
 
 ``--ab`` instead times wall_ms and gpu_bound_ms of each workload under each engine setting of ``AB_SETTINGS`` (model
-switches, attention kernel configs, the largest graphed micro-batch, the ramp-up's chunk sizes, the template head's
-ids kept or not, its keys and values kept or not, cut to whole key tiles or not), the settings interleaved over
-``--rounds`` rounds so that a drifting clock or host falls on all of them alike; each setting gets CUDA graphs of its
-own (a graph keeps the kernels it was captured with).
+switches, attention kernel configs, the largest graphed micro-batch, the micro-batch budget, the ramp-up's chunk
+sizes, the template head's ids kept or not, its keys and values kept or not, cut to whole key tiles or not), the
+settings interleaved over ``--rounds`` rounds so that a drifting clock or host falls on all of them alike; each
+setting gets CUDA graphs of its own (a graph keeps the kernels it was captured with).
 
     PYTHONPATH=src python benchmarks/timeline.py [--out timeline.json] [--ab [--rounds 3] [--settings ramp,norms]]
         [--shape 4b --docs 32 --workloads W1] [--dtype fp8]
@@ -63,6 +63,7 @@ class Setting:
     ramp: bool | None = None  # EmbeddedBackend's ramp-up: None where it pays, False never
     kept_multiple: int = prefix_cache_module.KEPT_HEAD_MULTIPLE  # a kept head is cut to a multiple of these tokens
     ramp_long_prefixes: bool = False  # ramp up requests whose instruction is long too (LI, its head kept)
+    max_batch_tokens: int | None = None  # the micro-batch budget (None: the backend's own)
 
 
 AB_SETTINGS = {
@@ -77,6 +78,9 @@ AB_SETTINGS = {
     "Triton tile for long keys (no warp-specialized attention)": Setting(attention="warp_specialized=0"),
     "no ramp-up": Setting(ramp=False),
     "graphs up to 16,384 tokens": Setting(graph_tokens=16384),
+    "graphs up to 24,576 tokens": Setting(graph_tokens=24576),
+    "budget of 8,192 tokens (every micro-batch graphed)": Setting(max_batch_tokens=8192),
+    "budget and graphs of 16,384 tokens": Setting(graph_tokens=16384, max_batch_tokens=16384),
     "ramp-up for long instructions too": Setting(ramp_long_prefixes=True),
     "kept heads uncut (no whole key tiles)": Setting(kept_multiple=1),
 }
@@ -91,6 +95,7 @@ def applied(setting: Setting, backend: EmbeddedBackend):
     ramp_chunks, head_ids = backend_module.RAMP_CHUNKS, encode._head_ids
     kept_multiple = prefix_cache_module.KEPT_HEAD_MULTIPLE
     ramp_pays = backend_module.EmbeddedBackend.__dict__["_ramp_pays"]  # the staticmethod itself
+    budget = backend.max_batch_tokens
     try:
         if setting.ramp_long_prefixes:
             backend_module.EmbeddedBackend._ramp_pays = staticmethod(lambda request: True)
@@ -103,6 +108,7 @@ def applied(setting: Setting, backend: EmbeddedBackend):
         if not setting.prefix_cache:
             runner.prefix_cache = None
         backend._ramp = setting.ramp
+        backend.max_batch_tokens = setting.max_batch_tokens or budget
         prefix_cache_module.KEPT_HEAD_MULTIPLE = setting.kept_multiple
         runner.graphs = graphed_forward(model, runner.device, setting.graph_tokens) if graphs is not None else None
         yield
@@ -113,6 +119,7 @@ def applied(setting: Setting, backend: EmbeddedBackend):
         backend_module.RAMP_CHUNKS, encode._head_ids = ramp_chunks, head_ids
         runner.graphs, runner.prefix_cache = graphs, prefix_cache
         backend._ramp = None
+        backend.max_batch_tokens = budget
         prefix_cache_module.KEPT_HEAD_MULTIPLE = kept_multiple
         backend_module.EmbeddedBackend._ramp_pays = ramp_pays
 
