@@ -20,6 +20,11 @@ def _cuda_available() -> bool:
 if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The interpreter without its repeated per-helper-call set-up (a no-op off the interpreter or on another triton).
+from interpreter_speedup import install as _install_interpreter_speedup  # noqa: E402
+
+_install_interpreter_speedup()
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if _cuda_available():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
 import threading
@@ -26,6 +27,37 @@ def loopback_listener() -> socket.socket:
     return listener
 
 
+class PromptServer(uvicorn.Server):
+    """uvicorn's server, whose main loop sees ``should_exit`` as soon as ``wake`` is called rather than at its next
+    0.1 s tick (uvicorn's own loop, otherwise: on_tick every 0.1 s). About 0.05 s off each of the ~90 servers
+    the tests stop."""
+
+    _loop: asyncio.AbstractEventLoop | None = None
+    _woken: asyncio.Event | None = None
+
+    async def main_loop(self) -> None:
+        self._woken = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        counter = 0
+        should_exit = await self.on_tick(counter)
+        while not should_exit:
+            counter = (counter + 1) % 864000
+            try:
+                await asyncio.wait_for(self._woken.wait(), 0.1)
+            except asyncio.TimeoutError:
+                pass
+            should_exit = await self.on_tick(counter)
+
+    def wake(self) -> None:
+        """Have the main loop look at ``should_exit`` now (from any thread)."""
+        loop, woken = self._loop, self._woken
+        if loop is not None and woken is not None:
+            try:
+                loop.call_soon_threadsafe(woken.set)
+            except RuntimeError:  # the loop has closed: the server is already gone
+                pass
+
+
 @contextmanager
 def serving(server: uvicorn.Server, listener: socket.socket) -> Iterator[threading.Thread]:
     """Run ``server`` on ``listener`` in a thread until the block ends; yields the thread once it has started."""
@@ -39,6 +71,8 @@ def serving(server: uvicorn.Server, listener: socket.socket) -> Iterator[threadi
         yield thread
     finally:
         server.should_exit = True
+        if isinstance(server, PromptServer):
+            server.wake()
         thread.join(10)
         listener.close()
 
@@ -49,8 +83,8 @@ def live_server(app: Any, config: ServerConfig | None = None, **options: Any) ->
     ``rerankit serve`` does (``options``: ``uvicorn_config``'s); yields the base URL."""
     listener = loopback_listener()
     options = {"log_level": "warning", **options}
-    server = uvicorn.Server(uvicorn_config(app, config or ServerConfig(), lifespan="on", timeout_graceful_shutdown=2,
-                                           **options))
+    server = PromptServer(uvicorn_config(app, config or ServerConfig(), lifespan="on", timeout_graceful_shutdown=2,
+                                         **options))
     with serving(server, listener):
         yield f"http://127.0.0.1:{listener.getsockname()[1]}"
 
@@ -66,4 +100,4 @@ def wait_until_healthy(process: subprocess.Popen, url: str, seconds: float = 60)
             if httpx.get(url + "/health", timeout=1).status_code == 200:
                 return
         except httpx.HTTPError:
-            time.sleep(0.2)
+            time.sleep(0.05)

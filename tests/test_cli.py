@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -37,6 +38,47 @@ DOCUMENTS = [
 def rerankit_cli(*args: str, stdin: str | None = None, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rerankit", *args], input=stdin, capture_output=True, text=True,
                           timeout=120, env={**CHILD_ENV, **env})
+
+
+def _uses(request: pytest.FixtureRequest, fixture: str) -> bool:
+    """Whether a test of this module that the session runs uses ``fixture``."""
+    return any(getattr(item, "module", None) is request.module and fixture in item.fixturenames
+               for item in request.session.items)
+
+
+def _start_minilm_server() -> tuple[subprocess.Popen, int]:
+    """``rerankit serve`` on the packaged MiniLM with an API key, on a free loopback port: (process, port)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "rerankit", "serve", "--port", str(port), "--api-key", "s3cret",
+                               "--api-key", "rotated",
+                               "--served-model-name", "minilm", "--log-level", "warning"],
+                              env=CHILD_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return server, port
+
+
+def _rank_json_on_stdin() -> subprocess.CompletedProcess:
+    return rerankit_cli("rank", "--query", QUERY, "--docs", "-", "--json", stdin="\n".join(DOCUMENTS))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def started_early(request: pytest.FixtureRequest):
+    """The module's two slow children, started as it begins where a selected test needs them: ``rerankit rank
+    --json`` (for ``local_ranking``) and ``rerankit serve`` (for ``served_minilm``) each spend ~2.5 s importing
+    torch and loading the model, which they then do side by side with the subprocess tests before them (2 cores)
+    rather than when those fixtures set up. Yields {fixture: its future result or its (process, port)}."""
+    started: dict = {}
+    with ThreadPoolExecutor(1) as pool:
+        if _uses(request, "local_ranking"):
+            started["local_ranking"] = pool.submit(_rank_json_on_stdin)
+        if _uses(request, "served_minilm"):
+            started["served_minilm"] = _start_minilm_server()
+        yield started
+        server = started.get("served_minilm")
+        if server is not None and server[0].poll() is None:  # served_minilm never set up: stop it here
+            server[0].kill()
+            server[0].wait(timeout=30)
 
 
 @pytest.fixture
@@ -177,9 +219,10 @@ def test_rank_prints_a_table_best_first_with_the_default_model(docs_txt):
 
 
 @pytest.fixture(scope="module")
-def local_ranking() -> dict:
+def local_ranking(started_early) -> dict:
     """``rerankit rank --json`` over DOCUMENTS on stdin with the default model, parsed."""
-    completed = rerankit_cli("rank", "--query", QUERY, "--docs", "-", "--json", stdin="\n".join(DOCUMENTS))
+    early = started_early.get("local_ranking")
+    completed = early.result() if early is not None else _rank_json_on_stdin()
     assert completed.returncode == 0, completed.stderr
     return json.loads(completed.stdout)
 
@@ -203,15 +246,9 @@ def test_rank_jsonl_with_a_text_field_and_top_n_gives_the_best_of_the_same_ranki
 
 
 @pytest.fixture(scope="module")
-def served_minilm():
+def served_minilm(started_early):
     """``rerankit serve`` on the packaged MiniLM with an API key, on a free loopback port."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "rerankit", "serve", "--port", str(port), "--api-key", "s3cret",
-                               "--api-key", "rotated",
-                               "--served-model-name", "minilm", "--log-level", "warning"],
-                              env=CHILD_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server, port = started_early.get("served_minilm") or _start_minilm_server()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
     while True:
@@ -221,7 +258,7 @@ def served_minilm():
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 break
         except httpx.TransportError:
-            time.sleep(0.2)
+            time.sleep(0.05)
     yield url
     server.send_signal(signal.SIGINT)
     server.wait(timeout=30)
@@ -376,9 +413,12 @@ def test_rank_with_a_template_file_scores_as_the_same_template_given_in_the_requ
 def test_a_hub_id_missing_from_the_cache_fails_at_once_in_one_line(monkeypatch, capsys, tmp_path, offline):
     from huggingface_hub import constants
 
+    from rerankit import hub
     from rerankit.cli import main
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+    # a refused connection is not reported early: the check waits out its whole bound (1 s) before it gives up
+    monkeypatch.setattr(hub, "HUB_CHECK_SECONDS", 0.2)
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens: the hub is unreachable
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))  # an empty cache
     monkeypatch.delenv("HTTPS_PROXY", raising=False)

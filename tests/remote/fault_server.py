@@ -90,6 +90,9 @@ class FaultServer(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # TCP_NODELAY, as uvicorn's sockets have it: the head and the body go out as two writes, and Nagle's algorithm
+    # with the client's delayed ACK held each reply ~40 ms (a dripped byte still goes out alone, on its schedule).
+    disable_nagle_algorithm = True
     server: FaultServer
 
     def log_message(self, *args) -> None:

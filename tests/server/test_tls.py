@@ -75,7 +75,7 @@ def _wait_ready(server: subprocess.Popen, ready) -> None:
     while not ready():
         assert server.poll() is None, server.stderr.read()
         assert time.monotonic() < deadline, "rerankit serve did not come up"
-        time.sleep(0.2)
+        time.sleep(0.05)
 
 
 def _stop(server: subprocess.Popen) -> str:
@@ -91,8 +91,25 @@ def _answers(url: str, **client) -> bool:
         return False
 
 
-def test_serve_over_https_and_rank_against_it_trusting_the_ca_from_the_environment(pki):
-    server, port = _served("--ssl-certfile", str(pki / "server.pem"), "--ssl-keyfile", str(pki / "server.key"))
+@pytest.fixture(scope="module")
+def tls_servers(request, pki) -> dict[str, tuple[subprocess.Popen, int]]:
+    """(process, port) of the ``rerankit serve`` of each selected test below, "https" (a server certificate) and
+    "mutual" (``--ssl-ca-certs`` too), all started as the first of those tests sets up: each child spends ~3 s
+    importing and loading the model, side by side with the other rather than one after it (2 cores)."""
+    tests = {"https": test_serve_over_https_and_rank_against_it_trusting_the_ca_from_the_environment,
+             "mutual": test_mutual_tls_refuses_a_client_without_a_certificate_of_the_ca}
+    flags = ["--ssl-certfile", str(pki / "server.pem"), "--ssl-keyfile", str(pki / "server.key")]
+    selected = {getattr(item, "function", None) for item in request.session.items}
+    started = {kind: _served(*flags, *(["--ssl-ca-certs", str(pki / "ca.pem")] if kind == "mutual" else []))
+               for kind, test in tests.items() if test in selected}
+    yield started
+    for server, _ in started.values():
+        if server.poll() is None:
+            _stop(server)
+
+
+def test_serve_over_https_and_rank_against_it_trusting_the_ca_from_the_environment(pki, tls_servers):
+    server, port = tls_servers["https"]
     url = f"https://127.0.0.1:{port}"
     try:
         _wait_ready(server, lambda: _answers(url, verify=str(pki / "ca.pem")))
@@ -109,9 +126,8 @@ def test_serve_over_https_and_rank_against_it_trusting_the_ca_from_the_environme
     assert f"ready on https://127.0.0.1:{port}" in log
 
 
-def test_mutual_tls_refuses_a_client_without_a_certificate_of_the_ca(pki):
-    server, port = _served("--ssl-certfile", str(pki / "server.pem"), "--ssl-keyfile", str(pki / "server.key"),
-                           "--ssl-ca-certs", str(pki / "ca.pem"))
+def test_mutual_tls_refuses_a_client_without_a_certificate_of_the_ca(pki, tls_servers):
+    server, port = tls_servers["mutual"]
     url = f"https://127.0.0.1:{port}"
     with_cert = {"verify": str(pki / "ca.pem"), "cert": (str(pki / "client.pem"), str(pki / "client.key"))}
     try:

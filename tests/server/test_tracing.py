@@ -249,7 +249,8 @@ def exported_spans(exports: list) -> list[tuple[str, str, object]]:
 def http_collector():
     HttpCollector.received = []
     server = ThreadingHTTPServer(("127.0.0.1", 0), HttpCollector)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    # a 0.05 s poll: shutdown() waits for serve_forever's next poll (0.5 s by default)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}", HttpCollector.received
