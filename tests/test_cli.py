@@ -417,15 +417,28 @@ def test_a_hub_id_missing_from_the_cache_fails_at_once_in_one_line(monkeypatch, 
     from rerankit.cli import main
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
-    # a refused connection is not reported early: the check waits out its whole bound (1 s) before it gives up
-    monkeypatch.setattr(hub, "HUB_CHECK_SECONDS", 0.2)
+    # a refused connection answers at once: the check does not wait out its bound (a slow box has 30 s to spare)
+    monkeypatch.setattr(hub, "HUB_CHECK_SECONDS", 60)
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens: the hub is unreachable
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))  # an empty cache
     monkeypatch.delenv("HTTPS_PROXY", raising=False)
     monkeypatch.delenv("https_proxy", raising=False)
     docs = tmp_path / "docs.txt"
     docs.write_text("a document\n", encoding="utf-8")
+    started = time.monotonic()
     assert main(["rank", "--model", "nobody/no-such-reranker", "--query", "q", "--docs", str(docs)]) == 2
+    assert time.monotonic() - started < 30
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "'nobody/no-such-reranker' is not in the local Hugging Face cache" in error
     assert ("HF_HUB_OFFLINE" in error) == offline and "pass the model's folder" in error
+
+
+def test_the_hub_check_sees_a_listening_endpoint_and_a_refused_one(monkeypatch):
+    from rerankit import hub
+
+    monkeypatch.delenv("HTTPS_PROXY", raising=False)
+    monkeypatch.delenv("https_proxy", raising=False)
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        port = listening.getsockname()[1]
+        assert hub._hub_reachable(f"http://127.0.0.1:{port}")
+    assert not hub._hub_reachable(f"http://127.0.0.1:{port}")  # closed now: refused

@@ -43,11 +43,12 @@ def hub_cached(model: str) -> bool:
 
 
 def _hub_reachable(endpoint: str) -> bool:
-    """A TCP connection to the hub (or a configured proxy) within ``HUB_CHECK_SECONDS``, name lookup included."""
+    """A TCP connection to the hub (or a configured proxy) within ``HUB_CHECK_SECONDS``, name lookup included; a
+    refused connection or a failed lookup answers at once."""
     proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
     address = urlsplit(proxy if proxy else endpoint)
     port = address.port or (443 if address.scheme == "https" else 80)
-    reached = threading.Event()
+    reached, done = threading.Event(), threading.Event()
 
     def connect() -> None:
         try:
@@ -55,7 +56,10 @@ def _hub_reachable(endpoint: str) -> bool:
             reached.set()
         except OSError:
             pass
+        finally:
+            done.set()
 
     # a thread, because the name lookup inside create_connection is not bounded by its timeout
     threading.Thread(target=connect, daemon=True, name="rerankit-hub-check").start()
-    return reached.wait(HUB_CHECK_SECONDS)
+    done.wait(HUB_CHECK_SECONDS)
+    return reached.is_set()
