@@ -24,6 +24,15 @@ def names_a_folder(model: str) -> bool:
     return model.startswith((".", "/", "~")) or model.count("/") > 1
 
 
+def check_source(model: str) -> bool:
+    """For a ``model`` that is not an existing folder: ``ModelLoadError`` at once where it can only be a folder
+    ("no model folder at ...") or is a hub id neither cached nor reachable (``hub_cached``); else whether the hub
+    id is cached (True: it loads with no network call)."""
+    if names_a_folder(model):
+        raise ModelLoadError(f"no model folder at {model!r}")
+    return hub_cached(model)
+
+
 def hub_cached(model: str) -> bool:
     """Whether hub id ``model``'s config and weights are in the local cache (it then loads with no network call);
     ``ModelLoadError`` at once, in one line, when they are not and the hub cannot be reached (``HF_HUB_OFFLINE``

@@ -43,10 +43,9 @@ def make_backend(model: str | Sequence[str] | None = None, **options: Any) -> Ba
             "or pass a server URL as model"
         )
     if isinstance(model, str) and not Path(model).expanduser().exists():
-        from rerankit.hub import hub_cached, names_a_folder
+        from rerankit.hub import check_source
 
-        if not names_a_folder(model):  # a missing folder is load_model's error ("no model folder at ...")
-            hub_cached(model)  # a hub id the cache lacks fails here, in one line, before torch loads
+        check_source(model)  # a missing folder, or a hub id the cache lacks, fails here in one line, before torch loads
     from rerankit.engine import EmbeddedBackend
 
     if model is None:

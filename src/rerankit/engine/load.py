@@ -13,7 +13,7 @@ import torch
 from rerankit.engine import fp8
 from rerankit.engine.checkpoint import read_encoder_weights
 from rerankit.errors import InvalidRequest, ModelLoadError
-from rerankit.hub import hub_cached, names_a_folder
+from rerankit.hub import check_source
 
 ModelKind = Literal["causal-lm", "sequence-classifier", "encoder"]
 Pooling = Literal["mean", "cls", "lasttoken"]
@@ -105,10 +105,8 @@ def load_model(model: str, *, device: str | torch.device | None = None,
 
     folder = Path(model).expanduser()
     local = folder.exists()
-    if not local and names_a_folder(model):
-        raise ModelLoadError(f"no model folder at {model!r}")
+    offline = local or check_source(model)
     source = str(folder) if local else model
-    offline = local or hub_cached(model)
     try:
         config = AutoConfig.from_pretrained(source, local_files_only=offline)
     except (OSError, ValueError) as exc:
