@@ -52,7 +52,8 @@ from rerankit.kernels.attention_config import CONFIG_ENV  # noqa: E402
 class Setting:
     """One engine setting of ``--ab``: PackedDecoder attributes, RERANKIT_ATTENTION_CONFIG, the largest graphed
     micro-batch in tokens, the ramp-up's chunk sizes, whether a template's head is tokenized once, whether its
-    keys and values are kept across calls (``engine.prefix_cache``), and the multiple a kept head is cut to."""
+    keys and values are kept across calls (``engine.prefix_cache``), the multiple a kept head is cut to, and
+    environment variables."""
 
     model: dict = field(default_factory=dict)
     attention: str = ""
@@ -64,6 +65,7 @@ class Setting:
     kept_multiple: int = prefix_cache_module.KEPT_HEAD_MULTIPLE  # a kept head is cut to a multiple of these tokens
     ramp_long_prefixes: bool = False  # ramp up requests whose instruction is long too (LI, its head kept)
     max_batch_tokens: int | None = None  # the micro-batch budget (None: the backend's own)
+    env: dict = field(default_factory=dict)  # environment variables read on each call
 
 
 AB_SETTINGS = {
@@ -83,6 +85,7 @@ AB_SETTINGS = {
     "budget and graphs of 16,384 tokens": Setting(graph_tokens=16384, max_batch_tokens=16384),
     "ramp-up for long instructions too": Setting(ramp_long_prefixes=True),
     "kept heads uncut (no whole key tiles)": Setting(kept_multiple=1),
+    "Triton's own launches (RERANKIT_DIRECT_LAUNCH=0)": Setting(env={"RERANKIT_DIRECT_LAUNCH": "0"}),
 }
 
 
@@ -96,7 +99,9 @@ def applied(setting: Setting, backend: EmbeddedBackend):
     kept_multiple = prefix_cache_module.KEPT_HEAD_MULTIPLE
     ramp_pays = backend_module.EmbeddedBackend.__dict__["_ramp_pays"]  # the staticmethod itself
     budget = backend.max_batch_tokens
+    environment = {name: os.environ.get(name) for name in setting.env}
     try:
+        os.environ.update(setting.env)
         if setting.ramp_long_prefixes:
             backend_module.EmbeddedBackend._ramp_pays = staticmethod(lambda request: True)
         for name, value in setting.model.items():
@@ -122,6 +127,11 @@ def applied(setting: Setting, backend: EmbeddedBackend):
         backend.max_batch_tokens = budget
         prefix_cache_module.KEPT_HEAD_MULTIPLE = kept_multiple
         backend_module.EmbeddedBackend._ramp_pays = ramp_pays
+        for name, value in environment.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def median_ms(fn, repeats: int) -> float:

@@ -56,9 +56,10 @@ def launch_tuned(kernel, key: tuple, grid, args: tuple, kwargs: dict, set_block_
     """Launch ``triton.autotune``'d ``kernel`` on ``args``/``kwargs``: through its tuner the first time for ``key``
     (which must determine the tuner's own key, or be finer: given ``tokens``, the GEMM's rows, a tuner keyed on
     ``M`` tunes once per ``token_bucket``, at the bucket's first size), then straight through the compiled function with the
-    config the tuner chose. The tuner rebuilds dicts of every argument and runs the config's pre-hook on each call,
-    ~35-70 us of host time a launch on an H100 host, where an eager LI forward's launches can take longer than the
-    GPU. ``set_block_shapes(config)`` does the pre-hook's work (the descriptors' block shapes) for a direct launch."""
+    config the tuner chose, by ``direct_launch.launch``. The tuner rebuilds dicts of every argument and runs the
+    config's pre-hook on each call, ~35-70 us of host time a launch on an H100 host, where an eager LI forward's
+    launches can take longer than the GPU. ``set_block_shapes(config)`` does the pre-hook's work (the descriptors'
+    block shapes) for a direct launch."""
     if tokens is not None:
         key = (*key, token_bucket(tokens))
     config = _TUNED.get((id(kernel), key))
@@ -67,8 +68,10 @@ def launch_tuned(kernel, key: tuple, grid, args: tuple, kwargs: dict, set_block_
             kernel[grid](*args, **kwargs)
             _TUNED[(id(kernel), key)] = kernel.best_config
         return
+    from rerankit.kernels.direct_launch import launch  # triton's import: not at this package's
+
     set_block_shapes(config)
-    kernel.fn[grid](*args, **kwargs, **config.all_kwargs())
+    launch(kernel.fn, grid, *args, **kwargs, **config.all_kwargs())
 
 
 _GLUON_BROKEN: set[str] = set()  # Gluon kernels that failed to compile on this triton

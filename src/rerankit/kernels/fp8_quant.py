@@ -20,6 +20,8 @@ import os
 import torch
 from torch import Tensor
 
+from rerankit.kernels.direct_launch import launch
+
 try:
     import triton
     import triton.language as tl
@@ -113,8 +115,8 @@ def abs_max(*tensors: Tensor) -> Tensor:
         if count and width:
             block_d = triton.next_power_of_2(width)
             block_t = max(1, min(_MAX_BLOCK // block_d, triton.next_power_of_2(count)))
-            _abs_max_kernel[(triton.cdiv(count, block_t),)](rows, bound, count, width, rows.stride(0),
-                                                            BLOCK_T=block_t, BLOCK_D=block_d)
+            launch(_abs_max_kernel, (triton.cdiv(count, block_t),), rows, bound, count, width, rows.stride(0),
+                   BLOCK_T=block_t, BLOCK_D=block_d)
     return bound
 
 
@@ -174,7 +176,8 @@ def _launch(x: Tensor, weight: Tensor | None, eps: float, delta: Tensor | None =
         return (codes, scale, lengths) if sumsq else (codes, scale)
     block_d = triton.next_power_of_2(width)
     block_t = max(1, min(_TILE_ELEMENTS // block_d, triton.next_power_of_2(rows)))
-    _quantize_kernel[(triton.cdiv(rows, block_t),)](
+    launch(
+        _quantize_kernel, (triton.cdiv(rows, block_t),),
         x, x if weight is None else weight, x if delta is None else delta, codes, scale,
         scale if bound is None else bound, lengths, rows, width, x.stride(0), 0 if delta is None else delta.stride(0),
         eps, NORM=weight is not None, ADD=delta is not None, BOUNDED=bound is not None, SUMSQ=sumsq,

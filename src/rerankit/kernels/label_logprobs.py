@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from rerankit.kernels import sm_count
+from rerankit.kernels.direct_launch import launch
 
 try:
     import triton
@@ -77,8 +78,8 @@ def label_logprobs(
     else:
         partial_lse = out  # unread when FULL_VOCAB is False
     block_k = triton.next_power_of_2(n_labels)
-    _label_logprobs_kernel[(n_rows,)](
-        hidden, lm_head_weight, bias, label_ids, label_mask, partial_lse, out,
+    launch(
+        _label_logprobs_kernel, (n_rows,), hidden, lm_head_weight, bias, label_ids, label_mask, partial_lse, out,
         hidden.shape[1], partial_lse.shape[0] if full_vocab else 1,
         hidden.stride(0), hidden.stride(1), lm_head_weight.stride(0), lm_head_weight.stride(1),
         n_labels, n_rows,
@@ -130,7 +131,8 @@ def _vocab_partial_logsumexp(hidden: Tensor, weight: Tensor, bias: Tensor | None
     tiles_per_split = triton.cdiv(vocab_tiles, wanted_splits)
     num_splits = triton.cdiv(vocab_tiles, tiles_per_split)
     partial_lse = torch.empty(num_splits, n_rows, dtype=torch.float32, device=hidden.device)
-    _vocab_partial_logsumexp_kernel[(row_blocks, num_splits)](
+    launch(
+        _vocab_partial_logsumexp_kernel, (row_blocks, num_splits),
         hidden, weight, bias if bias is not None else partial_lse, partial_lse,
         n_rows, vocab, dim, tiles_per_split * tiling.block_v,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),

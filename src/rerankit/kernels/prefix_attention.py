@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from rerankit.kernels import rows_take_tma, run_gluon
+from rerankit.kernels.direct_launch import launch
 from rerankit.kernels.attention_config import AttentionConfig, default_config
 from rerankit.kernels.fp8_quant import _INTERPRET, FP8_DTYPE, bounded_codes, bounded_scale, quantize_bounded
 
@@ -418,8 +419,8 @@ def prefix_attention(
     k_desc, v_desc = (_kv_descriptor(x, config.block_n) for x in (k, v)) if tma else (k, v)
     ck_desc, cv_desc = (k_desc, v_desc) if cached is None else \
         (_kv_descriptor(x, config.block_n) for x in (ck, cv)) if tma else (ck, cv)
-    kernel[grid](
-        q, k, v, out, k_desc, v_desc, cu_seqlens, prefix_lens, span_starts, *extra,
+    launch(
+        kernel, grid, q, k, v, out, k_desc, v_desc, cu_seqlens, prefix_lens, span_starts, *extra,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         scale, cached_lens, ck, cv, ck_desc, cv_desc, ck.stride(0), ck.stride(1), cv.stride(0), cv.stride(1),
         scales if fp8_bound is None else fp8_bound, scales,

@@ -23,6 +23,7 @@ import torch
 import triton
 
 from rerankit.kernels import cuda_capability, rows_take_tma, sm_count
+from rerankit.kernels.direct_launch import launch
 
 try:
     from triton.experimental import gluon
@@ -301,7 +302,8 @@ def prefix_attention_ws(q, k, v, cu_seqlens, max_seqlen, prefix_lens, span_start
         ck_desc, cv_desc = (_descriptor(x, kv_heads * head_dim, [block_n, head_dim]) for x in cached[1:])
     n_mblocks, n_pairs, n_seqs = triton.cdiv(max_seqlen, block_m), q_heads // 2, cu_seqlens.numel() - 1
     grid = (max(1, min(n_mblocks * n_pairs * n_seqs, sm_count(q.device, 1))),)
-    _prefix_attention_ws_kernel[grid](
+    launch(
+        _prefix_attention_ws_kernel, grid,
         q_desc, k_desc, v_desc, ck_desc, cv_desc, out, cu_seqlens, prefix_lens, span_starts, cached_lens,
         n_mblocks, n_pairs, n_seqs, out.stride(0), out.stride(1), scale,
         GROUP=q_heads // kv_heads, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, STAGES=stages,

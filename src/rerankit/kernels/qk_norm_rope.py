@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from rerankit.kernels import takes_head_dim
+from rerankit.kernels.direct_launch import launch
 
 try:
     import triton
@@ -106,8 +107,8 @@ def qk_norm_rope(qkv: Tensor, num_heads: int, num_kv_heads: int, head_dim: int, 
     half_row = block_hq * head_dim // 2
     block_t = max(1, min(_MAX_BLOCK_T, _HALF_TILE_ELEMENTS // half_row, triton.next_power_of_2(tokens)))
     has_norm = q_norm is not None
-    _qk_norm_rope_kernel[(triton.cdiv(tokens, block_t),)](
-        qkv, q, k, position_ids, inv_freq.float().contiguous(),
+    launch(
+        _qk_norm_rope_kernel, (triton.cdiv(tokens, block_t),), qkv, q, k, position_ids, inv_freq.float().contiguous(),
         q_norm if has_norm else inv_freq, k_norm if has_norm else inv_freq,  # unread when HAS_NORM is False
         tokens, qkv.stride(0), eps,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,

@@ -25,6 +25,7 @@ import functools
 import torch
 
 from rerankit.kernels import cuda_capability, sm_count
+from rerankit.kernels.direct_launch import launch
 from rerankit.kernels.fp8_quant import FP8_DTYPE
 
 try:
@@ -235,8 +236,8 @@ def qkv_rope_ws(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     x_scale, w_scale = x_scale.float().contiguous(), w_scale.float().contiguous()
     has_norm = q_norm is not None
     grid = (min(sm_count(x.device, 1), -(-tokens // BLOCK_M) * -(-width // BLOCK_N)),)
-    _qkv_rope_ws_kernel[grid](
-        _descriptor(x, (BLOCK_M, BLOCK_K)), _descriptor(weight, (BLOCK_N, BLOCK_K)),
+    launch(
+        _qkv_rope_ws_kernel, grid, _descriptor(x, (BLOCK_M, BLOCK_K)), _descriptor(weight, (BLOCK_N, BLOCK_K)),
         _descriptor(out, (BLOCK_M // 2, BLOCK_N)), bias if bias is not None else cos, x_scale, w_scale,
         cos.contiguous(), sin.contiguous(), q_norm if has_norm else cos, k_norm if has_norm else cos,
         tokens, width, x.shape[1], eps, HEAD_DIM=head_dim, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,

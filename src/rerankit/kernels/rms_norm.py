@@ -16,6 +16,8 @@ import os
 import torch
 from torch import Tensor
 
+from rerankit.kernels.direct_launch import launch
+
 try:
     import triton
     import triton.language as tl
@@ -48,8 +50,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return out
     block_d = triton.next_power_of_2(width)
     block_t = max(1, min(_TILE_ELEMENTS // block_d, triton.next_power_of_2(rows)))
-    _rms_norm_kernel[(triton.cdiv(rows, block_t),)](
-        x, weight, out, rows, width, x.stride(0), eps,
+    launch(
+        _rms_norm_kernel, (triton.cdiv(rows, block_t),), x, weight, out, rows, width, x.stride(0), eps,
         BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4 if block_d <= 2048 else 8,
     )
     return out
