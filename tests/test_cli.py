@@ -149,7 +149,8 @@ def test_json_gives_results_best_first_with_texts():
 
     assert ranking_json("q", ["a", "b"], response, None) == {
         "model": "m", "query": "q",
-        "results": [{"rank": 1, "index": 1, "score": 0.9, "text": "b"}, {"rank": 2, "index": 0, "score": 0.1, "text": "a"}],
+        "results": [{"rank": 1, "index": 1, "score": 0.9, "text": "b"},
+                    {"rank": 2, "index": 0, "score": 0.1, "text": "a"}],
         "usage": {"prompt_tokens": 7, "computed_tokens": 5},
     }
 
