@@ -389,9 +389,9 @@ def prefix_attention(
             got = run_gluon("attention", lambda: prefix_attention_ws.prefix_attention_ws(
                 q, k, v, cu_seqlens, max_seqlen, prefix_lens, span_starts, scale, cached=cached,
                 out=out if fp8_bound is None else None))
-            if got is not None and fp8_bound is None:
-                return got
             if got is not None:
+                if fp8_bound is None:
+                    return got
                 codes, scales = quantize_bounded(got.flatten(1), fp8_bound)  # its own pass after the Gluon kernel
                 return codes.view(got.shape), scales
     group = q_heads // kv_heads
