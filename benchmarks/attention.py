@@ -1,14 +1,14 @@
 """Packed / shared-prefix attention, one layer, bf16, GPU.
 
-Decoder packs in the Qwen3-0.6B shape (Hq=16, Hkv=8, D=128), plus a BERT-large-shaped encoder pack
-(Hq=Hkv=16, D=64, bidirectional). Every backend of rerankit.engine.attention on the same packs; time
+Decoder packs in the Qwen3-0.6B shape (Hq=16, Hkv=8, D=128) and two in the 4B/8B heads (Hq=32, Hkv=8), plus a
+BERT-large-shaped encoder pack (Hq=Hkv=16, D=64, bidirectional). Every backend of rerankit.engine.attention on the same packs; time
 per layer (median ms) and TFLOP/s counting only the query-key pairs the mask lets through. Prints a
 table, writes JSON. ``--sweep`` also times the Triton kernel over tile configs, one query head per program
 and packed GQA (all query heads of a kv head per program), with its max |diff| against the default config; each
 sweep result is printed as a JSON line as soon as it is measured, then one "best" line per pack.
 
     PYTHONPATH=src python benchmarks/attention.py --out bench_out/attention.json [--sweep] [--sweep-only]
-        [--sweep-set all|tma|tiles|wide|defaults] [--workloads MIS 32k encoder]
+        [--sweep-set all|tma|tiles|wide|defaults|gqa4] [--workloads MIS 32k encoder 4b]
 
 The default config is rerankit.kernels.attention_config.default_config, so RERANKIT_ATTENTION_CONFIG applies to
 the "triton" backend rows and to the sweep's reference.
@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from packs import pack_meta  # noqa: E402  (the tests' pack layouts)
 
 QWEN3_0_6B = (16, 8, 128)  # query heads, key/value heads, head dim
+QWEN3_4B = (32, 8, 128)  # also the 8B shape's heads: four query heads a kv head
 BERT_LARGE = (16, 16, 64)
 W1_PREFIX = 76  # Qwen3-Reranker template + a short query
 
@@ -84,6 +85,10 @@ def workloads(seed: int = 0) -> dict[str, tuple]:
         "LI MIS as planned: 1076 + 100 x 146": ([(1076, [146] * 100)], True, QWEN3_0_6B),
         "32k doc-masked causal pack": ([(0, [n]) for n in doc_lens], True, QWEN3_0_6B),
         "encoder D64: 100 x (76 + 64..448)": ([(0, [W1_PREFIX + n]) for n in w1_items], False, BERT_LARGE),
+        # The 4B/8B heads on W1's documents: the first 32 (one call of 32 documents, ~8k tokens) and the 84 after
+        # the ramp's first 16 (a call of 100 documents).
+        "4b MIS: 76 + 32 items": ([(W1_PREFIX, w1_items[:32])], True, QWEN3_4B),
+        "4b MIS: 76 + 84 items": ([(W1_PREFIX, w1_items[16:])], True, QWEN3_4B),
     }
 
 
@@ -121,7 +126,14 @@ SWEEP += [config for config in WIDE_SWEEP if config not in SWEEP]
 # The long-keys default is the warp-specialized Gluon kernel on Hopper; its Triton tile is the reference next to it.
 DEFAULTS_SWEEP = [CUDA_DEFAULT_CONFIG, CUDA_LONG_KEYS_CONFIG,
                   dataclasses.replace(CUDA_LONG_KEYS_CONFIG, warp_specialized=False)]
-SWEEP_SETS = {"all": SWEEP, "tma": TMA_SWEEP, "tiles": TILES_SWEEP, "wide": WIDE_SWEEP, "defaults": DEFAULTS_SWEEP}
+# Four query heads a kv head (the 4B/8B packs): the 32-token tile stacks 128 rows; 16 tokens give the 64 rows the
+# 0.6B default has. ``--sweep-set gqa4``.
+GQA4_SWEEP = [AttentionConfig(block_m, block_n, warps, stages, pack_gqa=True, tma=True)
+              for block_m, block_n, warps, stages in [
+                  (32, 32, 4, 2), (16, 32, 4, 2), (16, 32, 4, 3), (16, 64, 4, 2), (16, 16, 4, 2), (32, 32, 8, 2),
+                  (32, 32, 8, 3), (32, 64, 8, 2), (32, 64, 4, 2), (64, 32, 8, 2), (64, 64, 8, 2), (16, 32, 2, 2)]]
+SWEEP_SETS = {"all": SWEEP, "tma": TMA_SWEEP, "tiles": TILES_SWEEP, "wide": WIDE_SWEEP, "defaults": DEFAULTS_SWEEP,
+              "gqa4": GQA4_SWEEP}
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:

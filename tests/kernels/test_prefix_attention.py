@@ -12,6 +12,7 @@ from rerankit.kernels.attention_config import (  # noqa: E402
     CPU_DEFAULT_CONFIG,
     CUDA_DEFAULT_CONFIG,
     CUDA_LONG_KEYS_CONFIG,
+    CUDA_WIDE_GROUP_CONFIG,
     LONG_KEYS_PER_QUERY,
     AttentionConfig,
     default_config,
@@ -238,6 +239,12 @@ def test_default_config_reads_the_environment(monkeypatch):
     monkeypatch.delenv(CONFIG_ENV, raising=False)
     assert default_config(cpu) == default_config(cpu, keys_per_query=5000) == CPU_DEFAULT_CONFIG
     assert default_config(cuda) == CUDA_DEFAULT_CONFIG == AttentionConfig(32, 32, 4, 2, pack_gqa=True, tma=True)
+    # Four query heads a kv head (4B/8B) take 16-token tiles, 64 rows as two heads' 32 tokens; eight take them too.
+    assert default_config(cuda, group=2) == CUDA_DEFAULT_CONFIG
+    assert default_config(cuda, group=4) == default_config(cuda, True, 100.0, 8) == AttentionConfig(
+        16, 32, 4, 3, pack_gqa=True, tma=True)
+    assert default_config(cuda, keys_per_query=LONG_KEYS_PER_QUERY, group=4) == CUDA_LONG_KEYS_CONFIG
+    assert default_config(cuda, causal=False, group=4).block_m == 64
     # Queries that see many keys (long prefixes, long documents) get the larger tile.
     assert default_config(cuda, keys_per_query=LONG_KEYS_PER_QUERY - 1) == CUDA_DEFAULT_CONFIG
     assert default_config(cuda, keys_per_query=LONG_KEYS_PER_QUERY) == CUDA_LONG_KEYS_CONFIG == AttentionConfig(
@@ -286,6 +293,30 @@ def test_kernel_matches_reference_on_gpu_bf16(layout, head_dim, config):
     expected = prefix_attention_reference(q.float(), k.float(), v.float(), **meta)
     got = prefix_attention(q, k, v, **meta, config=config)
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("layout", [[(0, [76 + n]) for n in (64, 447, 200, 130, 1, 300)],
+                                    [(76, [64 + 37 * i % 384 for i in range(20)] + [1])]],
+                         ids=["w1-plain", "mis-prefix-76"])
+def test_wide_group_default_on_gpu(layout):
+    """Four query heads a kv head (the 4B/8B shapes) on short spans: the 16-token default tile against the
+    reference, the same bits as the 32-token tile, and its float8 codes as the bounded pass's."""
+    from rerankit.kernels.fp8_quant import abs_max, quantize_bounded_reference
+
+    (q, k, v), meta = make_pack(layout, 32, 8, 128, dtype=torch.bfloat16, device="cuda")
+    assert default_config(q.device, True, 100.0, 4) == CUDA_WIDE_GROUP_CONFIG
+    got = prefix_attention(q, k, v, **meta, keys_per_query=100.0)
+    expected = prefix_attention_reference(q.float(), k.float(), v.float(), **meta)
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+    assert torch.equal(got, prefix_attention(q, k, v, **meta, config=CUDA_DEFAULT_CONFIG))
+    bound = abs_max(v)
+    codes, scales = prefix_attention(q, k, v, **meta, keys_per_query=100.0, fp8_bound=bound)
+    expected_codes, expected_scales = quantize_bounded_reference(got.flatten(1), bound)
+    assert torch.equal(scales, expected_scales)
+    apart = (codes.flatten(1).float() - expected_codes.float()).abs()
+    assert (apart <= expected_codes.float().abs() / 8 + 2 ** -9).all()
 
 
 @pytest.mark.gpu

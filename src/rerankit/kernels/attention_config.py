@@ -54,6 +54,13 @@ class AttentionConfig:
 # pack with its head kept 0.309 ms against 0.369 for the tile below, 1k-prefix MIS 1.15x, 32k documents 1.03x; the
 # tile below stays for other GPUs, the read rows, and as the reference).
 CUDA_DEFAULT_CONFIG = AttentionConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, pack_gqa=True, tma=True)
+# Four or more query heads a kv head (Qwen3-4B/8B: 32 / 8): the 32-token tile stacks 128 MMA rows; 16 tokens keep the
+# 64 rows above and waste less of each item's diagonal tiles. H100 80GB HBM3, 2026-11-27, `benchmarks/attention.py
+# --sweep-only --sweep-set gqa4 --workloads 4b` (ms a layer, the same bits): W1's first 32 documents 0.157 against
+# 0.176 for the 32-token tile, its 84 after the ramp's 16 0.384 against 0.439 (16 tokens with 2 stages 0.165 / 0.404;
+# 8 warps or 64-key tiles 0.182-0.259 / 0.471-0.671).
+CUDA_WIDE_GROUP_CONFIG = AttentionConfig(block_m=16, block_n=32, num_warps=4, num_stages=3, pack_gqa=True, tma=True)
+WIDE_GROUP = 4
 CUDA_LONG_KEYS_CONFIG = AttentionConfig(block_m=64, block_n=64, num_warps=8, num_stages=2, pack_gqa=True, tma=True,
                                         maxnreg=128, warp_specialized=True)
 LONG_KEYS_PER_QUERY = 512
@@ -97,21 +104,25 @@ def _config_from_env(spec: str, base: AttentionConfig) -> AttentionConfig:
         raise ValueError(f"{CONFIG_ENV}: {err}") from None
 
 
-def default_config(device: torch.device, causal: bool = True, keys_per_query: float = 0.0) -> AttentionConfig:
-    """Kernel tiles for ``device``: on CUDA two shapes for causal attention, by the mean number of keys a query sees
-    (``keys_per_query``, 0 when not known), and one for bidirectional attention (encoders); small tiles for the CPU
-    interpreter.
+def default_config(device: torch.device, causal: bool = True, keys_per_query: float = 0.0,
+                   group: int = 1) -> AttentionConfig:
+    """Kernel tiles for ``device``: on CUDA three shapes for causal attention, by the mean number of keys a query sees
+    (``keys_per_query``, 0 when not known) and the query heads a kv head has (``group``), and one for bidirectional
+    attention (encoders); small tiles for the CPU interpreter.
 
-    :data:`CUDA_DEFAULT_CONFIG` (or :data:`CUDA_LONG_KEYS_CONFIG` from :data:`LONG_KEYS_PER_QUERY` keys a query on) /
-    :data:`CUDA_BIDIRECTIONAL_CONFIG` / :data:`CPU_DEFAULT_CONFIG`, with the fields of the environment variable
-    ``RERANKIT_ATTENTION_CONFIG`` (when set) replaced; see the module docstring.
+    :data:`CUDA_DEFAULT_CONFIG` (:data:`CUDA_WIDE_GROUP_CONFIG` for groups of :data:`WIDE_GROUP` heads or more, and
+    :data:`CUDA_LONG_KEYS_CONFIG` from :data:`LONG_KEYS_PER_QUERY` keys a query on) / :data:`CUDA_BIDIRECTIONAL_CONFIG`
+    / :data:`CPU_DEFAULT_CONFIG`, with the fields of the environment variable ``RERANKIT_ATTENTION_CONFIG`` (when
+    set) replaced; see the module docstring.
     """
     if device.type != "cuda":
         base = CPU_DEFAULT_CONFIG
     elif not causal:
         base = CUDA_BIDIRECTIONAL_CONFIG
+    elif takes_long_keys_tile(causal, keys_per_query):
+        base = CUDA_LONG_KEYS_CONFIG
     else:
-        base = CUDA_LONG_KEYS_CONFIG if takes_long_keys_tile(causal, keys_per_query) else CUDA_DEFAULT_CONFIG
+        base = CUDA_WIDE_GROUP_CONFIG if group >= WIDE_GROUP else CUDA_DEFAULT_CONFIG
     spec = os.environ.get(CONFIG_ENV, "").strip()
     return _config_from_env(spec, base) if spec else base
 

@@ -30,10 +30,12 @@ changes, set ``RERANKIT_ATTENTION_CONFIG`` to comma-separated ``field=value`` pa
     RERANKIT_ATTENTION_CONFIG="pack_gqa=1,block_m=64,block_n=64,num_warps=4,num_stages=3"
 
 Fields left out keep the default; ``pack_gqa`` and ``tma`` take 1/0/true/false/yes/no, ``maxnreg`` also
-none (or 0) for no cap. Causal attention has two defaults, chosen per call by the mean number of keys a query sees
-(``keys_per_query``, which the planner puts on each ``PackedBatch``): small tiles for short item spans, larger ones
-where queries see long prefixes or documents. To change the defaults in code, edit :data:`CUDA_DEFAULT_CONFIG`,
-:data:`CUDA_LONG_KEYS_CONFIG` (causal) and :data:`CUDA_BIDIRECTIONAL_CONFIG` in ``kernels/attention_config.py``.
+none (or 0) for no cap. Causal attention's default is chosen per call by the mean number of keys a query sees
+(``keys_per_query``, which the planner puts on each ``PackedBatch``): small tiles for short item spans (16 tokens a
+program instead of 32 where four or more query heads share a kv head, so a program keeps 64 rows), larger ones where
+queries see long prefixes or documents. To change the defaults in code, edit :data:`CUDA_DEFAULT_CONFIG`,
+:data:`CUDA_WIDE_GROUP_CONFIG`, :data:`CUDA_LONG_KEYS_CONFIG` (causal) and :data:`CUDA_BIDIRECTIONAL_CONFIG` in
+``kernels/attention_config.py``.
 
 ``tma=True`` reads the K and V tiles through tensor descriptors (Hopper's copy engine) where their layout allows it
 (``takes_tma``: each token's heads side by side, as the q/k/v projection leaves them), else through pointers.
@@ -356,7 +358,8 @@ def prefix_attention(
     """Packed attention under the shared-prefix mask: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D].
 
     ``prefix_lens`` is [B] (zeros when no sequence shares a prefix), ``span_starts`` is [T]. Without a ``config``
-    the tiles are :func:`default_config`'s for ``keys_per_query`` (the mean keys a query sees; 0: not known).
+    the tiles are :func:`default_config`'s for ``keys_per_query`` (the mean keys a query sees; 0: not known) and the
+    query heads a kv head has.
     ``cached`` = (cached_lens [B], k_cached [C, Hkv, D], v_cached): sequence b's prefix begins with the first
     ``cached_lens[b]`` rows of k_cached/v_cached (keys kept from an earlier forward), which every token of the
     sequence sees before its own keys; its ``prefix_lens`` count the prefix tokens in the batch only.
@@ -378,7 +381,7 @@ def prefix_attention(
     scales = out.new_empty(rows if fp8_bound is not None else 0, dtype=torch.float32)
     if out.shape[0] == 0:
         return out if fp8_bound is None else (out, scales)
-    config = config or default_config(q.device, causal, keys_per_query)
+    config = config or default_config(q.device, causal, keys_per_query, q_heads // kv_heads)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if not scale > 0:
         raise ValueError(f"the attention scale must be positive, not {scale}")  # the running maximum is scaled
