@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rerankit.kernels import cuda_capability, launch_tuned, sm_count
+from rerankit.kernels import cuda_capability, launch_tuned, run_gluon, sm_count
 from rerankit.kernels.fp8_matmul import project_reference
 from rerankit.kernels.fp8_quant import FP8_DTYPE, MIN_AMAX, check_scaled, quantize_bounded_reference
 
@@ -53,6 +53,19 @@ except ImportError:  # an older triton: the pointer kernel only
 
 # Triton decides at decoration time whether a kernel is interpreted, so read the flag at the same moment.
 _INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+KERNEL_ENV = "RERANKIT_SWIGLU_KERNEL"  # "triton": FP8 GEMMs skip the warp-specialized kernel (an A/B's other side)
+
+
+def _warp_specialized(x: Tensor, weight: Tensor, bias: Tensor | None, x_scale: Tensor, w_scale: Tensor,
+                      quant: tuple[Tensor, float] | None = None):
+    """The FP8 GEMM through the warp-specialized Gluon kernel (``swiglu_ws``) where it takes the call, else None."""
+    if not x.is_cuda or os.environ.get(KERNEL_ENV) == "triton":
+        return None
+    from rerankit.kernels import swiglu_ws  # Gluon's import: only where it may run
+
+    if not swiglu_ws.takes_ws(x, weight, bias):
+        return None
+    return run_gluon("SwiGLU GEMM", lambda: swiglu_ws.swiglu_ws(x, weight, x_scale, w_scale, quant))
 
 
 def _check(x: Tensor, weight: Tensor, bias: Tensor | None, x_scale: Tensor | None = None,
@@ -93,6 +106,8 @@ def swiglu_matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, tma:
         return swiglu_matmul_reference(x, weight, bias, x_scale, w_scale, out_dtype)
     _check(x, weight, bias, x_scale, w_scale)
     x, weight = x.contiguous(), weight.contiguous()
+    if fp8 and out_dtype == torch.bfloat16 and (ws := _warp_specialized(x, weight, bias, x_scale, w_scale)) is not None:
+        return ws
     tokens, width = x.shape[0], weight.shape[0] // 2
     out = torch.empty(tokens, width, dtype=out_dtype if fp8 else x.dtype, device=x.device)
     if tokens == 0:
@@ -145,6 +160,8 @@ def swiglu_matmul_fp8_out(x: Tensor, weight: Tensor, x_scale: Tensor, w_scale: T
         return swiglu_matmul_fp8_out_reference(x, weight, x_scale, w_scale, lengths, bound)
     _check(x, weight, None, x_scale, w_scale)
     x, weight = x.contiguous(), weight.contiguous()
+    if (ws := _warp_specialized(x, weight, None, x_scale, w_scale, (lengths, bound))) is not None:
+        return ws
     tokens, width = x.shape[0], weight.shape[0] // 2
     codes = torch.empty(tokens, width, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(tokens, dtype=torch.float32, device=x.device)
