@@ -20,32 +20,24 @@ accumulator's through shared memory, 32 KB a tile, which also leaves no room for
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from rerankit.kernels import cuda_capability, sm_count
+from rerankit.kernels import sm_count
 from rerankit.kernels.direct_launch import launch
-from rerankit.kernels.fp8_quant import FP8_DTYPE
-
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
-
-    # Triton 3.6 names the copies async_copy_global_to_shared / async_copy_shared_to_global; later releases
-    # async_load / async_store (where the old names raise).
-    _load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
-    _store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
-except (ImportError, AttributeError):  # a triton without Gluon's Hopper ops: the Triton kernel serves every call
-    gluon = None
+from rerankit.kernels.gluon_gemm import (
+    coords,
+    descriptor,
+    fence_async_shared,
+    fp8_operands_fit,
+    gl,
+    gluon,
+    load,
+    mbarrier,
+    store,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 BLOCK_M = 128  # tokens a tile: two consumer warpgroups of 64
 BLOCK_N = 256  # columns a tile: two heads of 128
@@ -63,26 +55,12 @@ def available() -> bool:
 
 
 def takes_ws(x: torch.Tensor, weight: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Whether :func:`qkv_rope_ws` runs this projection: Gluon, an sm_90 device, float8 x and weight, contiguous
-    and 16-byte aligned with K a multiple of 16 (the copy engine's rows), heads of 128 in even numbers (a tile holds
-    two q, two k or two v heads) and at least ``MIN_TOKENS`` rows."""
-    if gluon is None or not x.is_cuda or x.dtype != FP8_DTYPE or weight.dtype != FP8_DTYPE:
-        return False
-    if cuda_capability(x.device)[0] != 9 or head_dim != 128 or num_heads % 2 or num_kv_heads % 2:
-        return False
-    return (x.shape[0] >= MIN_TOKENS and x.shape[1] % 16 == 0 and x.is_contiguous() and weight.is_contiguous()
-            and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
+    """Whether :func:`qkv_rope_ws` runs this projection: ``gluon_gemm.fp8_operands_fit`` with ``MIN_TOKENS``, and
+    heads of 128 in even numbers (a tile holds two q, two k or two v heads)."""
+    return head_dim == 128 and not num_heads % 2 and not num_kv_heads % 2 and fp8_operands_fit(x, weight, MIN_TOKENS)
 
 
 if gluon is not None:
-
-    @gluon.jit
-    def _coords(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
-        """Tile ``tile``'s (row block, column block), GROUP_M row blocks at a time (``swiglu_matmul.grouped_tile``)."""
-        in_group = GROUP_M * gl.cdiv(N, BLOCK_N)
-        first = (tile // in_group) * GROUP_M
-        size = gl.minimum(gl.cdiv(M, BLOCK_M) - first, GROUP_M)
-        return first + (tile % in_group) % size, (tile % in_group) // size
 
     @gluon.jit
     def _loader(x_desc, w_desc, x_smem, w_smem, ready, empty, M, N, K, BLOCK_M: gl.constexpr,
@@ -93,13 +71,13 @@ if gluon is not None:
         steps = gl.cdiv(K, BLOCK_K)
         c = 0
         for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
-            pid_m, pid_n = _coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            pid_m, pid_n = coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             for k in range(steps):
                 s = c % STAGES
                 mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
                 mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-                _load(x_desc, [pid_m * BLOCK_M, k * BLOCK_K], ready.index(s), x_smem.index(s))
-                _load(w_desc, [pid_n * BLOCK_N, k * BLOCK_K], ready.index(s), w_smem.index(s))
+                load(x_desc, [pid_m * BLOCK_M, k * BLOCK_K], ready.index(s), x_smem.index(s))
+                load(w_desc, [pid_n * BLOCK_N, k * BLOCK_K], ready.index(s), w_smem.index(s))
                 c += 1
 
     @gluon.jit
@@ -160,7 +138,7 @@ if gluon is not None:
         mine = out_smem.index(CONSUMER)
         c = 0
         for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
-            pid_m, pid_n = _coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            pid_m, pid_n = coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             acc = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=acc_layout)
             for k in range(steps):
                 s = c % STAGES
@@ -180,7 +158,7 @@ if gluon is not None:
             tma.store_wait(0)  # the last tile's store has read this half's output slot
             mine.store(out)
             fence_async_shared()
-            _store(out_desc, [row0, pid_n * BLOCK_N], mine)
+            store(out_desc, [row0, pid_n * BLOCK_N], mine)
         tma.store_wait(0)
 
     @gluon.jit
@@ -211,16 +189,6 @@ if gluon is not None:
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
-@functools.lru_cache(maxsize=16)
-def _smem_layout(block: tuple[int, int], dtype: torch.dtype):
-    """The swizzled shared-memory layout of a ``block`` tile, computed once (host time a launch otherwise)."""
-    return gl.NVMMASharedLayout.get_default_for(list(block), gl.float8e4nv if dtype == FP8_DTYPE else gl.bfloat16)
-
-
-def _descriptor(x: torch.Tensor, block: tuple[int, int]):
-    return GluonDescriptor(x, list(x.shape), [x.stride(0), 1], list(block), _smem_layout(block, x.dtype))
-
-
 def qkv_rope_ws(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int, num_kv_heads: int,
                 head_dim: int, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor | None,
                 k_norm: torch.Tensor | None, eps: float, x_scale: torch.Tensor, w_scale: torch.Tensor,
@@ -237,8 +205,8 @@ def qkv_rope_ws(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     has_norm = q_norm is not None
     grid = (min(sm_count(x.device, 1), -(-tokens // BLOCK_M) * -(-width // BLOCK_N)),)
     launch(
-        _qkv_rope_ws_kernel, grid, _descriptor(x, (BLOCK_M, BLOCK_K)), _descriptor(weight, (BLOCK_N, BLOCK_K)),
-        _descriptor(out, (BLOCK_M // 2, BLOCK_N)), bias if bias is not None else cos, x_scale, w_scale,
+        _qkv_rope_ws_kernel, grid, descriptor(x, (BLOCK_M, BLOCK_K)), descriptor(weight, (BLOCK_N, BLOCK_K)),
+        descriptor(out, (BLOCK_M // 2, BLOCK_N)), bias if bias is not None else cos, x_scale, w_scale,
         cos.contiguous(), sin.contiguous(), q_norm if has_norm else cos, k_norm if has_norm else cos,
         tokens, width, x.shape[1], eps, HEAD_DIM=head_dim, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         HAS_BIAS=bias is not None, HAS_NORM=has_norm, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,

@@ -18,31 +18,24 @@ and 9,728) reach ~1,360 TFLOP/s with 128 x 128 tiles, against ~1,180 for the Tri
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from rerankit.kernels import cuda_capability, sm_count
+from rerankit.kernels import sm_count
 from rerankit.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_AMAX
-
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
-
-    # Triton 3.6 names the copies async_copy_global_to_shared / async_copy_shared_to_global; later releases
-    # async_load / async_store (where the old names raise).
-    _load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
-    _store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
-except (ImportError, AttributeError):  # a triton without Gluon's Hopper ops: the Triton kernel serves every call
-    gluon = None
+from rerankit.kernels.gluon_gemm import (
+    coords,
+    descriptor,
+    fence_async_shared,
+    fp8_operands_fit,
+    gl,
+    gluon,
+    load,
+    mbarrier,
+    store,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 BLOCK_M = 128  # tokens a tile (one consumer warpgroup: two 64-row MMAs)
 BLOCK_N = 64  # output columns a tile: 64 of gate and the same 64 of up, one [128, 128] accumulator
@@ -66,29 +59,15 @@ def available() -> bool:
 
 
 def takes_ws(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether :func:`swiglu_ws` runs this projection: Gluon, an sm_90 device, float8 x and weight [2I, d] with no
-    bias, contiguous and 16-byte aligned with d and I multiples of 16 (the copy engine's rows), and at least
-    ``MIN_TOKENS`` rows."""
-    if gluon is None or bias is not None or not x.is_cuda or x.dtype != FP8_DTYPE or weight.dtype != FP8_DTYPE:
-        return False
-    if cuda_capability(x.device)[0] != 9 or x.dim() != 2 or weight.dim() != 2:
-        return False
-    return (x.shape[0] >= MIN_TOKENS and x.shape[1] % 16 == 0 and weight.shape[0] % 32 == 0
-            and weight.shape[1] == x.shape[1] and x.is_contiguous() and weight.is_contiguous()
-            and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
+    """Whether :func:`swiglu_ws` runs this projection: ``gluon_gemm.fp8_operands_fit`` with ``MIN_TOKENS``, a
+    weight [2I, d] with I a multiple of 16 and no bias."""
+    return (bias is None and weight.dim() == 2 and weight.shape[0] % 32 == 0 and weight.shape[-1] == x.shape[-1]
+            and fp8_operands_fit(x, weight, MIN_TOKENS))
 
 
 if gluon is not None:
     _FP8_MAX = gl.constexpr(FP8_MAX)
     _MIN_AMAX = gl.constexpr(MIN_AMAX)
-
-    @gluon.jit
-    def _coords(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
-        """Tile ``tile``'s (row block, column block), GROUP_M row blocks at a time (``swiglu_matmul.grouped_tile``)."""
-        in_group = GROUP_M * gl.cdiv(N, BLOCK_N)
-        first = (tile // in_group) * GROUP_M
-        size = gl.minimum(gl.cdiv(M, BLOCK_M) - first, GROUP_M)
-        return first + (tile % in_group) % size, (tile % in_group) // size
 
     @gluon.jit
     def _loader(x_desc, w_desc, x_smem, w_smem, ready, empty, M, N, K, BLOCK_M: gl.constexpr,
@@ -99,15 +78,15 @@ if gluon is not None:
         steps = gl.cdiv(K, BLOCK_K)
         c = 0
         for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
-            pid_m, pid_n = _coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            pid_m, pid_n = coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             for k in range(steps):
                 s = c % STAGES
                 mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
                 mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes)
-                _load(x_desc, [pid_m * BLOCK_M, k * BLOCK_K], ready.index(s), x_smem.index(s))
+                load(x_desc, [pid_m * BLOCK_M, k * BLOCK_K], ready.index(s), x_smem.index(s))
                 slot = w_smem.index(s)
-                _load(w_desc, [pid_n * BLOCK_N, k * BLOCK_K], ready.index(s), slot.slice(0, BLOCK_N))
-                _load(w_desc, [N + pid_n * BLOCK_N, k * BLOCK_K], ready.index(s), slot.slice(BLOCK_N, BLOCK_N))
+                load(w_desc, [pid_n * BLOCK_N, k * BLOCK_K], ready.index(s), slot.slice(0, BLOCK_N))
+                load(w_desc, [N + pid_n * BLOCK_N, k * BLOCK_K], ready.index(s), slot.slice(BLOCK_N, BLOCK_N))
                 c += 1
 
     @gluon.jit
@@ -163,7 +142,7 @@ if gluon is not None:
         local = CONSUMER  # the program's tile count so far: slots c = local * steps + k
         turns = 0
         for tile in range(gl.program_id(0) + CONSUMER * programs, tiles, 2 * programs):
-            pid_m, pid_n = _coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            pid_m, pid_n = coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             acc = gl.zeros([BLOCK_M, 2 * BLOCK_N], gl.float32, layout=acc_layout)
             # consumer 0's first turn passes at once (the phase before the barrier's first)
             mbarrier.wait(turn.index(CONSUMER), (turns & 1) ^ (1 - CONSUMER))
@@ -187,7 +166,7 @@ if gluon is not None:
             tma.store_wait(0)  # this consumer's last store has read its output slot
             mine.store(out)
             fence_async_shared()
-            _store(out_desc, [row0, pid_n * BLOCK_N], mine)
+            store(out_desc, [row0, pid_n * BLOCK_N], mine)
         tma.store_wait(0)
 
     @gluon.jit
@@ -218,16 +197,6 @@ if gluon is not None:
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
-@functools.lru_cache(maxsize=16)
-def _smem_layout(block: tuple[int, int], dtype: torch.dtype):
-    """The swizzled shared-memory layout of a ``block`` tile, computed once (host time a launch otherwise)."""
-    return gl.NVMMASharedLayout.get_default_for(list(block), gl.float8e4nv if dtype == FP8_DTYPE else gl.bfloat16)
-
-
-def _descriptor(x: torch.Tensor, block: tuple[int, int]):
-    return GluonDescriptor(x, list(x.shape), [x.stride(0), 1], list(block), _smem_layout(block, x.dtype))
-
-
 def swiglu_ws(x: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
               quant: tuple[torch.Tensor, float] | None = None,
               stages: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -244,8 +213,8 @@ def swiglu_ws(x: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor, w_sc
         lengths, bound = (quant[0].float().contiguous(), float(quant[1])) if quant is not None else (out_scale, 0.0)
         grid = (min(sm_count(x.device, 1), -(-tokens // BLOCK_M) * -(-width // BLOCK_N)),)
         launch(_swiglu_ws_kernel, grid,
-               _descriptor(x, (BLOCK_M, BLOCK_K)), _descriptor(weight, (BLOCK_N, BLOCK_K)),
-               _descriptor(out, (BLOCK_M, BLOCK_N)), x_scale.float().contiguous(), w_scale.float().contiguous(),
+               descriptor(x, (BLOCK_M, BLOCK_K)), descriptor(weight, (BLOCK_N, BLOCK_K)),
+               descriptor(out, (BLOCK_M, BLOCK_N)), x_scale.float().contiguous(), w_scale.float().contiguous(),
                lengths, out_scale, bound, tokens, width, x.shape[1], QUANT_OUT=quant is not None, BLOCK_M=BLOCK_M,
                BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, STAGES=stages or STAGES[out_dtype],
                CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
