@@ -30,16 +30,23 @@ def bench(fn) -> float:
     return do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
+def inputs(hidden: int, width: int, tokens: int):
+    """A normed activation's float8 codes, scales and squared lengths, and a float8 gate/up weight [2I, d] with its
+    scales, from seed 0."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
+    norm = (torch.rand(hidden, device="cuda", generator=gen) + 0.5).bfloat16()
+    codes, scale, lengths = rms_norm_quant(x, norm, 1e-6, sumsq=True)
+    weight, w_scale = quantize_rows_reference(
+        (torch.randn(2 * width, hidden, device="cuda", generator=gen) / hidden ** 0.5).bfloat16())
+    return codes, scale, lengths, weight, w_scale
+
+
 def main() -> None:
     kernel = triton.jit(swiglu._swiglu_tma_body)
     programs = sm_count(torch.device("cuda"), 4)
     for hidden, width, tokens in SHAPES:
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
-        norm = (torch.rand(hidden, device="cuda", generator=gen) + 0.5).bfloat16()
-        codes, scale, lengths = rms_norm_quant(x, norm, 1e-6, sumsq=True)
-        weight, w_scale = quantize_rows_reference(
-            (torch.randn(2 * width, hidden, device="cuda", generator=gen) / hidden ** 0.5).bfloat16())
+        codes, scale, lengths, weight, w_scale = inputs(hidden, width, tokens)
         bound = swiglu.swiglu_bound(weight, w_scale)
         flops = 2 * tokens * hidden * 2 * width
         tuned = bench(lambda: swiglu.swiglu_matmul_fp8_out(codes, weight, scale, w_scale, lengths, bound))

@@ -13,33 +13,23 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from pathlib import Path
 
 import torch
-from triton.testing import do_bench
 
 from rerankit.kernels import swiglu_matmul as swiglu
 from rerankit.kernels import swiglu_ws
-from rerankit.kernels.fp8_quant import FP8_DTYPE, quantize_rows_reference, rms_norm_quant
+from rerankit.kernels.fp8_quant import FP8_DTYPE
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from swiglu_fp8_out import bench, inputs  # noqa: E402  (the same inputs and timing)
 
 SHAPES = {  # (d, I, token counts)
     "0.6b": (1024, 3072, (4352, 22912, 26624)),
     "4b": (2560, 9728, (4096, 8192)),
     "8b": (4096, 12288, (4096, 8192)),
 }
-
-
-def bench(fn) -> float:
-    return do_bench(fn, warmup=50, rep=300, return_mode="median")
-
-
-def inputs(hidden: int, width: int, tokens: int):
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
-    norm = (torch.rand(hidden, device="cuda", generator=gen) + 0.5).bfloat16()
-    codes, scale, lengths = rms_norm_quant(x, norm, 1e-6, sumsq=True)
-    weight, w_scale = quantize_rows_reference(
-        (torch.randn(2 * width, hidden, device="cuda", generator=gen) / hidden ** 0.5).bfloat16())
-    return codes, scale, lengths, weight, w_scale
 
 
 def triton_kernel(run):
