@@ -27,12 +27,16 @@ python3 -c "import torch, triton, transformers; print(torch.__version__, triton.
 
 has tests && TAIL=30 stage fp8_tests python3 -m pytest -q -m gpu -k "fp8" -p no:cacheprovider \
   tests/kernels/test_fp8_kernels.py tests/engine/test_fp8_dtype.py
+# the warp-specialized Gluon GEMMs against the Triton kernels they stand in for, bit for bit
+has tests && TAIL=15 stage gluon_gemm_tests python3 -m pytest -q -m gpu -p no:cacheprovider \
+  tests/kernels/test_swiglu_ws.py tests/kernels/test_qkv_rope_ws.py
 # the bf16 kernels' GPU tests too: their descriptor kernels now take a scales argument
 has tests && TAIL=15 stage bf16_kernel_tests python3 -m pytest -q -m gpu -p no:cacheprovider \
   tests/kernels/test_swiglu_matmul.py tests/kernels/test_qkv_rope_matmul.py
 has kernels && TAIL=14 stage fp8_matmul python3 benchmarks/fp8_matmul.py
 has kernels && TAIL=20 stage swiglu_fp8_out python3 benchmarks/swiglu_fp8_out.py
 has kernels && TAIL=8 stage qkv_epilogue python3 benchmarks/qkv_epilogue.py
+has kernels && TAIL=16 stage swiglu_ws python3 benchmarks/swiglu_ws.py
 # W1: the default projections (q/k/v and gate/up at 0.6B) beside all four
 has w1 && TAIL=30 stage pairs_fp8_w1 python3 benchmarks/pairs.py --workloads W1 --dtype fp8 \
   --fp8-projections ";qkv,o,gate_up,down"
