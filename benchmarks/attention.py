@@ -1,8 +1,8 @@
 """Packed / shared-prefix attention, one layer, bf16, GPU.
 
 Decoder packs in the Qwen3-0.6B shape (Hq=16, Hkv=8, D=128) and two in the 4B/8B heads (Hq=32, Hkv=8), plus a
-BERT-large-shaped encoder pack (Hq=Hkv=16, D=64, bidirectional). Every backend of rerankit.engine.attention on the same packs; time
-per layer (median ms) and TFLOP/s counting only the query-key pairs the mask lets through. Prints a
+BERT-large-shaped encoder pack (Hq=Hkv=16, D=64, bidirectional). Every backend of rerankit.engine.attention on the
+same packs; time per layer (median ms) and TFLOP/s counting only the query-key pairs the mask lets through. Prints a
 table, writes JSON. ``--sweep`` also times the Triton kernel over tile configs, one query head per program
 and packed GQA (all query heads of a kv head per program), with its max |diff| against the default config; each
 sweep result is printed as a JSON line as soon as it is measured, then one "best" line per pack.

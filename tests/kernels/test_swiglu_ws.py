@@ -1,5 +1,6 @@
-"""The warp-specialized (ping-pong) FP8 SwiGLU GEMM (Gluon): which calls it takes, and on an sm_90 GPU that its output (bf16, or
-float8 codes and row scales) is the Triton kernel's bit for bit, eagerly and replayed from a CUDA graph."""
+"""The warp-specialized (ping-pong) FP8 SwiGLU GEMM (Gluon): which calls it takes, and on an sm_90 GPU that its
+output (bf16, or float8 codes and row scales) is the Triton kernel's bit for bit, eagerly and replayed from a CUDA
+graph."""
 
 import importlib.util
 
