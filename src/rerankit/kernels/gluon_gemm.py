@@ -1,6 +1,6 @@
 """What the warp-specialized FP8 GEMMs in Gluon (``qkv_rope_ws``, ``swiglu_ws``) share: Triton's Gluon Hopper ops
-(``gluon`` is None where this triton lacks them), the grouped tile order, the tensor descriptors of their 2-D
-operands, and the checks every call must pass before either kernel takes it."""
+(``gluon`` is None where this triton lacks them), the grouped tile order, the loader partition, the tensor
+descriptors of their 2-D operands, and the checks every call must pass before either kernel takes it."""
 
 from __future__ import annotations
 
@@ -52,6 +52,32 @@ if gluon is not None:
         first = (tile // in_group) * GROUP_M
         size = gl.minimum(gl.cdiv(M, BLOCK_M) - first, GROUP_M)
         return first + (tile % in_group) % size, (tile % in_group) // size
+
+    @gluon.jit
+    def loader(x_desc, w_desc, x_smem, w_smem, ready, empty, M, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, W_PARTS: gl.constexpr):
+        """The loader partition of a persistent GEMM: K step c of the program's tiles, in order, into slot
+        c % STAGES once the slot's consumers have released it (``empty``), its arrival on ``ready``. A slot holds the
+        x tile and ``W_PARTS`` weight tiles of ``BLOCK_N`` rows, part p from row ``p * N + pid_n * BLOCK_N`` (the
+        SwiGLU GEMM's gate and up rows: 2)."""
+        tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+        steps = gl.cdiv(K, BLOCK_K)
+        c = 0
+        for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
+            pid_m, pid_n = coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            for k in range(steps):
+                s = c % STAGES
+                mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + W_PARTS * w_desc.block_type.nbytes)
+                load(x_desc, [pid_m * BLOCK_M, k * BLOCK_K], ready.index(s), x_smem.index(s))
+                if W_PARTS == 1:
+                    load(w_desc, [pid_n * BLOCK_N, k * BLOCK_K], ready.index(s), w_smem.index(s))
+                else:
+                    slot = w_smem.index(s)
+                    for part in gl.static_range(W_PARTS):
+                        load(w_desc, [part * N + pid_n * BLOCK_N, k * BLOCK_K], ready.index(s),
+                             slot.slice(part * BLOCK_N, BLOCK_N))
+                c += 1
 
 
 @functools.lru_cache(maxsize=16)

@@ -31,7 +31,7 @@ from rerankit.kernels.gluon_gemm import (
     fp8_operands_fit,
     gl,
     gluon,
-    load,
+    loader,
     mbarrier,
     store,
     tma,
@@ -61,24 +61,6 @@ def takes_ws(x: torch.Tensor, weight: torch.Tensor, num_heads: int, num_kv_heads
 
 
 if gluon is not None:
-
-    @gluon.jit
-    def _loader(x_desc, w_desc, x_smem, w_smem, ready, empty, M, N, K, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-        """The loader partition: K step c of the program's tiles into slot c % STAGES once both consumers have
-        released it."""
-        tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
-        steps = gl.cdiv(K, BLOCK_K)
-        c = 0
-        for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
-            pid_m, pid_n = coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            for k in range(steps):
-                s = c % STAGES
-                mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-                load(x_desc, [pid_m * BLOCK_M, k * BLOCK_K], ready.index(s), x_smem.index(s))
-                load(w_desc, [pid_n * BLOCK_N, k * BLOCK_K], ready.index(s), w_smem.index(s))
-                c += 1
 
     @gluon.jit
     def _epilogue(acc, row0, col0, b_ptr, xs_ptr, ws_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, M, N, eps,
@@ -178,8 +160,8 @@ if gluon is not None:
             mbarrier.init(empty.index(i), count=2)
         fence_async_shared()
         gl.warp_specialize([
-            (_loader, (x_desc, w_desc, x_smem, w_smem, ready, empty, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                       STAGES)),
+            (loader, (x_desc, w_desc, x_smem, w_smem, ready, empty, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                      STAGES, 1)),
             (_consumer, (out_desc, x_smem, w_smem, out_smem, ready, empty, b_ptr, xs_ptr, ws_ptr, cos_ptr, sin_ptr,
                          q_norm_ptr, k_norm_ptr, M, N, K, eps, 0, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, HAS_BIAS,
                          HAS_NORM, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),

@@ -29,7 +29,7 @@ from rerankit.kernels.gluon_gemm import (
     fp8_operands_fit,
     gl,
     gluon,
-    load,
+    loader,
     mbarrier,
     store,
     tma,
@@ -68,26 +68,6 @@ def takes_ws(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 if gluon is not None:
     _FP8_MAX = gl.constexpr(FP8_MAX)
     _MIN_AMAX = gl.constexpr(MIN_AMAX)
-
-    @gluon.jit
-    def _loader(x_desc, w_desc, x_smem, w_smem, ready, empty, M, N, K, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-        """The loader partition: K step c of the program's tiles, in order (x, the gate rows, the up rows N further),
-        into slot c % STAGES once its consumer has released it."""
-        tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
-        steps = gl.cdiv(K, BLOCK_K)
-        c = 0
-        for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
-            pid_m, pid_n = coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            for k in range(steps):
-                s = c % STAGES
-                mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes)
-                load(x_desc, [pid_m * BLOCK_M, k * BLOCK_K], ready.index(s), x_smem.index(s))
-                slot = w_smem.index(s)
-                load(w_desc, [pid_n * BLOCK_N, k * BLOCK_K], ready.index(s), slot.slice(0, BLOCK_N))
-                load(w_desc, [N + pid_n * BLOCK_N, k * BLOCK_K], ready.index(s), slot.slice(BLOCK_N, BLOCK_N))
-                c += 1
 
     @gluon.jit
     def _epilogue(acc, row0, col0, xs_ptr, ws_ptr, lengths_ptr, out_scale_ptr, bound, M, N,
@@ -188,8 +168,8 @@ if gluon is not None:
             mbarrier.init(turn.index(i), count=1)
         fence_async_shared()
         gl.warp_specialize([
-            (_loader, (x_desc, w_desc, x_smem, w_smem, ready, empty, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                       STAGES)),
+            (loader, (x_desc, w_desc, x_smem, w_smem, ready, empty, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                      STAGES, 2)),
             (_consumer, (out_desc, x_smem, w_smem, out_smem, ready, empty, turn, xs_ptr, ws_ptr, lengths_ptr,
                          out_scale_ptr, bound, M, N, K, 0, QUANT_OUT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
             (_consumer, (out_desc, x_smem, w_smem, out_smem, ready, empty, turn, xs_ptr, ws_ptr, lengths_ptr,
