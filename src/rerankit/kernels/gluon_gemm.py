@@ -70,13 +70,10 @@ if gluon is not None:
                 mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
                 mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + W_PARTS * w_desc.block_type.nbytes)
                 load(x_desc, [pid_m * BLOCK_M, k * BLOCK_K], ready.index(s), x_smem.index(s))
-                if W_PARTS == 1:
-                    load(w_desc, [pid_n * BLOCK_N, k * BLOCK_K], ready.index(s), w_smem.index(s))
-                else:
-                    slot = w_smem.index(s)
-                    for part in gl.static_range(W_PARTS):
-                        load(w_desc, [part * N + pid_n * BLOCK_N, k * BLOCK_K], ready.index(s),
-                             slot.slice(part * BLOCK_N, BLOCK_N))
+                slot = w_smem.index(s)
+                for part in gl.static_range(W_PARTS):
+                    load(w_desc, [part * N + pid_n * BLOCK_N, k * BLOCK_K], ready.index(s),
+                         slot.slice(part * BLOCK_N, BLOCK_N))
                 c += 1
 
 

@@ -381,7 +381,8 @@ def prefix_attention(
     scales = out.new_empty(rows if fp8_bound is not None else 0, dtype=torch.float32)
     if out.shape[0] == 0:
         return out if fp8_bound is None else (out, scales)
-    config = config or default_config(q.device, causal, keys_per_query, q_heads // kv_heads)
+    group = q_heads // kv_heads
+    config = config or default_config(q.device, causal, keys_per_query, group)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if not scale > 0:
         raise ValueError(f"the attention scale must be positive, not {scale}")  # the running maximum is scaled
@@ -397,7 +398,6 @@ def prefix_attention(
                     return got
                 codes, scales = quantize_bounded(got.flatten(1), fp8_bound)  # its own pass after the Gluon kernel
                 return codes.view(got.shape), scales
-    group = q_heads // kv_heads
     group_pad = triton.next_power_of_2(group)
     if reads is not None:  # one program per read token and kv head
         kernel, grid = _prefix_attention_reads_kernel, (reads.numel(), kv_heads)
