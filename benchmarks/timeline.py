@@ -51,7 +51,8 @@ from rerankit.kernels.attention_config import CONFIG_ENV  # noqa: E402
 @dataclass(frozen=True)
 class Setting:
     """One engine setting of ``--ab``: PackedDecoder attributes, RERANKIT_ATTENTION_CONFIG, the largest graphed
-    micro-batch in tokens, the ramp-up's chunk sizes, whether a template's head is tokenized once, whether its
+    micro-batch in tokens, the ramp-up's chunk sizes, whether its later chunks are tokenized ahead on a worker
+    thread, whether a template's head is tokenized once, whether its
     keys and values are kept across calls (``engine.prefix_cache``), the multiple a kept head is cut to, and
     environment variables."""
 
@@ -65,11 +66,13 @@ class Setting:
     kept_multiple: int = prefix_cache_module.KEPT_HEAD_MULTIPLE  # a kept head is cut to a multiple of these tokens
     ramp_long_prefixes: bool = False  # ramp up requests whose instruction is long too (LI, its head kept)
     max_batch_tokens: int | None = None  # the micro-batch budget (None: the backend's own)
+    tokenize_ahead: bool = True  # a ramped request's later chunks tokenized on a worker thread (False: when planned)
     env: dict = field(default_factory=dict)  # environment variables read on each call
 
 
 AB_SETTINGS = {
     "default (ramp-up 16 items, head kept)": Setting(),
+    "ramp-up 8 items": Setting(ramp_chunks=(8,)),
     "ramp-up 12 items": Setting(ramp_chunks=(12,)),
     "ramp-up 24 items": Setting(ramp_chunks=(24,)),
     "head tokenized each request": Setting(head_cache=False),
@@ -79,6 +82,7 @@ AB_SETTINGS = {
     "last layer attends every row (no last_layer_reads)": Setting(model={"last_layer_reads": False}),
     "Triton tile for long keys (no warp-specialized attention)": Setting(attention="warp_specialized=0"),
     "no ramp-up": Setting(ramp=False),
+    "later chunks tokenized when planned (not ahead)": Setting(tokenize_ahead=False),
     "graphs up to 16,384 tokens": Setting(graph_tokens=16384),
     "graphs up to 24,576 tokens": Setting(graph_tokens=24576),
     "budget of 8,192 tokens (every micro-batch graphed)": Setting(max_batch_tokens=8192),
@@ -113,6 +117,7 @@ def applied(setting: Setting, backend: EmbeddedBackend):
         if not setting.prefix_cache:
             runner.prefix_cache = None
         backend._ramp = setting.ramp
+        backend._tokenize_later_chunks = setting.tokenize_ahead
         backend.max_batch_tokens = setting.max_batch_tokens or budget
         prefix_cache_module.KEPT_HEAD_MULTIPLE = setting.kept_multiple
         runner.graphs = graphed_forward(model, runner.device, setting.graph_tokens) if graphs is not None else None
@@ -124,6 +129,7 @@ def applied(setting: Setting, backend: EmbeddedBackend):
         backend_module.RAMP_CHUNKS, encode._head_ids = ramp_chunks, head_ids
         runner.graphs, runner.prefix_cache = graphs, prefix_cache
         backend._ramp = None
+        backend._tokenize_later_chunks = True
         backend.max_batch_tokens = budget
         prefix_cache_module.KEPT_HEAD_MULTIPLE = kept_multiple
         backend_module.EmbeddedBackend._ramp_pays = ramp_pays

@@ -17,13 +17,14 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
 from rerankit.engine import heads
-from rerankit.engine.encode import Defaults, EncodedRequest, encode_request, resolve_request
+from rerankit.engine.encode import Defaults, EncodedRequest, encode_request, later_item_ids, resolve_request
 from rerankit.engine.load import LoadedModel, load_model
 from rerankit.engine.plan import DEFAULT_MAX_BATCH_TOKENS, MicroBatch, Planner, RequestParts, pack
 from rerankit.engine.prefetch import prefetch
@@ -55,6 +56,7 @@ class _Prepared:
     encoded: EncodedRequest
     head_key: tuple
     query_tokens: int = 0  # tokens of the query's own forward (bi-encoder, late interaction)
+    template: Template | None = None  # the template it was encoded with
 
 
 class _Call:
@@ -133,6 +135,8 @@ class EmbeddedBackend:
         self.show_progress = show_progress
         self._pipelined = loaded.device.type == "cuda" if pipelined is None else bool(pipelined)
         self._lock = threading.Lock()
+        self._tokenizer_thread: ThreadPoolExecutor | None = None  # tokenizes a ramped request's later chunks
+        self._tokenize_later_chunks = True  # ahead, on that thread (``_tokenize_ahead``); False: when planned
 
     @property
     def model_name(self) -> str:
@@ -241,6 +245,9 @@ class EmbeddedBackend:
             self._runner = None  # type: ignore[assignment]
             self._classify = None
             self._heads = {}
+            if self._tokenizer_thread is not None:
+                self._tokenizer_thread.shutdown()
+                self._tokenizer_thread = None
             if on_gpu:
                 torch.cuda.empty_cache()
 
@@ -250,19 +257,21 @@ class EmbeddedBackend:
         return self._loaded
 
     def _prepare(self, request: ScoreRequest, loaded: LoadedModel, position: int,
-                 items: slice | None = None, earlier: _Prepared | None = None) -> _Prepared:
+                 items: slice | None = None, earlier: _Prepared | None = None,
+                 item_ids: list[list[int]] | None = None) -> _Prepared:
         """Checks and token ids (of ``request.items[items]``), and the key of the head that will score them;
-        ``earlier``: the request's entry so far, whose encoding (all but the items) a later chunk reuses."""
+        ``earlier``: the request's entry so far, whose encoding (all but the items) a later chunk reuses;
+        ``item_ids``: that chunk's items tokenized ahead (``_tokenize_ahead``)."""
         request, mode, template = resolve_request(request, loaded, self._defaults)
         encoded = encode_request(request, loaded, mode, template, items,
-                                 earlier.encoded if earlier is not None else None)
+                                 earlier.encoded if earlier is not None else None, item_ids)
         if mode == "generative":
             key: tuple = (mode, tuple(encoded.label_ids), request.apply_softmax, encoded.lone_label_sigmoid)
         elif mode == "cross-encoder":
             key = (mode,)
         else:
             key = (mode, position)  # each request has its own query
-        return _Prepared(request, encoded, key)
+        return _Prepared(request, encoded, key, template=template)
 
     def _shares_prefix(self, request: ScoreRequest, encoded: EncodedRequest) -> bool:
         """MIS where it is exact and pays: a causal packed model, several items after a prefix, read at the end."""
@@ -328,34 +337,63 @@ class EmbeddedBackend:
                           pin_memory=self._runner.pin_memory)
         head_ids: dict[tuple, int] = {}
         ramp = self._ramps()
-        for position, request in enumerate(call.requests):
-            try:
-                chunks = self._chunks(request, ramp)
+        ahead: dict[int, Future] = {}  # a later chunk's index -> its items' ids, being tokenized on a worker thread
+        try:
+            for position, request in enumerate(call.requests):
+                try:
+                    yield from self._plan_request(call, loaded, planner, head_ids, position, request, ramp, ahead)
+                except RerankitError as error:
+                    if not return_exceptions:
+                        raise
+                    call.errors[position] = error  # its items already planned are dropped from the results
                 ramp = False  # only the call's first request ramps up
-                for chunk_index, items in enumerate(chunks):
-                    entry = call.entries[position]
-                    chunk = self._prepare(request, loaded, position, items, entry)
-                    if entry is None:
-                        entry = call.entries[position] = chunk
-                        if chunk.head_key not in head_ids:
-                            head_ids[chunk.head_key] = len(head_ids)
-                            call.head_entries.append(chunk)
-                    else:
-                        entry.encoded.extend(chunk.encoded)
-                    encoded = chunk.encoded
-                    share = self._shares_prefix(request, encoded)
-                    parts = RequestParts.from_encoded(
-                        encoded, cache_head=share and self._runner.prefix_cache is not None, share_prefix=share,
-                        head=head_ids[chunk.head_key], own_batches=not heads.reads_only(encoded.mode, loaded.pooling),
-                        item_offset=len(entry.encoded.item_ids) - len(encoded.item_ids))  # windows count as items
-                    yield from planner.add(position, parts)
-                    if chunk_index < len(chunks) - 1 and self._ramp_closes(parts, items, len(request.items)):
-                        yield from planner.close()  # a ramp chunk: its own micro-batch
-            except RerankitError as error:
-                if not return_exceptions:
-                    raise
-                call.errors[position] = error  # its items already planned are dropped from the results
-        yield from planner.finish()
+            yield from planner.finish()
+        finally:  # a failed or stopped call leaves no tokenizing behind it
+            for future in ahead.values():
+                if not future.cancel():
+                    future.exception()
+
+    def _plan_request(self, call: "_Call", loaded: LoadedModel, planner: Planner, head_ids: dict[tuple, int],
+                      position: int, request: ScoreRequest, ramp: bool,
+                      ahead: dict[int, Future]) -> Iterator[MicroBatch]:
+        """Encode one request, chunk by chunk where it ramps up, into ``planner``; yield the micro-batches it fills.
+        Once the first chunk is encoded, the later chunks' items are tokenized on a worker thread (``ahead``) while
+        this one plans and launches the first: the tokenizer releases the GIL, so the GPU is not left waiting on it
+        after the first micro-batch (H100, W1 FP8: ~9 ms of tokenizing and planning against ~6 ms of the ramp's
+        GPU time)."""
+        chunks = self._chunks(request, ramp)
+        for chunk_index, items in enumerate(chunks):
+            entry = call.entries[position]
+            item_ids = ahead.pop(chunk_index).result() if chunk_index in ahead else None
+            chunk = self._prepare(request, loaded, position, items, entry, item_ids)
+            if entry is None:
+                entry = call.entries[position] = chunk
+                if chunk.head_key not in head_ids:
+                    head_ids[chunk.head_key] = len(head_ids)
+                    call.head_entries.append(chunk)
+                self._tokenize_ahead(chunk, loaded, chunks, ahead)
+            else:
+                entry.encoded.extend(chunk.encoded)
+            encoded = chunk.encoded
+            share = self._shares_prefix(request, encoded)
+            parts = RequestParts.from_encoded(
+                encoded, cache_head=share and self._runner.prefix_cache is not None, share_prefix=share,
+                head=head_ids[chunk.head_key], own_batches=not heads.reads_only(encoded.mode, loaded.pooling),
+                item_offset=len(entry.encoded.item_ids) - len(encoded.item_ids))  # windows count as items
+            yield from planner.add(position, parts)
+            if chunk_index < len(chunks) - 1 and self._ramp_closes(parts, items, len(request.items)):
+                yield from planner.close()  # a ramp chunk: its own micro-batch
+
+    def _tokenize_ahead(self, first: _Prepared, loaded: LoadedModel, chunks: list[slice],
+                        ahead: dict[int, Future]) -> None:
+        """Submit the items of ``chunks`` after the first (whose encoding is ``first``) to the tokenizing thread."""
+        if len(chunks) < 2 or not self._tokenize_later_chunks:
+            return
+        if self._tokenizer_thread is None:
+            self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rerankit-tokenize")
+        for index, items in enumerate(chunks[1:], 1):
+            ahead[index] = self._tokenizer_thread.submit(later_item_ids, first.request, loaded, first.encoded.mode,
+                                                   first.template, items)
 
     def _execute(self, call: "_Call", micro_batches: Iterator[MicroBatch], loaded: LoadedModel,
                  should_stop: Callable[[], bool] | None = None) -> tuple[list[SliceOutput], list[int]]:

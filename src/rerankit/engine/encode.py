@@ -185,18 +185,20 @@ def resolve_template(request: ScoreRequest, loaded: LoadedModel, option: "str | 
 
 
 def encode_request(request: ScoreRequest, loaded: LoadedModel, mode: str, template: Template | None,
-                   items: slice | None = None, earlier: EncodedRequest | None = None) -> EncodedRequest:
+                   items: slice | None = None, earlier: EncodedRequest | None = None,
+                   item_ids: list[list[int]] | None = None) -> EncodedRequest:
     """Check ``request`` against the model and turn it into token ids; ``InvalidRequest`` names what is wrong.
 
     ``items`` encodes only ``request.items[items]`` (a chunk, ``step`` 1): errors still name an item by its index
     in the request, and the chunks of one request concatenate to the whole request's encoding. ``earlier``: the
     encoding of an earlier chunk of the same request (same mode and template); every field but the items is taken
-    from it, so the query (and a template's instruction) is not tokenized again.
+    from it, so the query (and a template's instruction) is not tokenized again. ``item_ids``: with ``earlier``,
+    the chunk's items as ``later_item_ids`` tokenized them ahead (on another thread); they are fitted here.
     """
     _check_fields_apply(request, mode, template)
     chunk = _Chunk(request, items or slice(0, len(request.items)))
     if earlier is not None:
-        return _encode_later_chunk(request, loaded, mode, template, chunk, earlier)
+        return _encode_later_chunk(request, loaded, mode, template, chunk, earlier, item_ids)
     refuse_huge_texts(request, loaded.max_length, mode, _tokenizing(loaded.tokenizer))
     if mode == "generative":
         if template is None:
@@ -336,17 +338,34 @@ def _head_ids(tokenizer: Any, template: Template, instruction: str | None, query
     return _cached(tokenizer, ("head", template, instruction), check)
 
 
+def later_item_ids(request: ScoreRequest, loaded: LoadedModel, mode: str, template: Template | None,
+                   items: slice) -> list[list[int]]:
+    """The token ids of ``request.items[items]`` as a later chunk tokenizes them, before they are fitted: a text
+    template's items through ``template.item``, the others as they come. The backend runs this on a worker thread
+    while the GPU runs the chunks before (a fast tokenizer releases the GIL), then passes the ids to
+    ``encode_request``; an error raised here is the one ``encode_request`` would raise."""
+    chunk = _Chunk(request, items)
+    if _templated_items(mode, template):
+        return _tokenize_items(loaded.tokenizer, chunk.items, request, loaded, template.item)[1]
+    return _item_ids(request, loaded, chunk)
+
+
+def _templated_items(mode: str, template: Template | None) -> bool:
+    """Whether a request's items are tokenized inside a text template's item."""
+    return mode in ("generative", "cross-encoder") and template is not None and template.name != RAW
+
+
 def _encode_later_chunk(request: ScoreRequest, loaded: LoadedModel, mode: str, template: Template | None,
-                        chunk: _Chunk, earlier: EncodedRequest) -> EncodedRequest:
-    """A later chunk of a request: ``earlier``'s fields, and only this chunk's items tokenized and fitted as every
-    encoder fits them (a text template's items through ``template.item``, the others as they come)."""
+                        chunk: _Chunk, earlier: EncodedRequest,
+                        item_ids: list[list[int]] | None = None) -> EncodedRequest:
+    """A later chunk of a request: ``earlier``'s fields, and only this chunk's items tokenized (or ``item_ids``,
+    tokenized ahead by ``later_item_ids``) and fitted as every encoder fits them."""
     encoded = dataclasses.replace(earlier, item_ids=[], windows=None, item_lengths=[])
-    if mode in ("generative", "cross-encoder") and template is not None and template.name != RAW:
-        parts = _template_ids(loaded.tokenizer, template, request.instruction)
-        items = _tokenize_items(loaded.tokenizer, chunk.items, request, loaded, template.item)[1]
-        _set_items(encoded, items, request, loaded, chunk.offset, lead_ids=parts.empty_item)
-    else:
-        _set_items(encoded, _item_ids(request, loaded, chunk), request, loaded, chunk.offset)
+    if item_ids is None:
+        item_ids = later_item_ids(request, loaded, mode, template, slice(chunk.offset, chunk.offset + len(chunk.items)))
+    lead_ids = _template_ids(loaded.tokenizer, template, request.instruction).empty_item \
+        if _templated_items(mode, template) else None
+    _set_items(encoded, item_ids, request, loaded, chunk.offset, lead_ids=lead_ids)
     return encoded
 
 
