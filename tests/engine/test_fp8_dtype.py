@@ -40,11 +40,10 @@ def test_fp8_without_fp8_tensor_cores_is_a_clear_error(tiny_qwen3_lm, monkeypatc
         EmbeddedBackend(str(tiny_qwen3_lm), device="cpu", dtype="fp8")
 
 
-def test_fp8_runs_decoders_on_the_packed_runner_only(tiny_qwen3_lm, tiny_bert_cross_encoder, reference_mode):
-    with pytest.raises(ModelLoadError, match="packed runner"):
-        EmbeddedBackend(str(tiny_qwen3_lm), device="cpu", dtype="fp8", runner="reference")
-    with pytest.raises(ModelLoadError, match=r"packed decoders \(llama, qwen2, qwen3\) only.*model_type 'bert'"):
-        EmbeddedBackend(str(tiny_bert_cross_encoder), device="cpu", dtype="fp8")
+def test_fp8_runs_on_the_packed_runner_only(tiny_qwen3_lm, tiny_bert_cross_encoder, reference_mode):
+    for model in (tiny_qwen3_lm, tiny_bert_cross_encoder):  # encoders: test_fp8_encoder.py
+        with pytest.raises(ModelLoadError, match="packed runner"):
+            EmbeddedBackend(str(model), device="cpu", dtype="fp8", runner="reference")
 
 
 def test_fp8_reference_follows_float32(tiny_qwen3_lm, reference_mode, monkeypatch):
@@ -125,12 +124,13 @@ def test_o_and_down_stay_bf16_below_the_hidden_size_where_fp8_pays(monkeypatch):
     assert projections(1024) == projections(4096) == ("qkv", "down")
 
 
-def fp8_checkpoint(source, target, quant_method):
-    """``source`` with its decoder projections stored as float8 codes: quant_method "fp8" with 32 x 32 block scales
-    (``weight_scale_inv``), or compressed-tensors with per-channel scales (``weight_scale`` [N, 1])."""
+def fp8_checkpoint(source, target, quant_method, projections=PROJECTIONS):
+    """``source`` with its ``projections`` (the decoder's by default) stored as float8 codes: quant_method "fp8" with
+    32 x 32 block scales (``weight_scale_inv``), or compressed-tensors with per-channel scales (``weight_scale``
+    [N, 1])."""
     shutil.copytree(source, target)
     tensors = load_file(str(target / "model.safetensors"))
-    for name in [name for name in tensors if name.endswith(tuple(f"{p}.weight" for p in PROJECTIONS))]:
+    for name in [name for name in tensors if name.endswith(tuple(f"{p}.weight" for p in projections))]:
         weight = tensors[name].float()
         if quant_method == "fp8":
             blocks = weight.unflatten(0, (-1, 32)).unflatten(2, (-1, 32))  # [N/32, 32, K/32, 32]

@@ -189,16 +189,18 @@ def make_runner(loaded: LoadedModel, runner: str = "auto", cuda_graphs: bool | N
 
 
 def _check_fp8(loaded: LoadedModel, runner: str) -> None:
-    """``ModelLoadError`` unless the packed decoder can run ``loaded`` in FP8."""
-    from rerankit.engine.models import decoder
+    """``ModelLoadError`` unless the packed decoder or encoder can run ``loaded`` in FP8."""
+    from rerankit.engine.models import decoder, encoder
 
     if runner == "reference":
         raise ModelLoadError("dtype 'fp8' runs on the packed runner; the reference runner (transformers) runs "
                              "bfloat16 or float32")
-    reason = decoder.unsupported_reason(loaded.config) or packed_reason(loaded.config, loaded.device)
+    model_reason = (decoder if loaded.is_decoder else encoder).unsupported_reason(loaded.config)
+    reason = model_reason or packed_reason(loaded.config, loaded.device)
     if reason is not None:
-        raise ModelLoadError(f"dtype 'fp8' runs the packed decoders ({', '.join(decoder.MODEL_TYPES)}) only, and "
-                             f"{loaded.name!r} cannot run on one: {reason}; use dtype 'bfloat16'")
+        raise ModelLoadError(f"dtype 'fp8' runs the packed decoders ({', '.join(decoder.MODEL_TYPES)}) and encoders "
+                             f"({', '.join(encoder.MODEL_TYPES)}) only, and {loaded.name!r} cannot run on one: "
+                             f"{reason}; use dtype 'bfloat16'")
 
 
 def _packed_model(loaded: LoadedModel) -> PackedDecoder | PackedEncoder:

@@ -47,14 +47,15 @@ def build_packed_model(hf_model: nn.Module, compile: bool | None = None, attenti
 
     None for an architecture we do not run, so the caller falls back to the transformers model.
     ``compile`` None: torch.compile the per-layer math on CUDA only (see ``layers.layer_steps``). ``fp8``,
-    ``fp8_weights``: a decoder's FP8 projections (see ``PackedDecoder``); encoders do not take them.
+    ``fp8_weights``: FP8 projections (see ``PackedDecoder`` and ``PackedEncoder``).
     """
     config = hf_model.config
     if decoder.unsupported_reason(config) is None:
         return PackedDecoder(hf_model, compile=compile, attention_fn=attention_fn, fp8=fp8, fp8_weights=fp8_weights)
-    if fp8:
-        raise ModelLoadError(f"dtype 'fp8' runs the packed decoders ({', '.join(decoder.MODEL_TYPES)}) only, not "
-                             f"{config.model_type!r}; use dtype 'bfloat16'")
     if encoder.unsupported_reason(config) is None:
-        return PackedEncoder(hf_model, compile=compile, attention_fn=attention_fn)
+        return PackedEncoder(hf_model, compile=compile, attention_fn=attention_fn, fp8=fp8, fp8_weights=fp8_weights)
+    if fp8:
+        raise ModelLoadError(f"dtype 'fp8' runs the packed decoders ({', '.join(decoder.MODEL_TYPES)}) and encoders "
+                             f"({', '.join(encoder.MODEL_TYPES)}) only, not {config.model_type!r}; use dtype "
+                             "'bfloat16'")
     return None

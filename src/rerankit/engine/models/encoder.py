@@ -87,10 +87,17 @@ class PackedEncoder(PackedBody):
 
     ``batch.position_ids`` count from 0 in each sequence; RoBERTa-family models get their padding_idx+1
     offset added here. ``compile`` and ``attention_fn`` work as for ``PackedDecoder``.
+
+    ``fp8``: the q/k/v, o, up and down weights are quantized to float8_e4m3fn per output channel (or taken as they
+    are from ``fp8_weights``, an FP8 checkpoint's, by transformers module name) and each block runs
+    ``engine.models.encoder_fp8``'s steps: activations quantized per token before each FP8 GEMM, the rest in bf16.
+    ``fp8_matmul`` is then the GEMM those steps call: cuBLAS's on CUDA, the float32 reference elsewhere or with
+    $RERANKIT_FP8_REFERENCE=1.
     """
 
     def __init__(self, hf_model: nn.Module, compile: bool | None = None,
-                 attention_fn: AttentionFn | None = None) -> None:
+                 attention_fn: AttentionFn | None = None, fp8: bool = False,
+                 fp8_weights: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         super().__init__()
         config = hf_model.config
         reason = unsupported_reason(config)
@@ -115,8 +122,23 @@ class PackedEncoder(PackedBody):
         self.classifier_weight, self.classifier_bias = ((None, None) if classifier is None
                                                         else (classifier.weight, classifier.bias))
         self._attention_fn = attention_fn
+        steps = (attention_inputs, attention_output_and_ffn)
+        self.fp8_matmul = None
+        if fp8:
+            from rerankit.engine.fp8 import per_channel, reference_mode
+            from rerankit.engine.models import encoder_fp8
+
+            stored = fp8_weights or {}
+            named = hf_model.named_modules() if isinstance(hf_model, nn.Module) else ()
+            with torch.no_grad():  # the stored weights, per channel, by the transformers module they belong to
+                given = {id(module): per_channel(*stored[name]) for name, module in named if name in stored}
+            for layer, hf_layer in zip(self.layers, body.encoder.layer):
+                encoder_fp8.quantize_layer(layer, hf_layer, given)
+            on_gpu = self.word_embeddings.device.type == "cuda" and not reference_mode()
+            self.fp8_matmul = encoder_fp8.scaled_matmul if on_gpu else encoder_fp8.reference_matmul
+            steps = (encoder_fp8.attention_inputs, encoder_fp8.attention_output_and_ffn)
         self._attention_inputs, self._attention_output_and_ffn = layer_steps(
-            attention_inputs, attention_output_and_ffn, compile=compile, device=self.word_embeddings.device)
+            *steps, compile=compile, device=self.word_embeddings.device)
 
     @torch.no_grad()
     def pool(self, cls_hidden: torch.Tensor) -> torch.Tensor:
@@ -145,17 +167,30 @@ class PackedEncoder(PackedBody):
         hidden = F.layer_norm(hidden, hidden.shape[-1:], self.embedding_norm_weight, self.embedding_norm_bias,
                               self.eps)
         last = len(self.layers) - 1
+        fp8 = self.fp8_matmul
         for index, layer in enumerate(self.layers):
-            q, k, v = self._attention_inputs(hidden, layer.qkv_weight, layer.qkv_bias, self.num_heads, self.head_dim)
+            if fp8 is None:
+                q, k, v = self._attention_inputs(hidden, layer.qkv_weight, layer.qkv_bias, self.num_heads,
+                                                 self.head_dim)
+            else:
+                q, k, v = self._attention_inputs(hidden, layer.qkv_weight, layer.qkv_scale, layer.qkv_bias,
+                                                 self.num_heads, self.head_dim, fp8)
             attended = attention(q, k, v, batch, scale=self.scale)
             if index == last and read_positions is not None:
                 # Past the last attention no token needs another, so only the read rows go on
                 # (1.5% of the W1 forward on an H100, benchmarks/forward.py).
                 attended, hidden = attended[read_positions], hidden[read_positions]
-            hidden = self._attention_output_and_ffn(
-                attended, hidden, layer.o_weight, layer.o_bias, layer.attention_norm_weight,
-                layer.attention_norm_bias, layer.up_weight, layer.up_bias, layer.down_weight, layer.down_bias,
-                layer.output_norm_weight, layer.output_norm_bias, self.eps, self.approximate)
+            if fp8 is None:
+                hidden = self._attention_output_and_ffn(
+                    attended, hidden, layer.o_weight, layer.o_bias, layer.attention_norm_weight,
+                    layer.attention_norm_bias, layer.up_weight, layer.up_bias, layer.down_weight, layer.down_bias,
+                    layer.output_norm_weight, layer.output_norm_bias, self.eps, self.approximate)
+            else:
+                hidden = self._attention_output_and_ffn(
+                    attended, hidden, layer.o_weight, layer.o_scale, layer.o_bias, layer.attention_norm_weight,
+                    layer.attention_norm_bias, layer.up_weight, layer.up_scale, layer.up_bias, layer.up_bound,
+                    layer.down_weight, layer.down_scale, layer.down_bias, layer.output_norm_weight,
+                    layer.output_norm_bias, self.eps, self.approximate, fp8)
         return hidden
 
 

@@ -1,0 +1,132 @@
+"""The encoder's FP8 block (``PackedEncoder`` with ``fp8``): its four projections in float8_e4m3fn, the rest in bf16.
+
+Per block (post-LayerNorm, as BERT and XLM-R):
+
+    x, sx  = quantize(hidden)                          per token: amax / 448 scales, float8 codes
+    q,k,v  = project(x, Wqkv; sx, sWqkv) + bqkv        FP8 GEMM, float32 accumulation, bf16 out
+    a      = attention(q, k, v)                        bf16
+    hidden = LayerNorm(project(quantize(a), Wo) + bo + hidden)
+    x, sx  = quantize(hidden)                          and |x| of each dequantized row
+    inner  = GELU(project(x, Wup; sx, sWup) + bup)     codes under the bound max(|x| max_n |w_n| + max |b|, 0.17)
+    hidden = LayerNorm(project(inner, Wdown) + bdown + hidden)
+
+The feed-forward's inner activations are quantized under a bound known before them, not their rows' largest value
+(the decoder's SwiGLU GEMM does the same, ``kernels.swiglu_matmul``): by Cauchy-Schwarz |u_n| <= |x| |w_n| + |b_n|,
+and GELU's output lies within max(|u|, 0.17). So the GELU and the quantization are one pointwise pass over [T, 4d]
+with no reduction before it: Inductor had read the GELU's input twice (a looped reduction over 4,096 columns, then
+the codes), 8.0 of 34.6 ms of GPU time on a BERT-large call of 100 documents (H100). e4m3 keeps its 3 bits of
+mantissa down to 2^-15 of the bound, so a bound some ten times a row's largest value costs precision only in its
+smallest values (subnormal codes).
+
+Weights are quantized once at load, one float32 scale per output channel (row amax / 448), or taken from an FP8
+checkpoint; activations per token, right before each GEMM, as the decoder's are (``kernels.fp8_quant``). On a GPU
+the GEMMs are cuBLAS's ``torch._scaled_mm`` with rowwise scales, and each step runs through ``torch.compile``, so
+Inductor fuses every quantization with the LayerNorm or GELU before it (one pass writes both the bf16 residual and
+the codes). Elsewhere, or with $RERANKIT_FP8_REFERENCE=1, the GEMMs are ``fp8_matmul_reference``'s float32 sums of
+the codes' products. Embeddings, LayerNorms, attention and the classification head stay bf16.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rerankit.kernels.fp8_matmul import FAST_ACCUM, fp8_matmul_reference
+from rerankit.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, quantize_rows_reference, squared_lengths
+
+GELU_MIN = 0.17  # a bound of |GELU(u)| for u < 0 (its least value is -0.1700 at u = -0.75; tanh's approximation alike)
+
+# The fused attribute of ``PackedEncoderLayer`` each projection sets, and the transformers modules fused into it.
+PROJECTIONS = {
+    "qkv": ("attention.self.query", "attention.self.key", "attention.self.value"),
+    "o": ("attention.output.dense",),
+    "up": ("intermediate.dense",),
+    "down": ("output.dense",),
+}
+
+Matmul = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+def _module(layer: Any, path: str) -> Any:
+    """``layer``'s submodule at a dotted ``path``: a transformers module, or a node of a raw checkpoint's tree."""
+    for part in path.split("."):
+        layer = getattr(layer, part)
+    return layer
+
+
+@torch.no_grad()
+def quantize_layer(layer: nn.Module, hf_layer: Any, given: dict[int, tuple[Tensor, Tensor]]) -> None:
+    """Replace ``layer``'s four projection weights by float8 codes (``<name>_weight``) and float32 scales per output
+    channel (``<name>_scale``): ``given``'s (an FP8 checkpoint's, by ``id`` of the transformers module) or quantized
+    from the module's weight. The transformers modules' 16-bit weights are released."""
+    for name, paths in PROJECTIONS.items():
+        modules = [_module(hf_layer, path) for path in paths]
+        parts = [given.get(id(module)) or quantize_rows_reference(module.weight) for module in modules]
+        setattr(layer, f"{name}_weight", nn.Parameter(torch.cat([codes for codes, _ in parts]), requires_grad=False))
+        layer.register_buffer(f"{name}_scale", torch.cat([scale for _, scale in parts]), persistent=False)
+        for module in modules:  # the packed layer no longer reads them
+            if isinstance(module.weight, nn.Parameter):
+                module.weight.data = module.weight.data.new_empty(0)
+            else:
+                module.weight = module.weight.new_empty(0)
+    lengths = layer.up_weight.float().square().sum(-1).sqrt() * layer.up_scale  # each dequantized row's |w_n|
+    layer.register_buffer("up_bound", torch.stack([lengths.max(), layer.up_bias.float().abs().max()]),
+                          persistent=False)  # a tensor: floats would make torch.compile specialize on each layer
+
+
+def scaled_matmul(codes: Tensor, scale: Tensor, weight: Tensor, w_scale: Tensor, bias: Tensor | None) -> Tensor:
+    """cuBLAS's FP8 GEMM with rowwise scales, bf16 out; a ``bias`` is added in its epilogue (in float32, before the
+    one rounding, as the reference adds it)."""
+    return torch._scaled_mm(codes, weight.t(), scale_a=scale[:, None], scale_b=w_scale[None, :], bias=bias,
+                            out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM)
+
+
+def reference_matmul(codes: Tensor, scale: Tensor, weight: Tensor, w_scale: Tensor, bias: Tensor | None) -> Tensor:
+    """The float32 sum of the codes' products, scaled, plus the bias, rounded once to bf16."""
+    return fp8_matmul_reference(codes, scale, weight, w_scale, bias)
+
+
+def attention_inputs(hidden: Tensor, qkv_weight: Tensor, qkv_scale: Tensor, qkv_bias: Tensor, num_heads: int,
+                     head_dim: int, matmul: Matmul) -> tuple[Tensor, Tensor, Tensor]:
+    """The fused q/k/v projection of the quantized ``hidden``, split into heads [T, H, D] (bf16). Its bias is added in
+    the GEMM's epilogue: added apart, it took a pass of its own over q/k/v (3.2 of 34.6 ms of GPU time on a BERT-large
+    call of 100 documents, H100), where the other projections' biases join the kernels Inductor fuses after them
+    (the epilogue's bias slowed cuBLAS's FP8 GEMMs by 1.6 ms in all on that call)."""
+    codes, scale = quantize_rows_reference(hidden)
+    q, k, v = matmul(codes, scale, qkv_weight, qkv_scale, qkv_bias).view(-1, 3, num_heads, head_dim).unbind(1)
+    return q, k, v
+
+
+def gelu_codes(projected: Tensor, lengths: Tensor, up_bound: Tensor, approximate: str) -> tuple[Tensor, Tensor]:
+    """GELU of the up projection's output [T, 4d], as float8 codes under each row's bound
+    ``max(|x| max_n |w_n| + max |b|, GELU_MIN)`` (``lengths``: |x| of each row; ``up_bound``: the weight's largest
+    row length and the bias's largest |b|), and the rows' scales."""
+    bound = torch.clamp(lengths * up_bound[0] + up_bound[1], min=GELU_MIN)
+    factor = torch.div(torch.full_like(bound, FP8_MAX), bound)
+    inner = F.gelu(projected.float(), approximate=approximate)
+    codes = (inner * factor[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return codes, torch.div(bound, torch.full_like(bound, FP8_MAX))
+
+
+def attention_output_and_ffn(attention: Tensor, hidden: Tensor, o_weight: Tensor, o_scale: Tensor, o_bias: Tensor,
+                             attention_norm_weight: Tensor, attention_norm_bias: Tensor, up_weight: Tensor,
+                             up_scale: Tensor, up_bias: Tensor, up_bound: Tensor, down_weight: Tensor,
+                             down_scale: Tensor, down_bias: Tensor, output_norm_weight: Tensor,
+                             output_norm_bias: Tensor, eps: float, approximate: str, matmul: Matmul) -> Tensor:
+    """The rest of one block: FP8 output projection, residual, LayerNorm, FP8 GELU feed-forward, residual,
+    LayerNorm (tensors passed one by one, as the bf16 step takes them: ``torch.compile`` then traces it once for
+    every layer)."""
+    size = hidden.shape[-1:]
+    codes, scale = quantize_rows_reference(attention.flatten(1))
+    projected = matmul(codes, scale, o_weight, o_scale, None) + o_bias
+    hidden = F.layer_norm(projected + hidden, size, attention_norm_weight, attention_norm_bias, eps)
+    codes, scale = quantize_rows_reference(hidden)
+    lengths = squared_lengths(codes, scale).sqrt()
+    projected = matmul(codes, scale, up_weight, up_scale, None) + up_bias
+    codes, scale = gelu_codes(projected, lengths, up_bound, approximate)
+    projected = matmul(codes, scale, down_weight, down_scale, None) + down_bias
+    return F.layer_norm(projected + hidden, size, output_norm_weight, output_norm_bias, eps)
