@@ -287,6 +287,37 @@ def test_every_item_is_planned_once_and_sees_exactly_its_own_pair(causal, padded
                                 for item in range(len(parts.items))]
 
 
+@pytest.mark.parametrize("typed", [True, False])
+def test_pairs_laid_out_together_equal_pairs_laid_out_one_by_one(typed):
+    """``_Builder.add_pairs`` (whole arrays for a micro-batch's pairs) builds what one ``add_sequence`` a pair did:
+    the same tokens, positions, types, sequences, reads and tokens per request."""
+    from rerankit.engine.plan import _Builder
+
+    rng = random.Random(7 + typed)
+    requests = [random_parts(rng, causal=False, typed=typed, head_count=3) for _ in range(5)]
+    for index, parts in enumerate(requests):
+        parts.item_offset = 3 * index
+    units = [(index, parts, item) for index, parts in enumerate(requests) for item in range(len(parts.items))]
+    rng.shuffle(units)
+    together, one_by_one = _Builder(), _Builder()
+    together.add_pairs(units, [parts.pair_length(item) for _, parts, item in units])
+    for index, parts, item in units:
+        types = None if not typed else [parts.prefix_types, np.full(len(parts.items[item]), parts.item_type),
+                                        parts.suffix_types]
+        one_by_one.add_sequence(index, parts.head, [parts.prefix, parts.items[item], parts.suffix], types,
+                                0 if parts.read_first else parts.pair_length(item) - 1, item + parts.item_offset)
+    first, second = together.build(False, False), one_by_one.build(False, False)
+    for name in ("input_ids", "position_ids", "cu_seqlens", "prefix_lens", "span_starts", "read_positions",
+                 "token_type_ids"):
+        assert torch.equal(getattr(first.batch, name), getattr(second.batch, name)) if typed or \
+            name != "token_type_ids" else first.batch.token_type_ids is second.batch.token_type_ids is None
+    assert first.batch.max_seqlen == second.batch.max_seqlen
+    assert first.batch.keys_per_query == second.batch.keys_per_query
+    assert np.array_equal(first.read_requests, second.read_requests)
+    assert np.array_equal(first.read_items, second.read_items)
+    assert first.head_slices == second.head_slices and first.request_tokens == second.request_tokens
+
+
 def test_planning_w1_takes_well_under_5_ms():
     rng = np.random.default_rng(0)
     items = [rng.integers(0, 150_000, int(length)).tolist() for length in rng.integers(64, 448, 100)]
