@@ -75,6 +75,7 @@ AB_SETTINGS = {
     "ramp-up 8 items": Setting(ramp_chunks=(8,)),
     "ramp-up 12 items": Setting(ramp_chunks=(12,)),
     "ramp-up 24 items": Setting(ramp_chunks=(24,)),
+    "ramp-up 16 then 32 items": Setting(ramp_chunks=(16, 32)),
     "head tokenized each request": Setting(head_cache=False),
     "head's keys computed each call": Setting(prefix_cache=False),
     "compiled norms (no Triton RMSNorm)": Setting(model={"triton_norms": False}),
