@@ -315,20 +315,20 @@ class _Builder:
     def add_pairs(self, units: list[tuple[int, RequestParts, int]], lengths: list[int]) -> None:
         """Pairs (request index, parts, item) of ``lengths`` tokens, each a sequence of its own (prefix, item,
         suffix) read at its first or last token, laid out with whole arrays: per pair only the pieces are listed
-        (a cross-encoder's 100 pairs took ~4 ms of host time on an H100 host when each built its own arrays)."""
+        (100 typed pairs: 0.22 ms, against 0.80 when each pair built its own arrays, on a 2-core CPU)."""
         if not units:
             return
         count = len(units)
         sizes = np.asarray(lengths, dtype=np.int64)
         starts = self.tokens + np.cumsum(sizes) - sizes
-        fills: dict[int, np.ndarray] = {}  # an item's token types: a slice of one array per type
+        fills: dict[int, np.ndarray] = {}  # an item's token types: a slice of one array per type, as long as a pair
         read_offsets, items, requests, heads = [], [], [], []
         for (index, parts, item), length in zip(units, lengths):
             item_ids = parts.items[item]
             self.ids += (parts.prefix, item_ids, parts.suffix)
             if parts.prefix_types is not None:
                 fill = fills.get(parts.item_type)
-                if fill is None or len(fill) < len(item_ids):
+                if fill is None:
                     fill = fills[parts.item_type] = np.full(max(lengths), parts.item_type, dtype=np.int64)
                 self.types += (parts.prefix_types, fill[:len(item_ids)], parts.suffix_types)
             read_offsets.append(0 if parts.read_first else length - 1)
