@@ -10,7 +10,7 @@ import torch
 
 from rerankit.engine import EmbeddedBackend
 from rerankit.engine.fp8 import REFERENCE_ENV
-from rerankit.engine.models.encoder_fp8 import PROJECTIONS, reference_matmul, scaled_matmul
+from rerankit.engine.models.encoder_fp8 import GPU_STEPS, PROJECTIONS, REFERENCE_STEPS
 from rerankit.errors import ModelLoadError
 from rerankit.kernels.fp8_quant import FP8_DTYPE
 from rerankit.schema import ScoreRequest
@@ -38,7 +38,7 @@ def test_fp8_encoder_layers_hold_float8_codes_and_release_the_16_bit_weights(tin
                                                                             reference_mode):
     backend = EmbeddedBackend(str(tiny_bert_cross_encoder), device="cpu", dtype="fp8")
     model = backend._runner.model
-    assert model.fp8_matmul is reference_matmul
+    assert model.fp8_steps is REFERENCE_STEPS
     for layer in model.layers:
         for name in PROJECTIONS:
             weight, scale = getattr(layer, f"{name}_weight"), getattr(layer, f"{name}_scale")
@@ -88,15 +88,15 @@ def test_fp8_on_an_encoder_the_packed_runner_cannot_run_is_a_clear_error(tmp_pat
 @pytest.mark.skipif(not HAS_FP8_GPU, reason="needs FP8 tensor cores (sm_89+)")
 @pytest.mark.parametrize("cuda_graphs", [False, True])
 def test_gpu_fp8_encoder_follows_the_reference_steps(cuda_graphs):
-    """On the GPU, cuBLAS's FP8 GEMMs inside the compiled steps (replayed from CUDA graphs or not) score as the
-    reference GEMMs do, within FP8's rounding (an accumulation order that moves one product across a rounding
+    """On the GPU, cuBLAS's FP8 GEMMs and the Triton activation inside the compiled steps (replayed from CUDA graphs
+    or not) score as the references do, within FP8's rounding (an accumulation order that moves one product across a rounding
     boundary changes the next layer's codes), and both stay near float32's."""
     backend = EmbeddedBackend(str(_minilm_folder()), device="cuda", dtype="fp8", cuda_graphs=cuda_graphs)
     model = backend._runner.model
-    assert model.fp8_matmul is scaled_matmul
+    assert model.fp8_steps is GPU_STEPS
     kernels = scores(backend)
     reference = EmbeddedBackend(str(_minilm_folder()), device="cuda", dtype="fp8", cuda_graphs=False)
-    reference._runner.model.fp8_matmul = reference_matmul
+    reference._runner.model.fp8_steps = REFERENCE_STEPS
     fp32 = scores(EmbeddedBackend(str(_minilm_folder()), device="cuda", dtype="float32"))
     referenced = scores(reference)
     torch.testing.assert_close(kernels, referenced, atol=0.02, rtol=0)

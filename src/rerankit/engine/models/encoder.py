@@ -91,8 +91,8 @@ class PackedEncoder(PackedBody):
     ``fp8``: the q/k/v, o, up and down weights are quantized to float8_e4m3fn per output channel (or taken as they
     are from ``fp8_weights``, an FP8 checkpoint's, by transformers module name) and each block runs
     ``engine.models.encoder_fp8``'s steps: activations quantized per token before each FP8 GEMM, the rest in bf16.
-    ``fp8_matmul`` is then the GEMM those steps call: cuBLAS's on CUDA, the float32 reference elsewhere or with
-    $RERANKIT_FP8_REFERENCE=1.
+    ``fp8_steps`` is then the GEMM and the activation those steps call: cuBLAS's and the Triton kernel's on CUDA,
+    their float32 references elsewhere or with $RERANKIT_FP8_REFERENCE=1.
     """
 
     def __init__(self, hf_model: nn.Module, compile: bool | None = None,
@@ -123,7 +123,7 @@ class PackedEncoder(PackedBody):
                                                         else (classifier.weight, classifier.bias))
         self._attention_fn = attention_fn
         steps = (attention_inputs, attention_output_and_ffn)
-        self.fp8_matmul = None
+        self.fp8_steps: tuple | None = None
         if fp8:
             from rerankit.engine.fp8 import per_channel, reference_mode
             from rerankit.engine.models import encoder_fp8
@@ -135,7 +135,7 @@ class PackedEncoder(PackedBody):
             for layer, hf_layer in zip(self.layers, body.encoder.layer):
                 encoder_fp8.quantize_layer(layer, hf_layer, given)
             on_gpu = self.word_embeddings.device.type == "cuda" and not reference_mode()
-            self.fp8_matmul = encoder_fp8.scaled_matmul if on_gpu else encoder_fp8.reference_matmul
+            self.fp8_steps = encoder_fp8.GPU_STEPS if on_gpu else encoder_fp8.REFERENCE_STEPS
             steps = (encoder_fp8.attention_inputs, encoder_fp8.attention_output_and_ffn)
         self._attention_inputs, self._attention_output_and_ffn = layer_steps(
             *steps, compile=compile, device=self.word_embeddings.device)
@@ -167,14 +167,14 @@ class PackedEncoder(PackedBody):
         hidden = F.layer_norm(hidden, hidden.shape[-1:], self.embedding_norm_weight, self.embedding_norm_bias,
                               self.eps)
         last = len(self.layers) - 1
-        fp8 = self.fp8_matmul
+        fp8 = self.fp8_steps
         for index, layer in enumerate(self.layers):
             if fp8 is None:
                 q, k, v = self._attention_inputs(hidden, layer.qkv_weight, layer.qkv_bias, self.num_heads,
                                                  self.head_dim)
             else:
                 q, k, v = self._attention_inputs(hidden, layer.qkv_weight, layer.qkv_scale, layer.qkv_bias,
-                                                 self.num_heads, self.head_dim, fp8)
+                                                 self.num_heads, self.head_dim, fp8[0])
             attended = attention(q, k, v, batch, scale=self.scale)
             if index == last and read_positions is not None:
                 # Past the last attention no token needs another, so only the read rows go on
@@ -190,7 +190,7 @@ class PackedEncoder(PackedBody):
                     attended, hidden, layer.o_weight, layer.o_scale, layer.o_bias, layer.attention_norm_weight,
                     layer.attention_norm_bias, layer.up_weight, layer.up_scale, layer.up_bias, layer.up_bound,
                     layer.down_weight, layer.down_scale, layer.down_bias, layer.output_norm_weight,
-                    layer.output_norm_bias, self.eps, self.approximate, fp8)
+                    layer.output_norm_bias, self.eps, self.approximate, *fp8)
         return hidden
 
 

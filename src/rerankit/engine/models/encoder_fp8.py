@@ -13,16 +13,16 @@ Per block (post-LayerNorm, as BERT and XLM-R):
 The feed-forward's inner activations are quantized under a bound known before them, not their rows' largest value
 (the decoder's SwiGLU GEMM does the same, ``kernels.swiglu_matmul``): by Cauchy-Schwarz |u_n| <= |x| |w_n| + |b_n|,
 and GELU's output lies within max(|u|, 0.17). So the GELU and the quantization are one pointwise pass over [T, 4d]
-with no reduction before it: Inductor had read the GELU's input twice (a looped reduction over 4,096 columns, then
-the codes), 8.0 of 34.6 ms of GPU time on a BERT-large call of 100 documents (H100). e4m3 keeps its 3 bits of
+with no reduction before it (``kernels.gelu_quant``; a row's amax had Inductor read the GELU's input twice, a looped
+reduction over 4,096 columns then the codes: 8.0 of 34.6 ms of GPU time on a BERT-large call of 100 documents, H100). e4m3 keeps its 3 bits of
 mantissa down to 2^-15 of the bound, so a bound some ten times a row's largest value costs precision only in its
 smallest values (subnormal codes).
 
 Weights are quantized once at load, one float32 scale per output channel (row amax / 448), or taken from an FP8
 checkpoint; activations per token, right before each GEMM, as the decoder's are (``kernels.fp8_quant``). On a GPU
 the GEMMs are cuBLAS's ``torch._scaled_mm`` with rowwise scales, and each step runs through ``torch.compile``, so
-Inductor fuses every quantization with the LayerNorm or GELU before it (one pass writes both the bf16 residual and
-the codes). Elsewhere, or with $RERANKIT_FP8_REFERENCE=1, the GEMMs are ``fp8_matmul_reference``'s float32 sums of
+Inductor fuses each other quantization with the LayerNorm before it (one pass writes both the bf16 residual and the
+codes). Elsewhere, or with $RERANKIT_FP8_REFERENCE=1, the GEMMs are ``fp8_matmul_reference``'s float32 sums of
 the codes' products. Embeddings, LayerNorms, attention and the classification head stay bf16.
 """
 
@@ -36,9 +36,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rerankit.kernels.fp8_matmul import FAST_ACCUM, fp8_matmul_reference
-from rerankit.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, quantize_rows_reference, squared_lengths
-
-GELU_MIN = 0.17  # a bound of |GELU(u)| for u < 0 (its least value is -0.1700 at u = -0.75; tanh's approximation alike)
+from rerankit.kernels.fp8_quant import quantize_rows_reference, squared_lengths
+from rerankit.kernels.gelu_quant import gelu_codes, gelu_codes_reference
 
 # The fused attribute of ``PackedEncoderLayer`` each projection sets, and the transformers modules fused into it.
 PROJECTIONS = {
@@ -49,6 +48,8 @@ PROJECTIONS = {
 }
 
 Matmul = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+GeluCodes = Callable[[Tensor, Tensor, Tensor, Tensor, str], tuple[Tensor, Tensor]]
+# The steps' GEMM and activation: cuBLAS's and the Triton kernel's on a GPU, or their references.
 
 
 def _module(layer: Any, path: str) -> Any:
@@ -101,22 +102,12 @@ def attention_inputs(hidden: Tensor, qkv_weight: Tensor, qkv_scale: Tensor, qkv_
     return q, k, v
 
 
-def gelu_codes(projected: Tensor, lengths: Tensor, up_bound: Tensor, approximate: str) -> tuple[Tensor, Tensor]:
-    """GELU of the up projection's output [T, 4d], as float8 codes under each row's bound
-    ``max(|x| max_n |w_n| + max |b|, GELU_MIN)`` (``lengths``: |x| of each row; ``up_bound``: the weight's largest
-    row length and the bias's largest |b|), and the rows' scales."""
-    bound = torch.clamp(lengths * up_bound[0] + up_bound[1], min=GELU_MIN)
-    factor = torch.div(torch.full_like(bound, FP8_MAX), bound)
-    inner = F.gelu(projected.float(), approximate=approximate)
-    codes = (inner * factor[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return codes, torch.div(bound, torch.full_like(bound, FP8_MAX))
-
-
 def attention_output_and_ffn(attention: Tensor, hidden: Tensor, o_weight: Tensor, o_scale: Tensor, o_bias: Tensor,
                              attention_norm_weight: Tensor, attention_norm_bias: Tensor, up_weight: Tensor,
                              up_scale: Tensor, up_bias: Tensor, up_bound: Tensor, down_weight: Tensor,
                              down_scale: Tensor, down_bias: Tensor, output_norm_weight: Tensor,
-                             output_norm_bias: Tensor, eps: float, approximate: str, matmul: Matmul) -> Tensor:
+                             output_norm_bias: Tensor, eps: float, approximate: str, matmul: Matmul,
+                             gelu: GeluCodes) -> Tensor:
     """The rest of one block: FP8 output projection, residual, LayerNorm, FP8 GELU feed-forward, residual,
     LayerNorm (tensors passed one by one, as the bf16 step takes them: ``torch.compile`` then traces it once for
     every layer)."""
@@ -126,7 +117,12 @@ def attention_output_and_ffn(attention: Tensor, hidden: Tensor, o_weight: Tensor
     hidden = F.layer_norm(projected + hidden, size, attention_norm_weight, attention_norm_bias, eps)
     codes, scale = quantize_rows_reference(hidden)
     lengths = squared_lengths(codes, scale).sqrt()
-    projected = matmul(codes, scale, up_weight, up_scale, None) + up_bias
-    codes, scale = gelu_codes(projected, lengths, up_bound, approximate)
+    codes, scale = gelu(matmul(codes, scale, up_weight, up_scale, None), up_bias, lengths, up_bound, approximate)
     projected = matmul(codes, scale, down_weight, down_scale, None) + down_bias
     return F.layer_norm(projected + hidden, size, output_norm_weight, output_norm_bias, eps)
+
+
+# The GEMM and the activation the steps take: on a GPU cuBLAS's and the Triton kernel's (a custom op, one call in the
+# compiled step), else (or with $RERANKIT_FP8_REFERENCE=1) their float32 references.
+GPU_STEPS = (scaled_matmul, gelu_codes)
+REFERENCE_STEPS = (reference_matmul, gelu_codes_reference)
