@@ -49,7 +49,6 @@ PROJECTIONS = {
 
 Matmul = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 GeluCodes = Callable[[Tensor, Tensor, Tensor, Tensor, str], tuple[Tensor, Tensor]]
-# The steps' GEMM and activation: cuBLAS's and the Triton kernel's on a GPU, or their references.
 
 
 def _module(layer: Any, path: str) -> Any:
@@ -122,7 +121,7 @@ def attention_output_and_ffn(attention: Tensor, hidden: Tensor, o_weight: Tensor
     return F.layer_norm(projected + hidden, size, output_norm_weight, output_norm_bias, eps)
 
 
-# The GEMM and the activation the steps take: on a GPU cuBLAS's and the Triton kernel's (a custom op, one call in the
-# compiled step), else (or with $RERANKIT_FP8_REFERENCE=1) their float32 references.
+# The GEMM and the activation the steps take: on a GPU cuBLAS's and the Triton kernel's (a Triton op that Inductor
+# launches from the compiled step), else (or with $RERANKIT_FP8_REFERENCE=1) their float32 references.
 GPU_STEPS = (scaled_matmul, gelu_codes)
 REFERENCE_STEPS = (reference_matmul, gelu_codes_reference)
