@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     rank.add_argument("--json", action="store_true", help="print JSON instead of a table")
     rank.add_argument("--device", help="local model: cpu, cuda, cuda:1, ... (default: the GPU if there is one)")
     rank.add_argument("--dtype", help="local model: float32, bfloat16, float16, "
-                      "fp8 (experimental: decoders on sm_89+ GPUs)")
+                      "fp8 (experimental: decoders and BERT-family encoders on sm_89+ GPUs)")
     add_prompt_flags(rank)
     add_scoring_flags(rank)
     rank.add_argument("--dialect", help="server: its wire dialect, e.g. vllm-generative, cohere (default: discovered)")
@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=port, default=8000, help="port to listen on (default: 8000)")
     serve.add_argument("--device", help="cpu, cuda, cuda:1, ...")
-    serve.add_argument("--dtype", help="float32, bfloat16, float16, fp8 (experimental: decoders on sm_89+ GPUs)")
+    serve.add_argument("--dtype", help="float32, bfloat16, float16, fp8 (experimental: decoders and BERT-family "
+                             "encoders on sm_89+ GPUs)")
     serve.add_argument("--api-key", action="append",
                        help="require this key as a Bearer token; give it more than once to take any of several "
                             "(rotating a key) (default: $RERANKIT_API_KEY)")
@@ -228,7 +229,8 @@ def add_score_command(commands: argparse._SubParsersAction) -> None:
     score.add_argument("--score-column", default="score", help="column written with the scores (default: score)")
     score.add_argument("--instruction", help="task instruction, for templates that take one")
     score.add_argument("--device", help="cpu, cuda, ... (default: the GPU if there is one)")
-    score.add_argument("--dtype", help="float32, bfloat16, float16, fp8 (experimental: decoders on sm_89+ GPUs)")
+    score.add_argument("--dtype", help="float32, bfloat16, float16, fp8 (experimental: decoders and BERT-family "
+                             "encoders on sm_89+ GPUs)")
     score.add_argument("--data-parallel-size", type=replica_count,
                        help="without --ray: engine replicas, one process per GPU ('auto': every visible GPU)")
     score.add_argument("--ray", action="store_true",
