@@ -344,7 +344,11 @@ def later_item_ids(request: ScoreRequest, loaded: LoadedModel, mode: str, templa
     template's items through ``template.item``, the others as they come. The backend runs this on a worker thread
     while the GPU runs the chunks before (a fast tokenizer releases the GIL), then passes the ids to
     ``encode_request``; an error raised here is the one ``encode_request`` would raise."""
-    chunk = _Chunk(request, items)
+    return _chunk_item_ids(request, loaded, mode, template, _Chunk(request, items))
+
+
+def _chunk_item_ids(request: ScoreRequest, loaded: LoadedModel, mode: str, template: Template | None,
+                    chunk: _Chunk) -> list[list[int]]:
     if _templated_items(mode, template):
         return _tokenize_items(loaded.tokenizer, chunk.items, request, loaded, template.item)[1]
     return _item_ids(request, loaded, chunk)
@@ -362,7 +366,7 @@ def _encode_later_chunk(request: ScoreRequest, loaded: LoadedModel, mode: str, t
     tokenized ahead by ``later_item_ids``) and fitted as every encoder fits them."""
     encoded = dataclasses.replace(earlier, item_ids=[], windows=None, item_lengths=[])
     if item_ids is None:
-        item_ids = later_item_ids(request, loaded, mode, template, slice(chunk.offset, chunk.offset + len(chunk.items)))
+        item_ids = _chunk_item_ids(request, loaded, mode, template, chunk)
     lead_ids = _template_ids(loaded.tokenizer, template, request.instruction).empty_item \
         if _templated_items(mode, template) else None
     _set_items(encoded, item_ids, request, loaded, chunk.offset, lead_ids=lead_ids)

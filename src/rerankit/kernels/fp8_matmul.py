@@ -72,7 +72,13 @@ def fp8_matmul(x: Tensor, x_scale: Tensor, weight: Tensor, w_scale: Tensor, bias
     if not takes_scaled_mm(x, weight) or x.shape[0] == 0:
         return fp8_matmul_reference(x, x_scale, weight, w_scale, bias, out_dtype)
     _check(x, x_scale, weight, w_scale, bias)
-    out = torch._scaled_mm(x.contiguous(), weight.t(), scale_a=x_scale[:, None].contiguous(),
-                           scale_b=w_scale[None, :].contiguous(), out_dtype=out_dtype,
-                           use_fast_accum=FAST_ACCUM)
+    out = scaled_mm(x.contiguous(), x_scale.contiguous(), weight, w_scale.contiguous(), out_dtype=out_dtype)
     return out if bias is None else out.add_(bias)
+
+
+def scaled_mm(x: Tensor, x_scale: Tensor, weight: Tensor, w_scale: Tensor, bias: Tensor | None = None,
+              out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """cuBLAS's FP8 GEMM with rowwise scales, unchecked (``fp8_matmul`` checks; ``torch.compile`` traces this
+    whole): a ``bias`` goes in its epilogue, added in float32 before the one rounding, as the reference adds it."""
+    return torch._scaled_mm(x, weight.t(), scale_a=x_scale[:, None], scale_b=w_scale[None, :], bias=bias,
+                            out_dtype=out_dtype, use_fast_accum=FAST_ACCUM)

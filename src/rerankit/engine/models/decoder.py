@@ -246,9 +246,9 @@ class PackedDecoder(PackedBody):
             stored = fp8_weights or {}
             chosen = projections(config.hidden_size)
             kept = tuple(path.rpartition(".")[2] for name in chosen for path in fp8_layers.PROJECTIONS[name])
-            with torch.no_grad():  # the stored weights of the projections quantized, per channel; the others
-                given = {module: per_channel(*stored[name]) for name, module in hf_model.named_modules()  # run
-                         if name in stored and name.endswith(kept)}  # dequantized
+            with torch.no_grad():  # the stored weights of the projections quantized, per channel (by module id);
+                given = {id(module): per_channel(*stored[name])  # the others run dequantized
+                         for name, module in hf_model.named_modules() if name in stored and name.endswith(kept)}
             fp8_layers.quantize_layers(self.layers, body.layers, given, chosen)
             kernels = device.type == "cuda" and not reference_mode()
             self.fp8 = fp8_layers.KERNELS if kernels else fp8_layers.REFERENCE

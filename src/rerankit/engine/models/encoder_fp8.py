@@ -14,9 +14,9 @@ The feed-forward's inner activations are quantized under a bound known before th
 (the decoder's SwiGLU GEMM does the same, ``kernels.swiglu_matmul``): by Cauchy-Schwarz |u_n| <= |x| |w_n| + |b_n|,
 and GELU's output lies within max(|u|, 0.17). So the GELU and the quantization are one pointwise pass over [T, 4d]
 with no reduction before it (``kernels.gelu_quant``; a row's amax had Inductor read the GELU's input twice, a looped
-reduction over 4,096 columns then the codes: 8.0 of 34.6 ms of GPU time on a BERT-large call of 100 documents, H100). e4m3 keeps its 3 bits of
-mantissa down to 2^-15 of the bound, so a bound some ten times a row's largest value costs precision only in its
-smallest values (subnormal codes).
+reduction over 4,096 columns then the codes: 8.0 of 34.6 ms of GPU time on a BERT-large call of 100 documents,
+H100). e4m3 keeps its 3 bits of mantissa down to 2^-15 of the bound, so a bound some ten times a row's largest value
+costs precision only in its smallest values (subnormal codes).
 
 Weights are quantized once at load, one float32 scale per output channel (row amax / 448), or taken from an FP8
 checkpoint; activations per token, right before each GEMM, as the decoder's are (``kernels.fp8_quant``). On a GPU
@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from rerankit.kernels.fp8_matmul import FAST_ACCUM, fp8_matmul_reference
+from rerankit.engine.models.fp8 import quantize_projection
+from rerankit.kernels.fp8_matmul import fp8_matmul_reference, scaled_mm
 from rerankit.kernels.fp8_quant import quantize_rows_reference, squared_lengths
 from rerankit.kernels.gelu_quant import gelu_codes, gelu_codes_reference
 
@@ -51,38 +52,16 @@ Matmul = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 GeluCodes = Callable[[Tensor, Tensor, Tensor, Tensor, str], tuple[Tensor, Tensor]]
 
 
-def _module(layer: Any, path: str) -> Any:
-    """``layer``'s submodule at a dotted ``path``: a transformers module, or a node of a raw checkpoint's tree."""
-    for part in path.split("."):
-        layer = getattr(layer, part)
-    return layer
-
-
 @torch.no_grad()
 def quantize_layer(layer: nn.Module, hf_layer: Any, given: dict[int, tuple[Tensor, Tensor]]) -> None:
-    """Replace ``layer``'s four projection weights by float8 codes (``<name>_weight``) and float32 scales per output
-    channel (``<name>_scale``): ``given``'s (an FP8 checkpoint's, by ``id`` of the transformers module) or quantized
-    from the module's weight. The transformers modules' 16-bit weights are released."""
+    """``layer``'s four projections in float8 (``models.fp8.quantize_projection``: codes and scales per output
+    channel, ``given``'s where an FP8 checkpoint had them), and ``up_bound``: the up weight's largest row length and
+    its bias's largest |b|, which bound the GELU's input per length of x."""
     for name, paths in PROJECTIONS.items():
-        modules = [_module(hf_layer, path) for path in paths]
-        parts = [given.get(id(module)) or quantize_rows_reference(module.weight) for module in modules]
-        setattr(layer, f"{name}_weight", nn.Parameter(torch.cat([codes for codes, _ in parts]), requires_grad=False))
-        layer.register_buffer(f"{name}_scale", torch.cat([scale for _, scale in parts]), persistent=False)
-        for module in modules:  # the packed layer no longer reads them
-            if isinstance(module.weight, nn.Parameter):
-                module.weight.data = module.weight.data.new_empty(0)
-            else:
-                module.weight = module.weight.new_empty(0)
+        quantize_projection(layer, hf_layer, name, paths, given)
     lengths = layer.up_weight.float().square().sum(-1).sqrt() * layer.up_scale  # each dequantized row's |w_n|
     layer.register_buffer("up_bound", torch.stack([lengths.max(), layer.up_bias.float().abs().max()]),
                           persistent=False)  # a tensor: floats would make torch.compile specialize on each layer
-
-
-def scaled_matmul(codes: Tensor, scale: Tensor, weight: Tensor, w_scale: Tensor, bias: Tensor | None) -> Tensor:
-    """cuBLAS's FP8 GEMM with rowwise scales, bf16 out; a ``bias`` is added in its epilogue (in float32, before the
-    one rounding, as the reference adds it)."""
-    return torch._scaled_mm(codes, weight.t(), scale_a=scale[:, None], scale_b=w_scale[None, :], bias=bias,
-                            out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM)
 
 
 def reference_matmul(codes: Tensor, scale: Tensor, weight: Tensor, w_scale: Tensor, bias: Tensor | None) -> Tensor:
@@ -123,5 +102,5 @@ def attention_output_and_ffn(attention: Tensor, hidden: Tensor, o_weight: Tensor
 
 # The GEMM and the activation the steps take: on a GPU cuBLAS's and the Triton kernel's (a Triton op that Inductor
 # launches from the compiled step), else (or with $RERANKIT_FP8_REFERENCE=1) their float32 references.
-GPU_STEPS = (scaled_matmul, gelu_codes)
+GPU_STEPS = (scaled_mm, gelu_codes)
 REFERENCE_STEPS = (reference_matmul, gelu_codes_reference)

@@ -39,6 +39,7 @@ kernel's plain-torch reference (float32 dequantized products), on any device.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -104,26 +105,42 @@ REFERENCE = Fp8Ops(rms_norm_quant_reference, add_rms_norm_quant_reference, rms_n
                    quantize_bounded_reference, swiglu_matmul_fp8_out_reference, kernels=False)
 
 
+def _module(layer: Any, path: str) -> Any:
+    """``layer``'s submodule at a dotted ``path``: a transformers module, or a node of a raw checkpoint's tree."""
+    for part in path.split("."):
+        layer = getattr(layer, part)
+    return layer
+
+
 @torch.no_grad()  # else each scale's autograd graph keeps float32 copies of its weight alive (8 bytes a weight)
+def quantize_projection(layer: nn.Module, hf_layer: Any, name: str, paths: tuple[str, ...],
+                        given: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Set ``layer``'s projection ``name`` (the transformers modules at ``paths``, fused in order) as float8 codes
+    (``<name>_weight``) and float32 scales per output channel (``<name>_scale``): ``given``'s for a module it holds
+    (an FP8 checkpoint's, by ``id`` of the module), else quantized from the module's weight. The modules' 16-bit
+    weights are released: the packed layer no longer reads them, nor can the transformers model."""
+    modules = [_module(hf_layer, path) for path in paths]
+    parts = [given.get(id(module)) or quantize_rows_reference(module.weight) for module in modules]
+    setattr(layer, f"{name}_weight", nn.Parameter(torch.cat([codes for codes, _ in parts]), requires_grad=False))
+    layer.register_buffer(f"{name}_scale", torch.cat([scale for _, scale in parts]), persistent=False)
+    for module in modules:
+        if isinstance(module.weight, nn.Parameter):
+            module.weight.data = module.weight.data.new_empty(0)
+        else:  # a raw checkpoint's tensor
+            module.weight = module.weight.new_empty(0)
+
+
+@torch.no_grad()
 def quantize_layers(layers: nn.ModuleList, hf_layers: nn.ModuleList,
-                    given: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]],
+                    given: dict[int, tuple[torch.Tensor, torch.Tensor]],
                     projections: tuple[str, ...] = tuple(PROJECTIONS)) -> None:
-    """Replace each layer's ``projections`` weights by float8 codes (``<name>_weight``) and float32 scales per
-    output channel (``<name>_scale``): ``given``'s for a transformers module it holds (an FP8 checkpoint's),
-    else quantized from the module's weight. The transformers modules' 16-bit weights are released; the other
-    projections keep their 16-bit weights (and run as the bf16 engine runs them)."""
+    """Each decoder layer's ``projections`` in float8 (``quantize_projection``); the other projections keep their
+    16-bit weights (and run as the bf16 engine runs them)."""
     for layer, hf_layer in zip(layers, hf_layers):
         for name in projections:
-            paths = PROJECTIONS[name]
-            modules = [hf_layer.get_submodule(path) for path in paths]
-            parts = [given.get(module) or quantize_rows_reference(module.weight) for module in modules]
-            setattr(layer, f"{name}_weight", nn.Parameter(torch.cat([codes for codes, _ in parts]),
-                                                          requires_grad=False))
-            layer.register_buffer(f"{name}_scale", torch.cat([scale for _, scale in parts]), persistent=False)
+            quantize_projection(layer, hf_layer, name, PROJECTIONS[name], given)
             if name == "gate_up":  # what bounds the SwiGLU's products per squared length of x
                 layer.gate_up_bound = swiglu_bound(layer.gate_up_weight, layer.gate_up_scale)
-            for module in modules:  # the packed layer no longer reads them; nor can the transformers model
-                module.weight.data = module.weight.data.new_empty(0)
 
 
 def is_fp8_weight(weight: torch.Tensor) -> bool:
