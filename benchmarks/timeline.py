@@ -59,6 +59,7 @@ class Setting:
     model: dict = field(default_factory=dict)
     attention: str = ""
     graph_tokens: int = MAX_GRAPH_TOKENS
+    ramp_tokens: int | None = None  # the graph size a ramp chunk's projected request is held to (None: graph_tokens)
     ramp_chunks: tuple[int, ...] = backend_module.RAMP_CHUNKS
     head_cache: bool = True
     prefix_cache: bool = True
@@ -86,6 +87,8 @@ AB_SETTINGS = {
     "later chunks tokenized when planned (not ahead)": Setting(tokenize_ahead=False),
     "graphs up to 16,384 tokens": Setting(graph_tokens=16384),
     "graphs up to 24,576 tokens": Setting(graph_tokens=24576),
+    "graphs up to 24,576 tokens, ramp-up as at 8,192 (rest graphed)": Setting(graph_tokens=24576, ramp_tokens=8192),
+    "ramp-up 8 items, rest graphed": Setting(graph_tokens=24576, ramp_tokens=8192, ramp_chunks=(8,)),
     "budget of 8,192 tokens (every micro-batch graphed)": Setting(max_batch_tokens=8192),
     "budget and graphs of 16,384 tokens": Setting(graph_tokens=16384, max_batch_tokens=16384),
     "ramp-up for long instructions too": Setting(ramp_long_prefixes=True),
@@ -105,7 +108,17 @@ def applied(setting: Setting, backend: EmbeddedBackend):
     ramp_pays = backend_module.EmbeddedBackend.__dict__["_ramp_pays"]  # the staticmethod itself
     budget = backend.max_batch_tokens
     environment = {name: os.environ.get(name) for name in setting.env}
+    ramp_closes = backend_module.EmbeddedBackend._ramp_closes
     try:
+        if setting.ramp_tokens:
+            def closes(self, *args, _limit=setting.ramp_tokens):
+                graphs, limit = self._runner.graphs, self._runner.graphs.max_tokens
+                graphs.max_tokens = _limit
+                try:
+                    return ramp_closes(self, *args)
+                finally:
+                    graphs.max_tokens = limit
+            backend_module.EmbeddedBackend._ramp_closes = closes
         os.environ.update(setting.env)
         if setting.ramp_long_prefixes:
             backend_module.EmbeddedBackend._ramp_pays = staticmethod(lambda request: True)
@@ -134,6 +147,7 @@ def applied(setting: Setting, backend: EmbeddedBackend):
         backend.max_batch_tokens = budget
         prefix_cache_module.KEPT_HEAD_MULTIPLE = kept_multiple
         backend_module.EmbeddedBackend._ramp_pays = ramp_pays
+        backend_module.EmbeddedBackend._ramp_closes = ramp_closes
         for name, value in environment.items():
             if value is None:
                 os.environ.pop(name, None)
