@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from rerankit.engine import encode
-from rerankit.engine.encode import encode_request, resolve_template
+from rerankit.engine.encode import encode_request
+from rerankit.engine.resolve import resolve_template
 from rerankit.engine.load import load_model
 from rerankit.schema import ScoreRequest
 from rerankit.templates import get_template

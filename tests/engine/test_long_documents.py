@@ -8,7 +8,8 @@ import pytest
 from rerankit.engine import EmbeddedBackend
 from rerankit.engine import encode as encode_module
 from rerankit.engine import lengths as lengths_module
-from rerankit.engine.encode import encode_request, resolve_template
+from rerankit.engine.encode import encode_request
+from rerankit.engine.resolve import resolve_template
 from rerankit.engine.lengths import common_prefix
 from rerankit.engine.load import load_model
 from rerankit.errors import InvalidRequest

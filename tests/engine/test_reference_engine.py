@@ -12,7 +12,8 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceCl
 
 from rerankit.defaults import default_model_path
 from rerankit.engine import EmbeddedBackend
-from rerankit.engine.encode import encode_request, resolve_template
+from rerankit.engine.encode import encode_request
+from rerankit.engine.resolve import resolve_template
 from rerankit.engine.load import load_model
 from rerankit.engine.plan import group_by_length
 from rerankit.schema import ScoreRequest

@@ -24,7 +24,8 @@ import torch
 from tqdm.auto import tqdm
 
 from rerankit.engine import heads
-from rerankit.engine.encode import Defaults, EncodedRequest, encode_request, later_item_ids, resolve_request
+from rerankit.engine.encode import EncodedRequest, encode_request, later_item_ids
+from rerankit.engine.resolve import Defaults, resolve_request
 from rerankit.engine.load import LoadedModel, load_model
 from rerankit.engine.plan import DEFAULT_MAX_BATCH_TOKENS, MicroBatch, Planner, RequestParts, pack
 from rerankit.engine.prefetch import prefetch

@@ -19,9 +19,10 @@ from typing import Any, Callable, TypeVar
 
 from rerankit.engine.lengths import fit, fit_items, kept_tokens, refuse_huge_texts, tokenize_bounded
 from rerankit.engine.load import LoadedModel
+from rerankit.engine.resolve import check_fields_apply
 from rerankit.errors import InvalidRequest
 from rerankit.schema import ScoreRequest
-from rerankit.templates import RAW, Template, detect_template, get_template
+from rerankit.templates import RAW, Template
 
 QUERY_KEY = -1  # the key of a bi-encoder's query sequence; items are keyed by their index
 HEAD_PROBE_QUERY = "a"  # a second query on which a template head's separate tokenization is checked
@@ -142,48 +143,6 @@ def _find(ids: list[int], part: list[int], start: int) -> int:
     raise ValueError(f"cannot locate {part} in the tokenizer's output {ids}")
 
 
-@dataclass(frozen=True)
-class Defaults:
-    """A backend's defaults for what a request leaves out: mode, template (a name or a ``Template``), instruction."""
-
-    mode: str | None = None
-    template: "str | Template | None" = None
-    instruction: str | None = None
-
-
-def resolve_request(request: ScoreRequest, loaded: LoadedModel,
-                    defaults: Defaults) -> tuple[ScoreRequest, str, Template | None]:
-    """The request with the defaults' instruction where its template takes one, its mode and its template."""
-    mode = request.mode or defaults.mode or loaded.default_mode
-    if mode not in loaded.supported_modes:
-        raise InvalidRequest("mode", f"{loaded.name!r} cannot score in mode {mode!r}; "
-                             f"it supports {', '.join(loaded.supported_modes)}")
-    template = resolve_template(request, loaded, defaults.template, mode)
-    if defaults.instruction is not None and request.instruction is None and template is not None \
-            and template.name != RAW:
-        request = request.model_copy(update={"instruction": defaults.instruction})
-    return request, mode, template
-
-
-def resolve_template(request: ScoreRequest, loaded: LoadedModel, option: "str | Template | None",
-                     mode: str) -> Template | None:
-    """The request's template, else raw when it gives label ids, else the backend option, else the detected one.
-
-    Bi-encoders and late interaction take no template: each text is encoded on its own.
-    """
-    if mode not in ("generative", "cross-encoder"):
-        if request.template is not None:
-            raise InvalidRequest("template", f"{mode} mode encodes the query and items alone; it takes no template")
-        return None
-    if request.template is not None:
-        return get_template(request.template)  # a name, or a Template given by its pieces
-    if request.label_token_ids is not None:
-        return get_template(RAW)  # vLLM /generative_scoring semantics
-    if option is not None:
-        return get_template(option)
-    return detect_template(loaded.config, loaded.name)
-
-
 def encode_request(request: ScoreRequest, loaded: LoadedModel, mode: str, template: Template | None,
                    items: slice | None = None, earlier: EncodedRequest | None = None,
                    item_ids: list[list[int]] | None = None) -> EncodedRequest:
@@ -195,7 +154,7 @@ def encode_request(request: ScoreRequest, loaded: LoadedModel, mode: str, templa
     from it, so the query (and a template's instruction) is not tokenized again. ``item_ids``: with ``earlier``,
     the chunk's items as ``later_item_ids`` tokenized them ahead (on another thread); they are fitted here.
     """
-    _check_fields_apply(request, mode, template)
+    check_fields_apply(request, mode, template)
     chunk = _Chunk(request, items or slice(0, len(request.items)))
     if earlier is not None:
         return _encode_later_chunk(request, loaded, mode, template, chunk, earlier, item_ids)
@@ -227,27 +186,6 @@ class _Chunk:
             raise ValueError("an item chunk must be a contiguous slice")
         self.offset = start
         self.items = request.items if (start, stop) == (0, len(request.items)) else request.items[start:stop]
-
-
-def _check_fields_apply(request: ScoreRequest, mode: str, template: Template | None) -> None:
-    """Refuse fields that the chosen mode or template would silently ignore."""
-    raw = template is not None and template.name == RAW
-    if mode != "generative":
-        for field in ("label_token_ids", "labels"):
-            if getattr(request, field) is not None:
-                raise InvalidRequest(field, f"labels are only read in generative mode, not {mode}")
-        if request.return_label_logprobs:
-            raise InvalidRequest("return_label_logprobs", f"there are no label log-probs in {mode} mode")
-        if raw:
-            raise InvalidRequest("template", f"the raw template is for generative scoring, not {mode}")
-    if not raw:
-        for field, default in (("item_first", False), ("add_special_tokens", True), ("mis_delimiter_token_id", None)):
-            if getattr(request, field) != default:
-                raise InvalidRequest(field, "only applies to raw scoring (label_token_ids without a template)")
-    if request.instruction is not None and (template is None or raw):
-        raise InvalidRequest("instruction", "this model's mode has no template that takes an instruction")
-    if raw and request.item_first and request.mis_delimiter_token_id is not None:
-        raise InvalidRequest("mis_delimiter_token_id", "cannot be combined with item_first")
 
 
 def _tokenize(tokenizer: Any, texts: list[str]) -> list[list[int]]:

@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from rerankit.engine.encode import Defaults, EncodedRequest, encode_request, resolve_request
+from rerankit.engine.encode import EncodedRequest, encode_request
+from rerankit.engine.resolve import Defaults, resolve_request
 from rerankit.engine.load import LoadedModel
 from rerankit.schema import ScoreRequest
 from rerankit.templates import RAW, Template
