@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pairs import build_bert_large, time_call  # noqa: E402
+from bert_large import build_bert_large  # noqa: E402
+from pairs import time_call  # noqa: E402
 
 from rerankit.engine import EmbeddedBackend  # noqa: E402
 from rerankit.schema import ScoreRequest  # noqa: E402
