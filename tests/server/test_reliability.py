@@ -334,7 +334,11 @@ def test_no_public_answer_holds_the_models_path(url, tiny_bert_cross_encoder):
     with httpx.Client(base_url=url, timeout=30) as client:
         answers = [client.get("/v1/models"), client.get("/openapi.json"), client.get("/docs"),
                    client.post("/rerank", json=BODIES["/rerank"]), client.post("/v2/rerank", json={"query": QUERY}),
-                   client.post("/rerank", json={**BODIES["/rerank"], "documents": ["x"] * 10_000})]
+                   client.post("/rerank", json={**BODIES["/rerank"], "documents": ["x"] * 10_000}),
+                   # a mode the cross-encoder cannot score: its error names the mode, not the model's path
+                   client.post("/generative_scoring", json={"query": QUERY, "items": ["a"], "label_token_ids": [1, 2]}),
+                   client.post("/v1/score", json={"query": QUERY, "items": ["a"], "label_token_ids": [1, 2]})]
+    assert [answer.status_code for answer in answers[-2:]] == [400, 400]
     assert answers[0].json()["data"][0]["id"] == folder.name
     assert answers[3].json()["model"] == folder.name
     for answer in answers:

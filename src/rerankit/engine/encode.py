@@ -161,7 +161,7 @@ def encode_request(request: ScoreRequest, loaded: LoadedModel, mode: str, templa
     refuse_huge_texts(request, loaded.max_length, mode, _tokenizing(loaded.tokenizer))
     if mode == "generative":
         if template is None:
-            raise InvalidRequest("template", f"no prompt template is known for {loaded.name!r}: name one "
+            raise InvalidRequest("template", "no prompt template is known for this model: name one "
                                  "(qwen3-reranker, bge-reranker-gemma, mxbai-rerank-v2) or give label_token_ids")
         if template.name == RAW:
             encoded = _encode_raw(request, loaded, chunk)

@@ -25,7 +25,7 @@ def resolve_request(request: ScoreRequest, loaded: LoadedModel,
     """The request with the defaults' instruction where its template takes one, its mode and its template."""
     mode = request.mode or defaults.mode or loaded.default_mode
     if mode not in loaded.supported_modes:
-        raise InvalidRequest("mode", f"{loaded.name!r} cannot score in mode {mode!r}; "
+        raise InvalidRequest("mode", f"this model cannot score in mode {mode!r}; "
                              f"it supports {', '.join(loaded.supported_modes)}")
     template = resolve_template(request, loaded, defaults.template, mode)
     if defaults.instruction is not None and request.instruction is None and template is not None \
