@@ -442,6 +442,12 @@ PICKS = [
     ("/v1/rerank", {**BARE, "model": "m", "top_k": None, "truncation": True}, None, None, "voyage"),  # voyageai
     ("/v1/rerank", {**BARE, "model": "m", "top_k": 1}, None, None, "voyage"),
     ("/v1/rerank", {**BARE, "model": "m", "top_n": 1, "return_documents": True}, None, None, "cohere"),  # LiteLLM
+    # a field of one dialect alone outweighs shared ones (return_documents is SGLang's, Infinity's, Cohere's...)
+    ("/v1/rerank", {**BARE, "top_k": 1, "return_documents": True}, None, None, "voyage"),
+    ("/v1/rerank", {**BARE, "model": "rerank-2", "top_k": 1, "truncation": True, "return_documents": True}, None, None,
+     "voyage"),
+    ("/v1/rerank", {**BARE, "rank_fields": ["title"], "return_documents": True}, None, None, "cohere"),
+    ("/v1/rerank", {**BARE, "max_chunks_per_doc": 2, "return_documents": True}, None, None, "cohere"),
     ("/rerank", BARE, None, "infinity", "infinity"),
     ("/v1/score", {"query": "q", "items": ["a"]}, None, None, "sglang-score"),
     ("/v1/score", {"queries": "q", "items": ["a"]}, None, None, "vllm-score"),

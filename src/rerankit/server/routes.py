@@ -5,12 +5,14 @@ fields they do not know and so bodies cannot be told apart by their fields alone
 
 1. the SDK's header: the ``cohere`` SDKs (v1 ``Client``, ``ClientV2``, and what builds on them: langchain-cohere,
    LlamaIndex's Cohere postprocessor) send ``X-Fern-SDK-Name: cohere``;
-2. else the fields that only one dialect has (``Dialect.markers``), present and not null: the dialect whose
-   markers claim the most fields of the body answers it (a tie goes to the default if it is tied, else to the
-   path's order). So ``rank_fields``/``max_chunks_per_doc`` are Cohere v1's, ``raw_scores`` Infinity's (with
-   ``texts`` TEI's), ``instruct`` or ``return_documents`` alone SGLang's, ``return_documents`` with ``model``
-   Jina's (Cohere-style), ``truncate_prompt_tokens``, ``padding``... vLLM's, ``queries``/``text_1`` on
-   ``/v1/score`` vLLM's and ``query``/``label_token_ids`` there SGLang's;
+2. else the fields that show a dialect (``Dialect.markers``), present and not null: the dialect whose markers
+   claim the most fields that no other dialect of the path names answers the body, then the one whose markers
+   claim the most fields (a tie goes to the default if it is tied, else to the path's order). So
+   ``rank_fields``/``max_chunks_per_doc`` are Cohere v1's and ``top_k``/``truncation`` Voyage's whatever else the
+   body holds (``return_documents`` too), ``raw_scores`` Infinity's (with ``texts`` TEI's), ``instruct`` or
+   ``return_documents`` alone SGLang's, ``return_documents`` with ``model`` Jina's (Cohere-style),
+   ``truncate_prompt_tokens``, ``padding``... vLLM's, ``queries``/``text_1`` on ``/v1/score`` vLLM's and
+   ``query``/``label_token_ids`` there SGLang's;
 3. else (a bare ``query``, ``documents``, maybe ``model`` and ``top_n``: truly ambiguous) the default: the server's
    ``rerank_dialect`` where the path speaks it (``rerankit serve --rerank-dialect``), else the path's first.
 
@@ -128,9 +130,14 @@ def dialect_for(dialects: list[Dialect], body: Any, headers: Mapping[str, str] |
         if sdk_dialect is not None:
             return sdk_dialect
     present = {field for field, value in body.items() if value is not None} if isinstance(body, dict) else set()
-    weights = {dialect.name: dialect.evidence(present) for dialect in dialects}
+    weights = {}
+    for dialect in dialects:
+        claimed = dialect.claimed(present)
+        # a field that only this dialect's markers name on the path outweighs any number of shared ones
+        shared = set().union(*(marker for other in dialects if other is not dialect for marker in other.markers))
+        weights[dialect.name] = (len(claimed - shared), len(claimed))
     best = max(weights.values())
-    if best == 0 or weights[default.name] == best:
+    if best == (0, 0) or weights[default.name] == best:
         return default
     return next(dialect for dialect in dialects if weights[dialect.name] == best)
 

@@ -113,13 +113,13 @@ class Dialect:
     engine_request: Callable[[ScoreRequest], ScoreRequest] = lambda request: request
     wire_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
-    def evidence(self, present: set[str]) -> int:
-        """How many of the ``present`` fields this dialect's markers claim (0: the body says nothing of it)."""
+    def claimed(self, present: set[str]) -> set[str]:
+        """The ``present`` fields this dialect's markers claim (none: the body says nothing of it)."""
         claimed: set[str] = set()
         for marker in self.markers:
             if marker <= present:
                 claimed |= marker
-        return len(claimed)
+        return claimed
 
     def decode(self, body: Any, request: ScoreRequest, model: str | None = None) -> ScoreResponse:
         """``decode_response`` with a malformed body turned into a ``RemoteError`` (numbers out of range too:
