@@ -98,7 +98,7 @@ def test_chunked_body_over_the_limit_is_refused_while_streaming(client):
 def test_too_many_items_is_a_413_naming_the_limit(client):
     reply = client.post("/rerank", json={"query": "q", "documents": ["d"] * 9})
     assert reply.status_code == 413
-    assert reply.json()["error"]["param"] == "items" and "max_items_per_request" in reply.json()["error"]["message"]
+    assert reply.json()["error"]["param"] == "documents" and "max_items_per_request" in reply.json()["error"]["message"]
 
 
 def test_token_limit_per_item_is_passed_to_the_engine_as_its_cut(client, backend):

@@ -129,3 +129,21 @@ def test_random_junk_bodies_never_get_a_5xx(urls):
             assert reply.status_code < 500, (url, body[:200], reply.text)
             reply.json()  # always a JSON body
         assert client.post(urls["lm"] + "/generative_scoring", json=GOOD_GENERATIVE).status_code == 200
+
+
+WIRE_NAMED = [
+    # path, body, status, the body's name of the field the engine refused
+    ("/rerank", {"query": "q", "texts": ["a", "word " * 300], "truncate": False}, 400, "texts[1]"),
+    ("/rerank", {"query": "q", "documents": ["a", "word " * 300]}, 400, "documents[1]"),  # vLLM's: cut only if asked
+    ("/rerank", {"query": "q", "documents": ["d"] * 17}, 413, "documents"),
+    ("/v2/rerank", {"model": "m", "query": "q", "documents": ["d"] * 17}, 413, "documents"),
+    ("/generative_scoring", GOOD_GENERATIVE, 400, "label_token_ids"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, field", WIRE_NAMED, ids=[case[3] for case in WIRE_NAMED])
+def test_an_error_found_after_parsing_names_the_field_as_the_body_does(ce_url, path, body, status, field):
+    reply = httpx.post(ce_url + path, json=body, timeout=30)
+    assert reply.status_code == status, reply.text
+    text = json.dumps(reply.json())
+    assert f"{field}:" in text and "items:" not in text and "items[" not in text and "mode:" not in text, text

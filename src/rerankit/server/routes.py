@@ -81,13 +81,14 @@ def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
 
     async def endpoint(request: Request) -> Response:
         started = time.perf_counter()
-        dialect, status, items, tokens, forwarded = default, 500, 0, 0, False
+        dialect, status, items, tokens, forwarded, parsed = default, 500, 0, 0, False, False
         try:
             key_index = check_api_key(config, request.headers.get("authorization"))
             batcher.admit()  # a full queue or a drain refuses before the body is read, parsed and checked
             body = parse_json(await read_body(request, config))
             dialect = dialect_for(dialects, body, request.headers, default)
             score_request = dialect.parse_request(body)
+            parsed = True  # from here on an error names a ScoreRequest field, which the reply names as the body does
             asked = bound_request(config, dialect.engine_request(score_request), cut_items=not batcher.proxies)
             forwarded = batcher.proxies
             caller = caller_of(config, request.headers, key_index, request.client.host if request.client else None)
@@ -100,7 +101,7 @@ def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
             status = Cancelled.status_code
             return Response(status_code=status)
         except RerankitError as exc:
-            error = proxied_error(exc, dialect) if forwarded else exc
+            error = proxied_error(exc, dialect) if forwarded else wire_named(exc, dialect) if parsed else exc
             status = error.status_code
             if status == 502:
                 log.warning("proxied request %s on %s failed: %s", REQUEST_ID.get(), path, exc.message)
@@ -245,6 +246,12 @@ def proxied_error(error: RerankitError, dialect: Dialect) -> RerankitError:
         if colon and head == (error.field or head):  # the message leads with its field (rerankit's, in any dialect)
             message = f"{wire_field(head, dialect)}: {rest}"
         return UpstreamError(error.status_code, message, wire_field(error.field, dialect), error.retry_after)
+    return wire_named(error, dialect)
+
+
+def wire_named(error: RerankitError, dialect: Dialect) -> RerankitError:
+    """An ``InvalidRequest`` naming a ``ScoreRequest`` field (``items[3]``) as a copy naming it as ``dialect``'s
+    bodies do (``documents[3]``); any other error as it is."""
     if isinstance(error, InvalidRequest) and wire_field(error.field, dialect) != error.field:
         return error.renamed(wire_field(error.field, dialect))
     return error
