@@ -590,3 +590,45 @@ def test_openapi_publishes_each_paths_request_models_and_client_bodies_fit_them(
         for name in names:
             _, body = get_dialect(name).encode_request(request_for(name), "m")
             jsonschema.validate(body, schema)
+
+
+# A known field sent as null is as if left out -----------------------------------------------------------------
+
+GOOD_BODIES = {
+    "vllm-generative": {"query": "q", "items": ["a", "b"], "label_token_ids": [5, 6]},
+    "vllm-score": {"queries": "q", "documents": ["a", "b"]},
+    "vllm-rerank": {"query": "q", "documents": ["a", "b"]},
+    "sglang-score": {"query": "q", "items": ["a", "b"], "label_token_ids": [5, 6]},
+    "sglang-rerank": {"query": "q", "documents": ["a", "b"]},
+    "cohere": {"model": "m", "query": "q", "documents": ["a", "b"]},
+    "tei": {"query": "q", "texts": ["a", "b"]},
+    "infinity": {"query": "q", "documents": ["a", "b"]},
+    "nim": {"model": "m", "query": {"text": "q"}, "passages": [{"text": "a"}, {"text": "b"}]},
+    "voyage": {"model": "m", "query": "q", "documents": ["a", "b"]},
+}
+
+
+def test_every_dialect_has_a_good_body():
+    assert set(GOOD_BODIES) == set(DIALECTS)
+
+
+@pytest.mark.parametrize("name", sorted(GOOD_BODIES))
+def test_an_optional_field_sent_as_null_parses_as_if_left_out(name):
+    dialect = get_dialect(name)
+    body = GOOD_BODIES[name]
+    alone = dialect.parse_request(body)
+    optional = [field for field, info in dialect.request_body.model_fields.items()
+                if not info.is_required() and field not in body]
+    assert optional
+    for field in optional:
+        assert dialect.parse_request({**body, field: None}) == alone, field
+
+
+@pytest.mark.parametrize("name", sorted(GOOD_BODIES))
+def test_a_required_field_sent_as_null_is_refused_by_name(name):
+    dialect = get_dialect(name)
+    for field, info in dialect.request_body.model_fields.items():
+        if info.is_required():
+            with pytest.raises(InvalidRequest) as caught:
+                dialect.parse_request({**GOOD_BODIES[name], field: None})
+            assert caught.value.field.split(".")[0].split("[")[0] == field

@@ -264,9 +264,14 @@ def parse_wire(model: type[WireBody], body: Any) -> Any:
     """Validate a JSON body against a wire model, raising ``InvalidRequest`` naming the wire field."""
     if not isinstance(body, dict):
         raise InvalidRequest("body", f"must be a JSON object, got {type(body).__name__}")
-    unknown = sorted(set(body) - set(model.model_fields))
+    fields = model.model_fields
+    unknown = sorted(set(body) - set(fields))
     if unknown:
         log.debug("%s: ignoring unknown fields %s", model.__name__, ", ".join(unknown))
+    # a known field sent as null is as if left out (clients that dump every optional field send `top_n: null`);
+    # a required one stays, to be refused by name
+    body = {name: value for name, value in body.items()
+            if value is not None or name not in fields or fields[name].is_required()}
     try:
         return model.model_validate(body)
     except ValidationError as exc:
