@@ -311,6 +311,19 @@ def test_a_body_not_declared_json_is_a_415_in_the_routes_dialect(url, path, cont
     assert "Content-Type" in reply.text
 
 
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br, identity"])
+def test_a_compressed_body_is_a_415_naming_content_encoding(url, encoding):
+    import gzip
+    import json
+
+    reply = httpx.post(url + "/rerank", content=gzip.compress(json.dumps(BODIES["/rerank"]).encode()),
+                       headers={"content-type": "application/json", "content-encoding": encoding}, timeout=30)
+    assert reply.status_code == 415 and "Content-Encoding" in reply.text, reply.text
+    ERROR_MODELS[ROUTES["/rerank"][0]].model_validate(reply.json())
+    plain = httpx.post(url + "/rerank", json=BODIES["/rerank"], headers={"content-encoding": "identity"}, timeout=30)
+    assert plain.status_code == 200
+
+
 def test_json_content_types_and_real_clients_are_accepted(url):
     import json
 

@@ -147,6 +147,7 @@ async def read_body(request: Request, config: ServerConfig) -> bytes:
     """The request body: refused (415) unless declared JSON, (413) as soon as it passes ``max_body_bytes``, and
     (408) unless it is whole within ``body_timeout_s``."""
     check_json_content_type(request.headers.get("content-type"))
+    check_identity_encoding(request.headers.get("content-encoding"))
     declared = request.headers.get("content-length", "")
     if declared.isdigit():
         check_body_size(config, int(declared))
@@ -179,6 +180,15 @@ def check_json_content_type(content_type: str | None) -> None:
     if not content_type or declared.get_content_maintype() != "application" or not (
             subtype == "json" or subtype.endswith("+json")):
         raise UnsupportedMediaType("Content-Type", f"must be application/json, got {content_type or 'none'!r}")
+
+
+def check_identity_encoding(content_encoding: str | None) -> None:
+    """Raise ``UnsupportedMediaType`` for a compressed body (``Content-Encoding`` other than ``identity``): it is
+    not decoded, and would otherwise be refused as bad UTF-8."""
+    codings = [coding.strip().lower() for coding in (content_encoding or "").split(",") if coding.strip()]
+    if any(coding != "identity" for coding in codings):
+        raise UnsupportedMediaType("Content-Encoding", f"{content_encoding!r} is not accepted; send the body "
+                                   "uncompressed")
 
 
 def parse_json(raw: bytes) -> Any:
