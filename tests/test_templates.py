@@ -156,7 +156,19 @@ def test_registered_template_is_listed_detected_and_scores_as_its_pieces(monkeyp
     documents = ["Paris is the capital of France.", "Bananas are yellow."]
     by_name = backend.score(ScoreRequest(query="capital of France?", items=documents, template="mine-test"))
     by_pieces = backend.score(ScoreRequest(query="capital of France?", items=documents, template=MINE))
-    default = EmbeddedBackend(str(tiny_qwen3_lm), device="cpu", template=mine, instruction="ignored")
+    default = EmbeddedBackend(str(tiny_qwen3_lm), device="cpu", template=mine)
     assert by_name.scores == by_pieces.scores == default.score(
         ScoreRequest(query="capital of France?", items=documents)).scores
+    # the template has no {instruction}: an instruction given with it would not be written, so it is refused
+    assert not mine.takes_instruction and get_template("qwen3-reranker").takes_instruction
+    with pytest.raises(InvalidRequest, match="no {instruction} placeholder") as error:
+        EmbeddedBackend(str(tiny_qwen3_lm), device="cpu", template=mine, instruction="dropped")
+    assert error.value.field == "instruction"
+    with pytest.raises(InvalidRequest, match="no {instruction} placeholder") as error:
+        backend.score(ScoreRequest(query="q", items=documents, template="mine-test", instruction="dropped"))
+    assert error.value.field == "instruction"
+    # a backend's default instruction goes only to templates that write it
+    instructed = EmbeddedBackend(str(tiny_qwen3_lm), device="cpu", instruction="Find the capital")
+    assert instructed.score(ScoreRequest(query="capital of France?", items=documents, template="mine-test")).scores \
+        == by_name.scores
     assert by_name.scores != backend.score(ScoreRequest(query="capital of France?", items=documents)).scores

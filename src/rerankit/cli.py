@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_prompt_flags(serve, defaults=True)
     serve.add_argument("--max-batch-items", type=positive_int, help="items merged into one engine call at most")
     serve.add_argument("--batch-window-ms", type=non_negative_float,
-                       help="how long a request waits for others to batch with")
+                       help="while the engine is busy, how long after its last call ended the next call waits "
+                            "for requests to batch with (an idle server sends at once) (default: 5)")
     serve.add_argument("--max-items-per-request", type=positive_int, help="refuse requests with more items")
     serve.add_argument("--max-batch-tokens", type=positive_int, help="tokens merged into one engine call at most")
     serve.add_argument("--prefix-cache-mib", type=non_negative_int,
@@ -109,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--data-parallel-size", type=replica_count,
                        help="local model: engine replicas, one process per GPU ('auto': every visible GPU; "
                             "on CPU, N processes share the cores) (default: 1)")
-    serve.add_argument("--max-tokens-per-item", type=positive_int, help="refuse items with more tokens")
+    serve.add_argument("--max-tokens-per-item", type=positive_int,
+                       help="cut items to this many tokens; refuse them where the request asks for no cut "
+                            "(default: 8192)")
     serve.add_argument("--max-queue-requests", type=positive_int, help="answer 429 when this many requests wait")
     serve.add_argument("--max-body-bytes", type=positive_int, help="answer 413 to larger request bodies")
     serve.add_argument("--rerank-dialect", choices=RERANK_DIALECTS,
@@ -132,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-batching", dest="batching", action="store_false",
                        help="score one request per engine call (to measure what batching gains)")
     serve.add_argument("--no-warmup", dest="warm_up", action="store_false",
-                       help="answer at once instead of first scoring two synthetic requests (compiling, on a GPU)")
+                       help="answer at once instead of first running every batch shape the server forms "
+                            "(compiling and capturing them, on a GPU)")
     serve.add_argument("--ssl-certfile", help="serve HTTPS with this PEM certificate (chain)")
     serve.add_argument("--ssl-keyfile", help="with --ssl-certfile: its PEM private key (default: in the certfile)")
     serve.add_argument("--ssl-keyfile-password", help="with --ssl-keyfile: the key's password")

@@ -69,6 +69,11 @@ class Template:
         """True when the query and the items must be texts (every template but ``raw``)."""
         return self.name != RAW
 
+    @property
+    def takes_instruction(self) -> bool:
+        """True when the prefix or the suffix holds ``{instruction}``: else an instruction would not be written."""
+        return any("instruction" in _placeholders(piece) for piece in (self.prefix_format, self.suffix_format))
+
     def _instruction(self, instruction: str | None) -> str:
         chosen = instruction if instruction is not None else self.default_instruction
         return self.instruction_format.format(instruction=chosen) if chosen else ""
@@ -119,7 +124,7 @@ def _check_format(piece: str, text: Any, allowed: frozenset[str], required: str 
     if not isinstance(text, str):
         raise InvalidRequest(field, f"must be a string, got {type(text).__name__}")
     try:
-        names = {name for _, name, _, _ in string.Formatter().parse(text) if name is not None}
+        names = _placeholders(text)
     except ValueError as exc:  # a lone "{" or "}": literal braces are written "{{" and "}}"
         raise InvalidRequest(field, f"is not a format string ({exc}); write literal braces as {{{{ and }}}}") from None
     unknown = names - allowed
@@ -129,6 +134,11 @@ def _check_format(piece: str, text: Any, allowed: frozenset[str], required: str 
                                     f"it may hold {known}")
     if required is not None and required not in names:
         raise InvalidRequest(field, f"must hold the placeholder {{{required}}}")
+
+
+def _placeholders(text: str) -> set[str]:
+    """The placeholder names of a format string (``ValueError`` for a lone brace)."""
+    return {name for _, name, _, _ in string.Formatter().parse(text) if name is not None}
 
 
 RAW = "raw"

@@ -113,8 +113,9 @@ class EmbeddedBackend:
                  prefix_cache_bytes: int = PREFIX_CACHE_MAX_BYTES, show_progress: bool | None = None,
                  pipelined: bool | None = None) -> None:
         # Options that do not need the model are checked before it loads, which can take minutes.
-        if template is not None:
-            get_template(template)
+        if template is not None and not get_template(template).takes_instruction and instruction is not None:
+            raise InvalidRequest("instruction", f"template {get_template(template).name!r} has no {{instruction}} "
+                                 "placeholder, so the instruction would not be written")
         if max_batch_tokens < 1:
             raise InvalidRequest("max_batch_tokens", f"must be >= 1, got {max_batch_tokens}")
         if prefix_cache_bytes < 0:
