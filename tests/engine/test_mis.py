@@ -328,3 +328,23 @@ def test_gpu_mis_follows_per_pair_scoring_in_bfloat16(lm_path):
         torch.testing.assert_close(torch.tensor(shared.scores), torch.tensor(exact.score(request).scores),
                                    atol=2e-2, rtol=0)
         assert shared.usage.computed_tokens < shared.usage.prompt_tokens
+
+
+def test_an_empty_item_scores_as_it_does_alone_wherever_it_lies(lm, reference):
+    """An empty item with no suffix (raw scoring) is a span of no tokens: it is read at the prefix's last token,
+    as the query alone is, never at the item before it (``test_overlap`` checks the positions in a continued
+    sequence)."""
+    items = ["Paris is in France.", "", "Beijing", "", ""]
+    request = ScoreRequest(query="capital of France", items=items, label_token_ids=[5, 6])
+    alone = lm.score(ScoreRequest(query="capital of France", items=[""], label_token_ids=[5, 6])).scores[0]
+    scores = lm.score(request).scores
+    assert scores == pytest.approx(reference.score(request).scores, abs=EXACT)
+    assert [scores[index] for index in (1, 3, 4)] == pytest.approx([alone] * 3, abs=EXACT)
+    assert abs(scores[1] - scores[0]) > EXACT
+
+
+def test_an_empty_item_of_a_classifier_without_template_scores_as_alone(tiny_qwen3_classifier):
+    backend = EmbeddedBackend(str(tiny_qwen3_classifier), device="cpu", runner="packed", multi_item=True)
+    alone = backend.score(ScoreRequest(query="capital of France", items=[""])).scores[0]
+    scores = backend.score(ScoreRequest(query="capital of France", items=["Beijing gravity", ""])).scores
+    assert scores[1] == pytest.approx(alone, abs=EXACT) and abs(scores[0] - scores[1]) > EXACT

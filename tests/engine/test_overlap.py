@@ -115,6 +115,18 @@ def test_chunks_of_one_request_in_one_micro_batch_share_one_prefix():
     assert micro_batches[0].request_tokens == {0: batch.num_tokens}
 
 
+def test_an_empty_span_is_read_at_the_prefixs_last_token_in_a_continued_sequence_too():
+    items = [np.arange(10, 10 + length) for length in (3, 0, 2, 0)]
+    empty = np.array([], dtype=np.int64)  # no suffix: raw scoring
+    planner = Planner(10**6, padded=False, causal=True)
+    first = RequestParts(np.arange(1, 9), items[:2], empty, share_prefix=True)
+    rest = RequestParts(np.arange(1, 9), items[2:], empty, share_prefix=True, item_offset=2)
+    (micro,) = [*planner.add(0, first), *planner.add(0, rest), *planner.finish()]
+    assert micro.batch.cu_seqlens.tolist() == [0, 8 + 5]
+    assert micro.read_items.tolist() == [0, 1, 2, 3]
+    assert micro.batch.read_positions.tolist() == [10, 7, 12, 7]  # prefix 0-7, item 0 at 8-10, item 2 at 11-12
+
+
 @pytest.fixture(scope="module")
 def lm_path(tmp_path_factory):
     return make_decoder(tmp_path_factory.mktemp("overlap") / "qwen3-lm", "lm")

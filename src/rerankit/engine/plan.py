@@ -374,20 +374,23 @@ class _Builder:
         for item in items.tolist():
             self.ids += (parts.items[item], parts.suffix)
         if extend:
-            self._extend(index, parts.head, spans, cached + prefix, items + parts.item_offset)
+            self._extend(index, parts.head, spans, cached + prefix, items + parts.item_offset, prefix)
         else:
             self._add(index, parts.head, np.concatenate(([prefix], spans)),
                       np.concatenate(([cached], np.full(len(spans), cached + prefix))), prefix,
-                      prefix + np.cumsum(spans) - 1, items + parts.item_offset, cached)
+                      _span_reads(prefix, spans, prefix), items + parts.item_offset, cached)
         self.open_shared = (index, parts.head, parts.prefix)
 
-    def _extend(self, index: int, head: int, spans: np.ndarray, prefix: int, items: np.ndarray) -> None:
-        """More item spans at the end of the last (MIS) sequence; ``prefix``: the position their tokens start at."""
+    def _extend(self, index: int, head: int, spans: np.ndarray, prefix: int, items: np.ndarray,
+                laid_prefix: int) -> None:
+        """More item spans at the end of the last (MIS) sequence; ``prefix``: the position their tokens start at;
+        ``laid_prefix``: the sequence's prefix tokens in this batch (an empty span is read at the last of them)."""
         length = int(spans.sum())
+        start = self.tokens - int(self.sequence_lengths[-1])
         self.segment_lengths.append(spans)
         self.segment_positions.append(np.full(len(spans), prefix))
         self.sequence_lengths[-1] += length
-        self._reads(index, head, self.tokens + np.cumsum(spans) - 1, items)
+        self._reads(index, head, _span_reads(self.tokens, spans, start + laid_prefix), items)
         self.request_tokens[index] += length
         self.tokens += length
 
@@ -459,3 +462,13 @@ class _Builder:
         )
         slices = [(int(heads[start]), start, end) for start, end in zip(first, last)]
         return MicroBatch(batch, read_requests, read_items, slices, self.request_tokens)
+
+
+def _span_reads(first: int, spans: np.ndarray, prefix_end: int) -> np.ndarray:
+    """Where each span laid out from token ``first`` on is read: at its last token, or, for an empty span (an
+    empty item with no suffix: raw scoring), at the prefix's last token (``prefix_end - 1``), which is where the
+    pair of the query and an empty item would be read on its own."""
+    reads = first + np.cumsum(spans) - 1
+    reads[spans == 0] = prefix_end - 1
+    return reads
+
