@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any, Sequence
 
 from rerankit.backend import Backend
@@ -87,17 +88,18 @@ class Reranker:
         """Async twin of ``score``."""
         return await self.backend.ascore(request)
 
-    def rank(self, query: str, documents: Sequence[str], top_n: int | None = None,
+    def rank(self, query: str, documents: Iterable[str], top_n: int | None = None,
              **fields: Any) -> list[RankedDocument]:
-        """Documents sorted best first (ties by input order), the first ``top_n`` of them."""
-        response = self.score(ScoreRequest(query=query, items=list(documents), top_n=top_n, **fields))
-        return _ranked_documents(response, documents, top_n)
+        """Documents sorted best first (ties by input order), the first ``top_n`` of them; ``documents`` may be any
+        iterable of texts (a list, a generator, a pandas Series...)."""
+        request = _rank_request(query, documents, top_n, fields)
+        return _ranked_documents(self.score(request), request)
 
-    async def arank(self, query: str, documents: Sequence[str], top_n: int | None = None,
+    async def arank(self, query: str, documents: Iterable[str], top_n: int | None = None,
                     **fields: Any) -> list[RankedDocument]:
         """Async twin of ``rank``."""
-        response = await self.ascore(ScoreRequest(query=query, items=list(documents), top_n=top_n, **fields))
-        return _ranked_documents(response, documents, top_n)
+        request = _rank_request(query, documents, top_n, fields)
+        return _ranked_documents(await self.ascore(request), request)
 
     def close(self) -> None:
         """Release the backend's model or connections."""
@@ -116,5 +118,14 @@ class Reranker:
         await asyncio.to_thread(self.close)
 
 
-def _ranked_documents(response: ScoreResponse, documents: Sequence[str], top_n: int | None) -> list[RankedDocument]:
-    return [RankedDocument(index=r.index, score=r.score, text=documents[r.index]) for r in response.ranked(top_n)]
+def _rank_request(query: str, documents: Iterable[str], top_n: int | None, fields: dict[str, Any]) -> ScoreRequest:
+    """The request ``rank`` scores: the documents listed once (a single string is left whole, for the schema to
+    refuse, rather than split into characters)."""
+    items = documents if isinstance(documents, (str, bytes)) else list(documents)
+    return ScoreRequest(query=query, items=items, top_n=top_n, **fields)
+
+
+def _ranked_documents(response: ScoreResponse, request: ScoreRequest) -> list[RankedDocument]:
+    """Each ranked result with the text it was scored as (by index into the request's own list)."""
+    return [RankedDocument(index=r.index, score=r.score, text=request.items[r.index])
+            for r in response.ranked(request.top_n)]

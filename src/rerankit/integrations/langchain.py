@@ -36,6 +36,7 @@ class RerankitRerank(RerankSettings, BaseDocumentCompressor):
     def compress_documents(self, documents: Sequence[Document], query: str,
                            callbacks: Callbacks | None = None) -> Sequence[Document]:
         """The ``top_n`` documents most relevant to ``query``, best first, as scored copies."""
+        documents = list(documents)  # any iterable: listed once, so that results index what was scored
         if not documents:
             return []
         response = self._backend.get().score(self._request(documents, query))
@@ -44,6 +45,7 @@ class RerankitRerank(RerankSettings, BaseDocumentCompressor):
     async def acompress_documents(self, documents: Sequence[Document], query: str,
                                   callbacks: Callbacks | None = None) -> Sequence[Document]:
         """Async twin of ``compress_documents``; scoring does not block the event loop."""
+        documents = list(documents)
         if not documents:
             return []
         backend = await self._backend.aget()

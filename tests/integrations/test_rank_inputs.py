@@ -1,0 +1,62 @@
+"""``Reranker.rank`` and the LangChain compressor take any iterable of documents and pair each score with the text
+it was scored as; a single string is refused, not split into characters."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fake_backends import DOCUMENTS, QUERY, WordOverlapBackend
+
+from rerankit import InvalidRequest, Reranker
+
+
+def expected(documents: list[str], top_n: int | None = None) -> list[tuple[int, str]]:
+    ranked = Reranker(backend=WordOverlapBackend()).rank(QUERY, list(documents), top_n=top_n)
+    return [(hit.index, hit.text) for hit in ranked]
+
+
+@pytest.mark.parametrize("make", [tuple, iter, lambda docs: (doc for doc in docs), lambda docs: dict.fromkeys(docs)])
+def test_rank_takes_any_iterable_and_keeps_each_text_with_its_score(make):
+    reranker = Reranker(backend=WordOverlapBackend())
+    hits = reranker.rank(QUERY, make(DOCUMENTS), top_n=3)
+    assert [(hit.index, hit.text) for hit in hits] == expected(DOCUMENTS, 3)
+    hits = asyncio.run(reranker.arank(QUERY, make(DOCUMENTS)))
+    assert [(hit.index, hit.text) for hit in hits] == expected(DOCUMENTS)
+
+
+def test_rank_of_a_pandas_series_with_its_own_index_pairs_texts_by_position():
+    pandas = pytest.importorskip("pandas")
+    series = pandas.Series(DOCUMENTS).sort_values()  # labels out of order
+    reranker = Reranker(backend=WordOverlapBackend())
+    for documents in (series, series[series.str.len() > 35]):  # labels with gaps
+        hits = reranker.rank(QUERY, documents)
+        assert [(hit.index, hit.text) for hit in hits] == expected(list(documents))
+
+
+@pytest.mark.parametrize("documents", ["Paris", b"Paris"])
+def test_a_single_string_is_refused_not_split_into_characters(documents):
+    backend = WordOverlapBackend()
+    with pytest.raises(InvalidRequest) as error:
+        Reranker(backend=backend).rank(QUERY, documents)
+    assert error.value.field == "items" and not backend.calls
+
+
+@pytest.mark.parametrize("top_n", [2.0, "2"])
+def test_top_n_is_taken_as_the_request_validated_it(top_n):
+    hits = Reranker(backend=WordOverlapBackend()).rank(QUERY, DOCUMENTS, top_n=top_n)
+    assert [(hit.index, hit.text) for hit in hits] == expected(DOCUMENTS, 2)
+
+
+def test_the_langchain_compressor_takes_a_generator_of_documents():
+    from langchain_core.documents import Document
+
+    from rerankit.integrations.langchain import RerankitRerank
+
+    compressor = RerankitRerank(backend=WordOverlapBackend(), top_n=2)
+    documents = [Document(page_content=text, metadata={"n": number}) for number, text in enumerate(DOCUMENTS)]
+    from_list = compressor.compress_documents(documents, QUERY)
+    from_generator = compressor.compress_documents((document for document in documents), QUERY)
+    assert [(d.page_content, d.metadata) for d in from_generator] == [(d.page_content, d.metadata) for d in from_list]
+    from_async = asyncio.run(compressor.acompress_documents(iter(documents), QUERY))
+    assert [d.page_content for d in from_async] == [d.page_content for d in from_list]
