@@ -101,6 +101,8 @@ class ScoreRequest(_Strict):
     def _query_not_empty(cls, query: Union[str, TokenIds]) -> Union[str, TokenIds]:
         if isinstance(query, str) and not query.strip():
             raise ValueError("must not be empty")
+        if isinstance(query, str) and not _encodable(query):
+            raise ValueError("holds a lone UTF-16 surrogate: not valid text")
         if isinstance(query, list):
             if not query:
                 raise ValueError("must not be an empty token list")
@@ -119,6 +121,10 @@ class ScoreRequest(_Strict):
             kinds = {type(item).__name__ for item in items}
             if len(kinds) > 1:
                 raise ValueError(f"mixes item types ({', '.join(sorted(kinds))}): give all texts or all token-id lists")
+            if isinstance(items[0], str):
+                for position, item in enumerate(items):
+                    if not _encodable(item):
+                        raise ValueError(f"item {position} holds a lone UTF-16 surrogate: not valid text")
             if isinstance(items[0], list):
                 for position, item in enumerate(items):
                     if not item:
@@ -256,3 +262,16 @@ class RankedDocument(BaseModel):
     index: int
     score: float
     text: str
+
+
+def _encodable(text: str) -> bool:
+    """Whether ``text`` is valid Unicode text (no lone UTF-16 surrogate, which no tokenizer takes); an ASCII text
+    answers at once."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+

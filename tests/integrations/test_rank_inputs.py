@@ -60,3 +60,25 @@ def test_the_langchain_compressor_takes_a_generator_of_documents():
     assert [(d.page_content, d.metadata) for d in from_generator] == [(d.page_content, d.metadata) for d in from_list]
     from_async = asyncio.run(compressor.acompress_documents(iter(documents), QUERY))
     assert [d.page_content for d in from_async] == [d.page_content for d in from_list]
+
+
+@pytest.mark.parametrize(("query", "documents", "field"), [
+    ("q", ["fine", "bad \ud800 text"], "items"), ("bad \udfff", ["fine"], "query"), ("q", ["é", "\ud83d"], "items"),
+])
+def test_a_lone_surrogate_is_refused_by_field_before_any_tokenizer(query, documents, field):
+    backend = WordOverlapBackend()
+    with pytest.raises(InvalidRequest) as error:
+        Reranker(backend=backend).rank(query, documents)
+    assert error.value.field == field and "surrogate" in error.value.reason and not backend.calls
+    assert Reranker(backend=backend).rank("q", ["é ü 😀", "plain"])  # other non-ASCII text is fine
+
+
+def test_the_cli_refuses_a_lone_surrogate_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text('{"text": "\\ud800"}\n{"text": "fine"}\n')
+    done = subprocess.run([sys.executable, "-m", "rerankit", "rank", "--query", "q", "--docs", str(docs)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "surrogate" in done.stderr, done.stderr
