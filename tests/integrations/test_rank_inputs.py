@@ -82,3 +82,26 @@ def test_the_cli_refuses_a_lone_surrogate_in_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "rerankit", "rank", "--query", "q", "--docs", str(docs)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "surrogate" in done.stderr, done.stderr
+
+
+def test_adapters_pickle_with_their_model_and_refuse_to_without_a_ready_backend():
+    import pickle
+
+    from llama_index.core.ingestion import IngestionPipeline
+
+    from rerankit.integrations import langchain, llama_index
+
+    for adapter in (langchain.RerankitRerank, llama_index.RerankitRerank, langchain.RerankitEmbeddings,
+                    llama_index.RerankitEmbedding):
+        copy = pickle.loads(pickle.dumps(adapter(model="/models/my-reranker", backend_options={"device": "cpu"})))
+        assert (copy.model, copy._backend._model, copy._backend._options) == (
+            "/models/my-reranker", "/models/my-reranker", {"device": "cpu"})
+        # a ready backend cannot travel: pickled without it, LlamaIndex would build the adapter with the default model
+        with pytest.raises(TypeError, match="ready reranker or backend"):
+            pickle.dumps(adapter(backend=WordOverlapBackend()))
+    with pytest.raises(TypeError, match="ready reranker or backend"):
+        pickle.dumps(llama_index.RerankitRerank(reranker=Reranker(backend=WordOverlapBackend())))
+    embedding = llama_index.RerankitEmbedding(backend=WordOverlapBackend())
+    assert embedding.model_name == "word-overlap"
+    with pytest.raises(TypeError, match="ready reranker or backend"):
+        pickle.dumps(IngestionPipeline(transformations=[embedding]).transformations)

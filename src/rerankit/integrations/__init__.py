@@ -61,6 +61,28 @@ class LazyBackend:
                 self._backend.close()
                 self._backend = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy in another process needs: the model and options, from which it builds its own backend; a
+        ready backend passed in cannot travel (``TypeError``)."""
+        if not self._owned:
+            raise TypeError(NOT_PICKLED)
+        return {"model": self._model, "options": self._options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["model"], state["options"])
+
+
+NOT_PICKLED = ("an adapter given a ready reranker or backend cannot be pickled (a live model cannot go to another "
+               "process, e.g. LlamaIndex's IngestionPipeline(num_workers=N)): give model= and backend_options= "
+               "instead, and each process loads its own")
+
+
+def refuse_pickling_ready(settings: "RerankSettings | EmbedSettings") -> None:
+    """``TypeError`` where an adapter holds a ready reranker or backend: pickled without it, it would come back
+    scoring with another model (LlamaIndex drops what it cannot pickle and builds the adapter again)."""
+    if getattr(settings, "reranker", None) is not None or settings.backend is not None:
+        raise TypeError(NOT_PICKLED)
+
 
 def adapter_backend(model: str | Sequence[str] | None, backend_options: dict[str, Any],
                     reranker: Reranker | None, backend: Backend | None) -> LazyBackend:
@@ -144,6 +166,10 @@ class RerankSettings(BaseModel):
         """Release the model or connections built from ``model``; a passed-in backend stays open."""
         self._backend.close()
 
+    def __getstate__(self) -> dict[str, Any]:
+        refuse_pickling_ready(self)
+        return super().__getstate__()
+
 
 class EmbedSettings(BaseModel):
     """What an embedding adapter is given: a bi-encoder ``model`` (path or hub id of a sentence-transformers model;
@@ -167,3 +193,7 @@ class EmbedSettings(BaseModel):
     def close(self) -> None:
         """Release a model built from ``model``; a passed-in backend stays open."""
         self._backend.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        refuse_pickling_ready(self)
+        return super().__getstate__()

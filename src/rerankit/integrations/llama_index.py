@@ -19,8 +19,9 @@ from llama_index.core.instrumentation.events.rerank import ReRankEndEvent, ReRan
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
-from rerankit.defaults import DEFAULT_MODEL_NAME
-from rerankit.errors import InvalidRequest
+from rerankit.backend import Backend
+from rerankit.defaults import DEFAULT_MODEL_NAME, default_model_path
+from rerankit.errors import InvalidRequest, ModelLoadError
 from rerankit.integrations import EmbedSettings, RerankSettings, aembed_texts, embed_texts
 from rerankit.schema import ScoreRequest, ScoreResponse
 
@@ -97,7 +98,8 @@ class RerankitEmbedding(EmbedSettings, BaseEmbedding):
     @model_validator(mode="after")
     def _name_after_model(self) -> "RerankitEmbedding":
         if self.model_name == "unknown":
-            self.model_name = self.model or DEFAULT_MODEL_NAME
+            given = _backend_name(self.backend) if self.backend is not None else None
+            self.model_name = self.model or given or DEFAULT_MODEL_NAME
         return self
 
     @classmethod
@@ -121,6 +123,15 @@ class RerankitEmbedding(EmbedSettings, BaseEmbedding):
 
     async def _aget_text_embeddings(self, texts: List[str]) -> List[Embedding]:
         return await aembed_texts(self._backend, texts)
+
+
+def _backend_name(backend: Backend) -> str:
+    """A ready backend's model, the packaged MiniLM by its name rather than its folder."""
+    try:
+        packaged = default_model_path()
+    except ModelLoadError:  # not installed: the backend's model is another
+        packaged = None
+    return DEFAULT_MODEL_NAME if backend.model_name == packaged else backend.model_name
 
 
 def _query_text(query_bundle: Optional[QueryBundle]) -> str:
