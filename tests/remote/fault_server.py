@@ -17,6 +17,7 @@ import socket
 import struct
 import threading
 import time
+import zlib
 from collections import deque
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -24,6 +25,8 @@ SLOW_SECONDS = 1.0
 # A dripping server sends one byte this often: far inside any read timeout, so only a deadline ends the reply.
 DRIP_SECONDS = 0.05
 HUGE_BYTES = 64 * 2**20
+# Correct replies sent compressed: the client inflates them.
+COMPRESSED_OK = ("gzip-ok", "deflate-ok", "raw-deflate-ok")
 # How long a hanging handler waits at most (the server's stop ends it sooner).
 HANG_SECONDS = 30.0
 
@@ -147,9 +150,12 @@ class _Handler(BaseHTTPRequestHandler):
         if fault in ("huge", "huge-announced"):
             self._send_huge(announced=fault == "huge-announced")
             return
+        if fault.endswith("-bomb"):  # huge_bytes of spaces, compressed to ~64 KB
+            self._send_compressed(fault.removesuffix("-bomb"), b" " * 2**16, repeat=self.server.huge_bytes // 2**16)
+            return
         if fault == "slow":
             time.sleep(SLOW_SECONDS)
-        elif fault not in ("ok", "drip-ok", "nan", "inf", "dup", "missing"):
+        elif fault not in ("ok", "drip-ok", "nan", "inf", "dup", "missing", *COMPRESSED_OK):
             status, _, retry_after = fault.partition(":")
             error = {"error": {"message": f"fault {status}", "type": "Fault", "param": None, "code": int(status)}}
             self._send_json(int(status), error, {"Retry-After": retry_after} if retry_after else {})
@@ -165,6 +171,9 @@ class _Handler(BaseHTTPRequestHandler):
             data.pop()
         payload = {"id": "x", "object": "list", "created": 0, "model": "fault-model", "data": data,
                    "usage": {"prompt_tokens": len(data), "total_tokens": len(data)}}
+        if fault in COMPRESSED_OK:
+            self._send_compressed(fault.removesuffix("-ok"), json.dumps(payload).encode())
+            return
         if fault == "drip-ok":
             raw = json.dumps(payload, separators=(",", ":")).encode()
             self._send_head(200, {"Content-Length": str(len(raw))})
@@ -199,6 +208,20 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(chunk)
             with self.server.lock:
                 self.server.sent += len(chunk)
+
+    def _send_compressed(self, coding: str, raw: bytes, repeat: int = 1) -> None:
+        """``raw`` ``repeat`` times over, sent as ``coding``: gzip, deflate (zlib-wrapped), raw-deflate (sent as
+        deflate) or zstd (which the client never asks for: its bytes need not be valid). Compressed piece by piece,
+        so that a bomb's inflated size is never held here."""
+        if coding == "zstd":
+            data = b"\x28\xb5\x2f\xfd" + raw[:64]
+        else:
+            wbits = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS, "raw-deflate": -zlib.MAX_WBITS}[coding]
+            packer = zlib.compressobj(9, zlib.DEFLATED, wbits)
+            data = b"".join(packer.compress(raw) for _ in range(repeat)) + packer.flush()
+            coding = "gzip" if coding == "gzip" else "deflate"
+        self._send_head(200, {"Content-Length": str(len(data)), "Content-Encoding": coding})
+        self.wfile.write(data)
 
     def _send_head(self, status: int, headers: dict[str, str]) -> None:
         self.send_response(status)

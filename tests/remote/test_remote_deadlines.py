@@ -228,3 +228,37 @@ def test_a_probe_that_outlasts_the_deadline_names_the_deadline(servers, side):
                 asyncio.run(transport.aget(far.url, "/health", deadline))
     finally:
         transport.close()
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("fault", ["gzip-ok", "deflate-ok", "raw-deflate-ok"])
+async def test_a_compressed_reply_is_inflated(servers, fault, use_async):
+    server = servers([fault])
+    response, _ = await timed_score(server.url, use_async)
+    assert response.scores == expected_scores(3)
+    assert server.posts[0][0]["accept-encoding"] == "gzip, deflate"  # never br or zstd, whatever is installed
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("fault", ["gzip-bomb", "deflate-bomb"])
+async def test_a_compressed_reply_is_inflated_no_further_than_the_cap(servers, fault, use_async):
+    import tracemalloc
+
+    server = servers([fault])  # 64 MiB of spaces in ~64 KB
+    cap = 2**20
+    tracemalloc.start()
+    try:
+        error, _ = await timed_score(server.url, use_async, max_response_bytes=cap)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert isinstance(error, RemoteError) and f"over max_response_bytes={cap:,}" in str(error), error
+    assert peak < 8 * cap, peak
+    assert server.hits == 1
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+async def test_a_reply_compressed_as_the_client_did_not_ask_is_a_remote_error(servers, use_async):
+    server = servers(["zstd-bomb"])
+    error, _ = await timed_score(server.url, use_async)
+    assert isinstance(error, RemoteError) and "compressed as 'zstd'" in str(error), error

@@ -23,7 +23,7 @@ from rerankit.errors import Cancelled, InvalidRequest
 from rerankit.remote.attempts import Attempts, expired_error, failure_of_answer, failure_of_exception
 from rerankit.remote.deadline import Deadline, Window, held_to, hold_sockets
 from rerankit.remote.endpoints import Endpoints
-from rerankit.remote.reply import Answer, CappedBody, Reply, parse_json, probe_reply
+from rerankit.remote.reply import ACCEPT_ENCODING, Answer, CappedBody, Reply, parse_json, probe_reply
 from rerankit.request_ids import HEADER, REQUEST_ID, usable_request_id
 
 
@@ -119,7 +119,7 @@ class Transport:
                  transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None) -> None:
         self.config = config or ClientConfig()
         self.endpoints = Endpoints(urls, self.config.dead_cooldown)
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._headers = {"Accept-Encoding": ACCEPT_ENCODING, **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
         self._transport = transport
         self._slots = threading.BoundedSemaphore(self.config.max_concurrency)
         self._lock = threading.Lock()
@@ -180,7 +180,7 @@ class Transport:
             traced.status(response.status_code)
             try:
                 reader = CappedBody(response, self.config.max_response_bytes)
-                for chunk in response.iter_bytes():
+                for chunk in [response.content] if reader.read else response.iter_raw():
                     reader.add(chunk)
             finally:
                 response.close()
@@ -198,8 +198,11 @@ class Transport:
             traced.status(response.status_code)
             try:
                 reader = CappedBody(response, self.config.max_response_bytes)
-                async for chunk in response.aiter_bytes():
-                    reader.add(chunk)
+                if reader.read:
+                    reader.add(response.content)
+                else:
+                    async for chunk in response.aiter_raw():
+                        reader.add(chunk)
             finally:
                 await response.aclose()
         return reader.answer()
