@@ -262,3 +262,30 @@ async def test_a_reply_compressed_as_the_client_did_not_ask_is_a_remote_error(se
     server = servers(["zstd-bomb"])
     error, _ = await timed_score(server.url, use_async)
     assert isinstance(error, RemoteError) and "compressed as 'zstd'" in str(error), error
+
+
+@pytest.mark.parametrize("deadline", [None, 10.0])
+async def test_closing_the_backend_ends_a_split_call_in_flight_promptly(servers, deadline):
+    import threading
+
+    from rerankit.errors import RerankitError
+
+    server = servers(default="slow")
+    remote = RemoteBackend(server.url, **OPTIONS, deadline=deadline, max_items_per_request=1, max_concurrency=1)
+    outcome = []
+
+    def call():
+        try:
+            outcome.append(remote.score(request(4)))
+        except Exception as error:  # noqa: BLE001 - the test reads what came out
+            outcome.append(error)
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    time.sleep(0.2)
+    started = time.monotonic()
+    remote.close()
+    caller.join(10)
+    assert not caller.is_alive(), "the call still waits after close()"
+    assert time.monotonic() - started < 2 + SLACK
+    assert isinstance(outcome[0], RerankitError) and "closed" in str(outcome[0]), repr(outcome[0])

@@ -126,6 +126,7 @@ class Transport:
         self._client: httpx.Client | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._loop_client: _LoopClient | None = None
+        self._calls: set[_Stop] = set()  # the stops of the split calls running on the executor's threads
 
     @property
     def _no_slot(self) -> str:
@@ -217,7 +218,8 @@ class Transport:
         attempts = Attempts(self.endpoints, self.config, deadline, path)
         while True:
             if stop is not None and stop.is_set():
-                raise Cancelled(f"the call that POSTs to {path} has failed elsewhere; this request stopped")
+                raise Cancelled(getattr(stop, "reason", None)
+                                or f"the call that POSTs to {path} has failed elsewhere; this request stopped")
             # The try's time starts once it has a slot: queueing behind our own requests is no fault of the server.
             if not self._slots.acquire(timeout=deadline.wait_limit()):
                 raise attempts.expired(self._no_slot)
@@ -271,17 +273,24 @@ class Transport:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self.config.max_concurrency, thread_name_prefix="rerankit-http")
             executor = self._executor
-        # Set once the call is over (failed, or past its deadline): posts still running make no further try.
-        stop = threading.Event()
+        # Set once the call is over (failed, or past its deadline) or the transport closes: posts still running make
+        # no further try.
+        stop = _Stop()
+        with self._lock:
+            self._calls.add(stop)
         # Each thread runs in a copy of the caller's context: its request id goes with every body.
         futures = [executor.submit(contextvars.copy_context().run, self.post, path, body, deadline, stop)
                    for body in bodies]
         # Each post ends by the deadline once a thread runs it, with an error naming what it tried; the grace lets
         # that error through, and the bound still holds when every thread is busy with other calls.
         limit = deadline.wait_limit()
-        _, pending = wait(futures, None if limit is None else limit + _GRACE, return_when=FIRST_EXCEPTION)
-        if pending and deadline.left() <= 0:
-            wait(pending, _GRACE)
+        try:
+            _, pending = wait(futures, None if limit is None else limit + _GRACE, return_when=FIRST_EXCEPTION)
+            if pending and deadline.left() <= 0:
+                wait(pending, _GRACE)
+        finally:
+            with self._lock:
+                self._calls.discard(stop)
         error = _first_error(futures)
         stop.set()
         for future in futures:
@@ -341,10 +350,15 @@ class Transport:
             client, self._client = self._client, None
             executor, self._executor = self._executor, None
             loop_client, self._loop_client = self._loop_client, None
+            calls, self._calls = self._calls, set()
+        for stop in calls:  # their posts, queued or between tries, end at once and the calls return
+            stop.set("the remote backend was closed while this call ran")
         if client is not None:
             client.close()
         if executor is not None:
-            executor.shutdown(wait=False, cancel_futures=True)
+            # Queued posts are left to run: each sees its call's stop and ends, so the call's wait returns
+            # (cancelled futures would never wake it).
+            executor.shutdown(wait=False)
         if loop_client is not None:
             _close_on_loop(loop_client)
 
@@ -358,6 +372,17 @@ class Transport:
         if mine:
             await loop_client.client.aclose()
         self.close()
+
+
+class _Stop(threading.Event):
+    """A split call's stop, with why it was set where that is not the call's own failure."""
+
+    reason: str | None = None
+
+    def set(self, reason: str | None = None) -> None:
+        if reason is not None and self.reason is None:
+            self.reason = reason
+        super().set()
 
 
 def _close_on_loop(loop_client: _LoopClient) -> None:
