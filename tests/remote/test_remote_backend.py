@@ -193,6 +193,35 @@ def test_unknown_server_asks_for_a_dialect():
             remote.score(ScoreRequest(query="q", items=DOCS[:2]))
 
 
+@pytest.mark.parametrize("status", [503, 500, 404, 401])
+def test_discovery_goes_on_to_the_next_url_when_one_answers_nothing_useful(status):
+    good = FakeServer(openapi_paths=["/v2/rerank"])
+    refused = []
+
+    def route(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "bad":
+            refused.append(request.url.path)
+            return httpx.Response(status, json={"error": {"message": "loading"}})
+        return good(request)
+
+    remote = RemoteBackend(["http://bad:8000", "http://good:8000"], transport=httpx.MockTransport(route))
+    with remote:
+        response = remote.score(ScoreRequest(query="q", items=DOCS[:2]))
+    assert response.scores == [doc_score(doc) for doc in DOCS[:2]]
+    assert refused[:1] == ["/openapi.json"] and [r.url.path for r in good.posts()] == ["/v2/rerank"]
+
+
+@pytest.mark.parametrize(("status", "advice"), [(401, "check api_key"), (503, "still starting"),
+                                                (404, "pass dialect=")])
+def test_every_probe_refused_with_one_status_names_it(status, advice):
+    transport = httpx.MockTransport(lambda request: httpx.Response(status, json={"error": {"message": "no"}}))
+    with RemoteBackend(["http://a:8000", "http://b:8000"], transport=transport) as remote:
+        with pytest.raises(RemoteError) as error:
+            remote.score(ScoreRequest(query="q", items=DOCS[:2]))
+    assert f"http://a:8000, http://b:8000 answered {status} to every discovery probe" in str(error.value)
+    assert advice in str(error.value) and error.value.status_code == status
+
+
 def test_no_discovered_route_accepting_the_request_gives_the_first_refusal():
     server = FakeServer(openapi_paths=["/v2/rerank"])
     with backend(server) as remote:

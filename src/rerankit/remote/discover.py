@@ -95,9 +95,6 @@ _cache_lock = threading.Lock()
 
 
 def _found(base_url: str, discovery: Discovery) -> Discovery:
-    if not discovery.routes:
-        raise RemoteError(f"could not tell which dialect {base_url} speaks (probed {', '.join(PROBED)}); "
-                          "pass dialect=")
     with _cache_lock:
         _cache[base_url] = discovery
     return discovery
@@ -113,40 +110,84 @@ def _unreachable(base_urls: Sequence[str]) -> RemoteError:
     return RemoteError(f"cannot reach {', '.join(base_urls)} to discover its dialect; is the server up?")
 
 
+class _Search:
+    """One discovery over ``base_urls``, URL after URL: a URL that answers nothing useful (an error status to every
+    probe, or paths no dialect has) hands over to the next; the first that shows its routes (its model, for a
+    model-only discovery) is the answer. ``step`` drives one URL's probe with the replies its I/O got."""
+
+    def __init__(self, base_urls: Sequence[str], model_only: bool) -> None:
+        self.base_urls = list(base_urls)
+        self.model_only = model_only
+        self.cache, self.probe_of, self.found = _MODEL_ONLY if model_only else _FULL
+        self.statuses: dict[str, list[int]] = {}  # each reachable URL's probe statuses
+        self.fallback: tuple[str, Discovery] | None = None  # model-only: the first reachable URL's answer
+
+    def done(self, base_url: str, discovery: Discovery, statuses: list[int]) -> Discovery | None:
+        """The answer, once ``base_url``'s probe has ended with ``discovery``; None to go on to the next URL."""
+        self.statuses[base_url] = statuses
+        if self.model_only:
+            if discovery.model is not None:
+                return self.found(base_url, discovery)
+            self.fallback = self.fallback or (base_url, discovery)
+            return None
+        return self.found(base_url, discovery) if discovery.routes else None
+
+    def failed(self) -> Discovery:
+        """What is left when no URL answered: the first reachable URL's for a model-only discovery, else an error
+        saying why (every probe refused with one status, or no dialect found)."""
+        if self.fallback is not None:
+            return self.found(*self.fallback)
+        if not self.statuses:
+            raise _unreachable(self.base_urls)
+        seen = {status for statuses in self.statuses.values() for status in statuses}
+        urls = ", ".join(self.statuses)
+        if len(seen) == 1 and (status := seen.pop()) >= 400:
+            why = ("check api_key" if status in (401, 403) else
+                   "is it still starting? retry later, or pass dialect=" if status in (429, 500, 502, 503, 504) else
+                   "pass dialect=")
+            raise RemoteError(f"{urls} answered {status} to every discovery probe ({', '.join(PROBED)}): {why}",
+                              status)
+        raise RemoteError(f"could not tell which dialect {urls} speaks (probed {', '.join(PROBED)}); pass dialect=")
+
+
 def discover(get: Callable[[str, str], Reply], base_urls: Sequence[str], *, model_only: bool = False) -> Discovery:
-    """The first reachable server's routes and model (cached); ``get(base_url, path)`` does the I/O.
+    """The routes and model (cached) of the first server that shows them; ``get(base_url, path)`` does the I/O.
 
     ``model_only``: ask ``/v1/models`` only, for a client that was told its dialect (no routes are then found).
     """
-    cache, probe_of, found = _MODEL_ONLY if model_only else _FULL
+    search = _Search(base_urls, model_only)
     for base_url in base_urls:
-        if base_url in cache:
-            return cache[base_url]
-        probe = probe_of()
+        if base_url in search.cache:
+            return search.cache[base_url]
+        probe, statuses = search.probe_of(), []
         path = next(probe)
         try:
             while (reply := get(base_url, path)).status is not None:
+                statuses.append(reply.status)
                 path = probe.send(reply)
-        except StopIteration as done:
-            return found(base_url, done.value)
-    raise _unreachable(base_urls)
+        except StopIteration as ended:
+            if (answer := search.done(base_url, ended.value, statuses)) is not None:
+                return answer
+    return search.failed()
 
 
 async def adiscover(aget: Callable[[str, str], Awaitable[Reply]], base_urls: Sequence[str], *,
                     model_only: bool = False) -> Discovery:
     """Async twin of ``discover``."""
-    cache, probe_of, found = _MODEL_ONLY if model_only else _FULL
+    search = _Search(base_urls, model_only)
     for base_url in base_urls:
-        if base_url in cache:
-            return cache[base_url]
-        probe = probe_of()
+        if base_url in search.cache:
+            return search.cache[base_url]
+        probe, statuses = search.probe_of(), []
         path = next(probe)
         try:
             while (reply := await aget(base_url, path)).status is not None:
+                statuses.append(reply.status)
                 path = probe.send(reply)
-        except StopIteration as done:
-            return found(base_url, done.value)
-    raise _unreachable(base_urls)
+        except StopIteration as ended:
+            if (answer := search.done(base_url, ended.value, statuses)) is not None:
+                return answer
+    return search.failed()
 
 
 # (cache, probe, what records a result) of a full discovery and of a served-model one.
