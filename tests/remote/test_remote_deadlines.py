@@ -174,10 +174,22 @@ async def test_an_oversized_reply_is_refused_while_it_streams(servers, fault, sa
     assert server.sent < HUGE_BYTES // 2
 
 
-@pytest.mark.parametrize("option, value", [("deadline", 0), ("deadline", -1.0), ("max_response_bytes", 0)])
+@pytest.mark.parametrize("option, value", [
+    ("deadline", 0), ("deadline", -1.0), ("max_response_bytes", 0), ("deadline", float("inf")), ("deadline", 1e10),
+    ("deadline", float("nan")), ("deadline", "10"), ("timeout", None), ("timeout", float("inf")),
+    ("timeout", 1e10), ("max_retries", None), ("max_retries", 1.5),
+    ("max_items_per_request", 2.5), ("max_concurrency", True), ("backoff_base", -1), ("dead_cooldown", "x"),
+    ("api_key", "clé"), ("api_key", 123),
+])
 def test_bad_reliability_options_name_the_field(option, value):
     with pytest.raises(InvalidRequest, match=option):
         RemoteBackend("http://127.0.0.1:1", **{option: value})
+
+
+@pytest.mark.parametrize("field, value", [("read", float("inf")), ("connect", 0), ("read", "5")])
+def test_a_bad_timeout_names_its_part(field, value):
+    with pytest.raises(InvalidRequest, match=f"timeout.{field}"):
+        Timeout(**{field: value})
 
 
 def test_the_langchain_adapter_passes_the_deadline_to_its_backend(servers):

@@ -12,7 +12,8 @@ from typing import Any, Sequence
 import httpx
 
 from rerankit.errors import InvalidRequest, RerankitError
-from rerankit.remote.client import DEFAULT_DEADLINE, DEFAULT_MAX_RESPONSE_BYTES, ClientConfig, Timeout, Transport
+from rerankit.remote.client import (DEFAULT_DEADLINE, DEFAULT_MAX_RESPONSE_BYTES, ClientConfig, Timeout, Transport,
+                                    check_count, check_seconds)
 from rerankit.remote.deadline import Deadline
 from rerankit.remote.dialects import Dialect, get_dialect
 from rerankit.remote.discover import Discovery, adiscover, discover
@@ -44,10 +45,13 @@ class RemoteBackend:
                 raise InvalidRequest("urls", f"{url!r} is not an http(s) URL")
         if path is not None and (dialect is None or not path.startswith("/")):
             raise InvalidRequest("path", "give a path starting with '/', together with dialect=")
-        if max_items_per_request is not None and max_items_per_request < 1:
-            raise InvalidRequest("max_items_per_request", f"must be >= 1, got {max_items_per_request}")
+        if max_items_per_request is not None:
+            check_count("max_items_per_request", max_items_per_request, 1)
+        if api_key is not None and not (isinstance(api_key, str) and api_key.isascii()):
+            raise InvalidRequest("api_key", "must be ASCII text: it travels in an HTTP header")
         if not isinstance(timeout, Timeout):
-            timeout = Timeout(connect=min(Timeout.connect, float(timeout)), read=float(timeout))
+            check_seconds("timeout", timeout)
+            timeout = Timeout(connect=min(Timeout.connect, timeout), read=timeout)
         config = ClientConfig(timeout=timeout, max_retries=max_retries, backoff_base=backoff_base,
                               backoff_max=backoff_max, max_concurrency=max_concurrency, dead_cooldown=dead_cooldown,
                               deadline=deadline, max_response_bytes=max_response_bytes)

@@ -37,6 +37,26 @@ DEFAULT_MAX_RESPONSE_BYTES = 64 * 2**20
 _GRACE = 0.25
 
 
+# The longest wait a setting may ask for (~11.6 days): the platform's timers overflow past ~9e9 s, and a longer
+# bound is no bound (deadline=None says so).
+MAX_SECONDS = 1e6
+
+
+def check_seconds(name: str, value: Any, zero: bool = False, none: str = "") -> None:
+    """``InvalidRequest`` naming ``name`` unless ``value`` is a number of seconds: > 0 (>= 0 with ``zero``), at
+    most ``MAX_SECONDS``."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not (0 <= value if zero else 0 < value) or not value <= MAX_SECONDS:
+        raise InvalidRequest(name, f"must be a number of seconds {'>= 0' if zero else '> 0'} and at most "
+                                   f"{MAX_SECONDS:,.0f}{none}, got {value!r}")
+
+
+def check_count(name: str, value: Any, low: int) -> None:
+    """``InvalidRequest`` naming ``name`` unless ``value`` is a whole number >= ``low``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise InvalidRequest(name, f"must be a whole number >= {low}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class Timeout:
     """Seconds to open a connection (``connect``), and for one try's whole answer, connection included (``read``)."""
@@ -46,8 +66,7 @@ class Timeout:
 
     def __post_init__(self) -> None:
         for name in ("connect", "read"):
-            if not getattr(self, name) > 0:
-                raise InvalidRequest(f"timeout.{name}", f"must be > 0 seconds, got {getattr(self, name)}")
+            check_seconds(f"timeout.{name}", getattr(self, name))
 
 
 @dataclass(frozen=True)
@@ -73,14 +92,15 @@ class ClientConfig:
     max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
 
     def __post_init__(self) -> None:
-        for name in ("max_retries", "backoff_base", "backoff_max", "dead_cooldown"):
-            if getattr(self, name) < 0:
-                raise InvalidRequest(name, f"must be >= 0, got {getattr(self, name)}")
+        if not isinstance(self.timeout, Timeout):
+            raise InvalidRequest("timeout", f"must be a Timeout or seconds, got {self.timeout!r}")
+        check_count("max_retries", self.max_retries, 0)
+        for name in ("backoff_base", "backoff_max", "dead_cooldown"):
+            check_seconds(name, getattr(self, name), zero=True)
         for name in ("max_concurrency", "max_response_bytes"):
-            if getattr(self, name) < 1:
-                raise InvalidRequest(name, f"must be >= 1, got {getattr(self, name)}")
-        if self.deadline is not None and not self.deadline > 0:
-            raise InvalidRequest("deadline", f"must be > 0 seconds or None, got {self.deadline}")
+            check_count(name, getattr(self, name), 1)
+        if self.deadline is not None:
+            check_seconds("deadline", self.deadline, none="; None for no bound")
 
     def backoff(self, retry: int, retry_after: float | None) -> float:
         """Seconds to wait before retry number ``retry`` (1-based)."""
