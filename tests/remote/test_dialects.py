@@ -200,6 +200,14 @@ def test_sglang_score_count_and_label_logprobs():
         dialect.decode({"scores": [[0.5, 0.5]]}, request)
 
 
+@pytest.mark.parametrize("logits", [[0.0, math.inf], [-math.inf], [math.nan, 0.2], [], ["1.0"], [True]])
+def test_sglang_score_logits_that_are_not_finite_numbers_are_a_remote_error(logits):
+    dialect = get_dialect("sglang-score")
+    request = ScoreRequest(query="q", items=["a", "b"])  # a classifier: its logits go through the activation
+    with pytest.raises(RemoteError, match="for item 0: not finite numbers"):
+        dialect.decode({"scores": [logits, [0.2]]}, request)
+
+
 def test_malformed_answer_is_a_remote_error():
     with pytest.raises(RemoteError, match="malformed vllm-score"):
         get_dialect("vllm-score").decode({"data": [{"index": 0, "score": "high"}]}, request_for("vllm-score"))

@@ -138,6 +138,9 @@ def decode_score_response(body: Any, request: ScoreRequest, model: str | None = 
     results = []
     for index, values in enumerate(scores):
         values = values if isinstance(values, list) else [values]
+        if not values or not all(isinstance(value, (int, float)) and not isinstance(value, bool)
+                                 and math.isfinite(value) for value in values):
+            raise RemoteError(f"{SCORE} returned {values!r:.80} for item {index}: not finite numbers")
         result = scored(index, values[0] if request.label_token_ids is not None else activated(values))
         if request.return_label_logprobs:
             result.label_logprobs = probability_logs([float(value) for value in values])
