@@ -121,6 +121,13 @@ def test_only_newlines_separate_documents(tmp_path):
     assert read_documents(str(path), None, "text") == ["one\u2028line", "page\fbreak"]
 
 
+@pytest.mark.parametrize("suffix, content", [(".txt", "a\nb\n"), (".jsonl", '{"text": "a"}\n{"text": "b"}\n')])
+def test_a_byte_order_mark_is_not_part_of_the_first_document(tmp_path, suffix, content):
+    path = tmp_path / f"docs{suffix}"
+    path.write_bytes(b"\xef\xbb\xbf" + content.encode())
+    assert read_documents(str(path), None, "text") == ["a", "b"]
+
+
 def test_a_file_that_is_not_utf8_raises_invalid_request(tmp_path):
     path = tmp_path / "docs.txt"
     path.write_bytes(b"fine\n\xff\xfe\n")

@@ -408,7 +408,7 @@ def read_documents(source: str, file_format: str | None, text_field: str) -> lis
     try:
         # stdin as bytes: its text layer would smuggle bad bytes through as surrogates the tokenizer rejects
         data = sys.stdin.buffer.read() if source == "-" else Path(source).read_bytes()
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a byte order mark (Windows editors write one) is not the first document's
     except OSError as exc:
         raise InvalidRequest("--docs", f"cannot read {source}: {exc.strerror}") from None
     except UnicodeDecodeError as exc:

@@ -39,7 +39,10 @@ def hub_cached(model: str) -> bool:
     set, or no connection within ``HUB_CHECK_SECONDS``), instead of huggingface_hub's retries."""
     from huggingface_hub import constants, try_to_load_from_cache
 
-    cached = [isinstance(try_to_load_from_cache(model, name), str) for name in ("config.json", *WEIGHT_FILES)]
+    try:
+        cached = [isinstance(try_to_load_from_cache(model, name), str) for name in ("config.json", *WEIGHT_FILES)]
+    except ValueError as exc:  # HFValidationError: not a hub id ("org/name") either
+        raise ModelLoadError(f"no model folder at {model!r}, and it is not a hub id: {exc}") from None
     if cached[0] and any(cached[1:]):
         return True
     how = ("is not in the local Hugging Face cache and HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 from pathlib import Path
 from collections.abc import Iterable
 from typing import Any, Sequence
@@ -33,6 +34,11 @@ def make_backend(model: str | Sequence[str] | None = None, **options: Any) -> Ba
     ``data_parallel_size`` N (or "auto": every visible GPU) runs N embedded replicas, one process per device;
     one (1, or "auto" with one GPU or on the CPU) keeps the engine in this process.
     """
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
+    if model is not None and not isinstance(model, str) and not is_url(model):
+        raise ModelLoadError(f"model must be a folder, a hub id, a server URL or a non-empty list of URLs, "
+                             f"not {model!r:.80}")
     if is_url(model):
         from rerankit.remote import RemoteBackend
 

@@ -105,3 +105,18 @@ def test_adapters_pickle_with_their_model_and_refuse_to_without_a_ready_backend(
     assert embedding.model_name == "word-overlap"
     with pytest.raises(TypeError, match="ready reranker or backend"):
         pickle.dumps(IngestionPipeline(transformations=[embedding]).transformations)
+
+
+@pytest.mark.parametrize("model", ["my model", "a/b/c d", [], 5, ["http://a:1", 3]])
+def test_a_model_that_is_no_folder_hub_id_or_url_is_a_model_load_error(model):
+    from rerankit import ModelLoadError
+
+    with pytest.raises(ModelLoadError):
+        Reranker(model)
+
+
+def test_a_path_object_names_a_folder(tmp_path):
+    from rerankit import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="no model folder"):
+        Reranker(tmp_path / "missing" / "model")
