@@ -113,7 +113,8 @@ def _unreachable(base_urls: Sequence[str]) -> RemoteError:
 class _Search:
     """One discovery over ``base_urls``, URL after URL: a URL that answers nothing useful (an error status to every
     probe, or paths no dialect has) hands over to the next; the first that shows its routes (its model, for a
-    model-only discovery) is the answer. ``step`` drives one URL's probe with the replies its I/O got."""
+    model-only discovery) is the answer. ``discover`` and ``adiscover`` drive each URL's probe and hand its end to
+    ``done``."""
 
     def __init__(self, base_urls: Sequence[str], model_only: bool) -> None:
         self.base_urls = list(base_urls)
