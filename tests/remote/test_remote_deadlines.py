@@ -301,3 +301,22 @@ async def test_closing_the_backend_ends_a_split_call_in_flight_promptly(servers,
     assert not caller.is_alive(), "the call still waits after close()"
     assert time.monotonic() - started < 2 + SLACK
     assert isinstance(outcome[0], RerankitError) and "closed" in str(outcome[0]), repr(outcome[0])
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/fd"), reason="counts open files through /proc")
+def test_asyncio_run_per_call_leaves_no_connection_open(servers):
+    import asyncio
+    import gc
+    import os
+
+    server = servers()
+    remote = RemoteBackend(server.url, **OPTIONS)
+    gc.disable()  # the connections must be closed by the client, not by the collector
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(10):
+            assert asyncio.run(remote.ascore(request())).scores == expected_scores(3)
+        assert len(os.listdir("/proc/self/fd")) <= before + 1
+    finally:
+        gc.enable()
+        remote.close()

@@ -14,7 +14,7 @@ import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 import httpx
 
@@ -124,6 +124,7 @@ class _LoopClient:
     loop: asyncio.AbstractEventLoop
     client: httpx.AsyncClient
     slots: asyncio.Semaphore
+    closer: Any = None  # the async generator that closes the client when its loop shuts down (``_closes_with_loop``)
 
 
 class Transport:
@@ -175,7 +176,11 @@ class Transport:
                 # A client made under an earlier (now finished) loop cannot be reused or closed from this one.
                 transport = self._transport if isinstance(self._transport, httpx.AsyncBaseTransport) else None
                 client = httpx.AsyncClient(transport=transport, headers=self._headers, limits=self._limits())
-                self._loop_client = _LoopClient(loop, client, asyncio.Semaphore(self.config.max_concurrency))
+                self._loop_client = _LoopClient(loop, client, asyncio.Semaphore(self.config.max_concurrency),
+                                                _closes_with_loop(client))
+                # Run it to its yield: asyncio.run (and any loop that calls shutdown_asyncgens) then closes the
+                # client's connections before the loop ends; each asyncio.run(...ascore) used to leave them open.
+                loop.create_task(self._loop_client.closer.__anext__())
             return self._loop_client
 
     def probe_client(self, seconds: float) -> httpx.AsyncClient:
@@ -392,6 +397,14 @@ class Transport:
         if mine:
             await loop_client.client.aclose()
         self.close()
+
+
+async def _closes_with_loop(client: httpx.AsyncClient) -> AsyncIterator[None]:
+    """Waits at its yield for its loop's ``shutdown_asyncgens``, then closes ``client`` on that loop."""
+    try:
+        yield
+    finally:
+        await client.aclose()
 
 
 class _Stop(threading.Event):
