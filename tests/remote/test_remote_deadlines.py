@@ -320,3 +320,20 @@ def test_asyncio_run_per_call_leaves_no_connection_open(servers):
     finally:
         gc.enable()
         remote.close()
+
+
+def test_a_failed_sync_split_call_ends_its_other_requests_in_flight(servers):
+    """One request of a split call is refused: the call raises at once, and its other requests, which the far
+    server holds unanswered, are dropped (their connections closed) rather than read to the deadline."""
+    server = servers(["400", "hold", "hold", "hold"])
+    remote = RemoteBackend(server.url, **OPTIONS, deadline=10.0, timeout=LONG, max_items_per_request=1,
+                           max_concurrency=4)
+    started = time.monotonic()
+    with pytest.raises(RemoteError, match="400"):
+        remote.score(request(4))
+    assert time.monotonic() - started < 2 + SLACK
+    ended = time.monotonic() + 3
+    while server.abandoned < 3 and time.monotonic() < ended:
+        time.sleep(0.02)
+    assert server.abandoned == 3, (server.hits, server.abandoned)
+    remote.close()

@@ -21,7 +21,7 @@ import httpx
 from rerankit import tracing
 from rerankit.errors import Cancelled, InvalidRequest
 from rerankit.remote.attempts import Attempts, expired_error, failure_of_answer, failure_of_exception
-from rerankit.remote.deadline import Deadline, Window, held_to, hold_sockets
+from rerankit.remote.deadline import Deadline, Window, held_to, hold_sockets, stopped_by
 from rerankit.remote.endpoints import Endpoints
 from rerankit.remote.reply import ACCEPT_ENCODING, Answer, CappedBody, Reply, parse_json, probe_reply
 from rerankit.request_ids import HEADER, REQUEST_ID, usable_request_id
@@ -250,7 +250,8 @@ class Transport:
                 raise attempts.expired(self._no_slot)
             try:
                 window = attempts.window()
-                failure = failure_of_answer(answer := self._exchange("POST", attempts.url, body, window))
+                with stopped_by(stop):
+                    failure = failure_of_answer(answer := self._exchange("POST", attempts.url, body, window))
             except httpx.RequestError as exc:
                 failure = failure_of_exception(exc, window)
             finally:

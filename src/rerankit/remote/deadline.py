@@ -20,6 +20,10 @@ import httpx
 
 # When the sync try in progress (in this thread or task) must be over, on the monotonic clock.
 _WINDOW_ENDS: ContextVar[float | None] = ContextVar("rerankit_window_ends", default=None)
+# The stop of the split call the sync try in progress belongs to (``Transport.post_all``): once set, a read
+# waiting for the far server gives up within ``STOP_POLL`` seconds, so the call's other requests end with it.
+_STOP: ContextVar[Any] = ContextVar("rerankit_stop", default=None)
+STOP_POLL = 0.05
 # A socket timeout of 0 would make the socket non-blocking (an OSError, not a timeout): the smallest wait instead.
 _LEAST_WAIT = 0.001
 
@@ -75,6 +79,16 @@ def held_to(window: Window) -> Iterator[None]:
         _WINDOW_ENDS.reset(token)
 
 
+@contextmanager
+def stopped_by(stop: Any) -> Iterator[None]:
+    """Sync socket reads made inside give up once ``stop`` (a ``threading.Event``, or None) is set."""
+    token = _STOP.set(stop)
+    try:
+        yield
+    finally:
+        _STOP.reset(token)
+
+
 def _held(timeout: float | None) -> float | None:
     ends_at = _WINDOW_ENDS.get()
     if ends_at is None:
@@ -90,7 +104,21 @@ class _HeldStream(httpcore.NetworkStream):
         self._stream = stream
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return self._stream.read(max_bytes, _held(timeout))
+        wait, stop = _held(timeout), _STOP.get()
+        if stop is None:
+            return self._stream.read(max_bytes, wait)
+        # In steps of STOP_POLL: a read that times out took no bytes, so it can be made again.
+        ends_at = None if wait is None else time.monotonic() + wait
+        while True:
+            left = None if ends_at is None else max(ends_at - time.monotonic(), _LEAST_WAIT)
+            step = STOP_POLL if left is None else min(left, STOP_POLL)
+            try:
+                return self._stream.read(max_bytes, step)
+            except httpcore.ReadTimeout:
+                if stop.is_set():
+                    raise httpcore.ReadError("the call this request belonged to has ended") from None
+                if left is not None and left <= STOP_POLL:
+                    raise
 
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
         self._stream.write(buffer, _held(timeout))
