@@ -70,6 +70,18 @@ def test_remote_errors_never_carry_a_urls_credentials():
 
     assert hide_credentials("a http://u:p@h:1/x and https://tok@h2/y, not a@b or mailto:u@h") == \
         "a http://h:1/x and https://h2/y, not a@b or mailto:u@h"
+    # a password may hold "@" (httpx splits at the last one): none of it is left
+    assert hide_credentials("far http://admin:hunter2@secret@h:1 and http://a:b@c@d@e:2?x=@y is down") == \
+        "far http://h:1 and http://e:2?x=@y is down"
     error = RemoteError("ConnectError (http://u:p@far:8000/v1/rerank, 2 tries)", 503, "http://u:p@far:8000/v1/rerank")
     assert "u:p" not in str(error) and error.url == "http://far:8000/v1/rerank"
     assert str(error) == "HTTP 503 from http://far:8000/v1/rerank: ConnectError (http://far:8000/v1/rerank, 2 tries)"
+
+
+def test_a_url_with_whitespace_is_refused_without_echoing_it():
+    from rerankit.remote import RemoteBackend
+
+    with pytest.raises(InvalidRequest) as error:
+        RemoteBackend("http://user:pa ss@far:8000")
+    assert "percent-encode" in str(error.value) and "pa ss" not in str(error.value)
+

@@ -7,7 +7,9 @@ import copyreg
 import re
 
 
-_USERINFO = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s@]+@")
+# The user info of a URL runs to the authority's last "@" (a password may hold "@", as httpx reads it); the remote
+# client refuses URLs with whitespace, so the authority ends at "/", "?", "#" or whitespace.
+_USERINFO = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.-]*://)[^/?#\s]*@")
 
 
 def hide_credentials(text: str) -> str:

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import httpx
 
-from rerankit.errors import InvalidRequest, RerankitError
+from rerankit.errors import InvalidRequest, RerankitError, hide_credentials
 from rerankit.remote.client import (DEFAULT_DEADLINE, DEFAULT_MAX_RESPONSE_BYTES, ClientConfig, Timeout, Transport,
                                     check_count, check_seconds)
 from rerankit.remote.deadline import Deadline
@@ -40,9 +40,11 @@ class RemoteBackend:
                  deadline: float | None = DEFAULT_DEADLINE, max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
                  transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None) -> None:
         url_list = [urls] if isinstance(urls, str) else list(urls)
-        for url in url_list:
+        for number, url in enumerate(url_list):
             if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-                raise InvalidRequest("urls", f"{url!r} is not an http(s) URL")
+                raise InvalidRequest("urls", f"{hide_credentials(repr(url))} is not an http(s) URL")
+            if any(character.isspace() for character in url):  # not echoed: its password may hold the space
+                raise InvalidRequest("urls", f"URL {number} holds whitespace: percent-encode it (%20)")
         if path is not None and (dialect is None or not path.startswith("/")):
             raise InvalidRequest("path", "give a path starting with '/', together with dialect=")
         if max_items_per_request is not None:
