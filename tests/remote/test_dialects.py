@@ -640,3 +640,14 @@ def test_a_required_field_sent_as_null_is_refused_by_name(name):
             with pytest.raises(InvalidRequest) as caught:
                 dialect.parse_request({**GOOD_BODIES[name], field: None})
             assert caught.value.field.split(".")[0].split("[")[0] == field
+
+
+def test_unknown_field_names_reach_the_debug_log_quoted_and_cut(caplog):
+    import logging
+
+    forged = "x\nINFO:     127.0.0.1:1 - \"POST /admin HTTP/1.1\" 200 OK\x1b[31m" + "y" * 5000
+    body = {**GOOD_BODIES["vllm-rerank"], forged: 1, **{f"extra{n}": 1 for n in range(30)}}
+    with caplog.at_level(logging.DEBUG, logger="rerankit"):
+        get_dialect("vllm-rerank").parse_request(body)
+    (line,) = [record.getMessage() for record in caplog.records if "unknown field" in record.getMessage()]
+    assert "\n" not in line and "\x1b" not in line and len(line) < 2000 and "31 unknown field(s)" in line

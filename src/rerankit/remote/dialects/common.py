@@ -266,8 +266,10 @@ def parse_wire(model: type[WireBody], body: Any) -> Any:
         raise InvalidRequest("body", f"must be a JSON object, got {type(body).__name__}")
     fields = model.model_fields
     unknown = sorted(set(body) - set(fields))
-    if unknown:
-        log.debug("%s: ignoring unknown fields %s", model.__name__, ", ".join(unknown))
+    if unknown:  # names come from the client: quoted (no line breaks or escapes reach the log) and cut short
+        shown = ", ".join(repr(name[:64]) for name in unknown[:10])
+        log.debug("%s: ignoring %d unknown field(s): %s%s", model.__name__, len(unknown), shown,
+                  ", ..." if len(unknown) > 10 else "")
     # a known field sent as null is as if left out (clients that dump every optional field send `top_n: null`);
     # a required one stays, to be refused by name
     body = {name: value for name, value in body.items()
