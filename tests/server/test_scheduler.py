@@ -73,6 +73,19 @@ def test_token_estimate_cuts_items_to_the_request_and_model_limits():
     assert item_tokens(request, cap=512) == [512, 3]
 
 
+def test_token_estimate_counts_every_window_of_a_windowed_item():
+    """An item scored in windows feeds the model each window with the query: a request of long documents in
+    windows is weighed as such against max_request_tokens (it was counted as one pair an item)."""
+    long, short = "x" * 4 * 2000, "y" * 8  # ~2,000 and 2 tokens
+    request = ScoreRequest(query="abcd", items=[long, short], long_documents="max")
+    size, stride = 511, 511 * 3 // 4  # the room a 512-token model leaves after the 1-token query
+    windows = 1 + -(-(2000 - size) // stride)
+    assert item_tokens(request, cap=512) == [windows * 512, 3]
+    capped = request.model_copy(update={"long_document_max_windows": 2, "long_document_window": 100})
+    assert item_tokens(capped, cap=512) == [2 * 101, 3]
+    assert item_tokens(request) == [1 + 2000, 3]  # the model's length unknown: the item whole
+
+
 async def test_an_engine_call_takes_one_chunk_of_each_waiting_request_and_the_newcomer_joins_the_next():
     queue = FairQueue()
     big = queued(queue, "big", [100] * 10, chunk_tokens=200)
