@@ -58,7 +58,7 @@ def test_serve_freezes_the_collector_shows_no_progress_and_hands_connection_sett
     import rerankit.server.shutdown
     from rerankit.server.main import serve
 
-    configs, engine_options, servers = [], [], []
+    configs, engine_options, servers, handshakes = [], [], [], []
 
     class Closing:
         def close(self):
@@ -67,8 +67,9 @@ def test_serve_freezes_the_collector_shows_no_progress_and_hands_connection_sett
     class Server:
         started = True
 
-        def __init__(self, uvicorn_config, batcher, drain_seconds):
+        def __init__(self, uvicorn_config, batcher, drain_seconds, handshake_timeout_s):
             servers.append(uvicorn_config)
+            handshakes.append(handshake_timeout_s)
 
         def run(self, sockets):
             assert sockets[0].getsockname()[1] != 0  # bound before the model loaded
@@ -91,6 +92,7 @@ def test_serve_freezes_the_collector_shows_no_progress_and_hands_connection_sett
     assert [options["show_progress"] for options in engine_options] == [False, False]
     assert servers[1].timeout_keep_alive == 2.5
     assert (servers[1].http.max_connections, servers[1].http.header_timeout_s) == (7, 3)
+    assert handshakes[1] == 3  # a TLS handshake is bounded as a request's headers are
 
 
 def test_listen_names_a_port_in_use_and_a_host_that_does_not_resolve():

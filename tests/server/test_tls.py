@@ -60,6 +60,9 @@ def pki(tmp_path_factory) -> Path:
     return folder
 
 
+HEADER_TIMEOUT_S = 1.0
+
+
 def _served(*flags: str) -> tuple[subprocess.Popen, int]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -98,7 +101,8 @@ def tls_servers(request, pki) -> dict[str, tuple[subprocess.Popen, int]]:
     importing and loading the model, side by side with the other rather than one after it (2 cores)."""
     tests = {"https": test_serve_over_https_and_rank_against_it_trusting_the_ca_from_the_environment,
              "mutual": test_mutual_tls_refuses_a_client_without_a_certificate_of_the_ca}
-    flags = ["--ssl-certfile", str(pki / "server.pem"), "--ssl-keyfile", str(pki / "server.key")]
+    flags = ["--ssl-certfile", str(pki / "server.pem"), "--ssl-keyfile", str(pki / "server.key"),
+             "--header-timeout", str(HEADER_TIMEOUT_S)]
     selected = {getattr(item, "function", None) for item in request.session.items}
     started = {kind: _served(*flags, *(["--ssl-ca-certs", str(pki / "ca.pem")] if kind == "mutual" else []))
                for kind, test in tests.items() if test in selected}
@@ -117,6 +121,15 @@ def test_serve_over_https_and_rank_against_it_trusting_the_ca_from_the_environme
             httpx.get(f"{url}/health", timeout=5)
         with pytest.raises(httpx.TransportError):  # plain HTTP on the HTTPS port
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).raise_for_status()
+        # a socket that never starts its TLS handshake is closed after the header timeout (asyncio's own: 60 s)
+        with socket.create_connection(("127.0.0.1", port)) as idle:
+            idle.settimeout(30)
+            started = time.monotonic()
+            try:
+                assert idle.recv(1) == b""
+            except ConnectionResetError:
+                pass
+            assert time.monotonic() - started < HEADER_TIMEOUT_S + 5
         remote = rerankit_cli("rank", "--model", url, "--query", QUERY, "--docs", "-", "--json",
                               stdin="\n".join(DOCUMENTS), SSL_CERT_FILE=str(pki / "ca.pem"))
         assert remote.returncode == 0, remote.stderr

@@ -89,7 +89,7 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
                                                    log_level=log_level, timeout_graceful_shutdown=math.ceil(
                                                        config.drain_seconds) + GRACE_AFTER_DRAIN_S,
                                                    **(tls.uvicorn_options() if tls is not None else {})),
-                                    app.state.batcher, config.drain_seconds)
+                                    app.state.batcher, config.drain_seconds, config.header_timeout_s)
             server.run(sockets=[listener])
         except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down and raises it again, as uvicorn.run() ignores it
             pass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 from types import FrameType
 
 import uvicorn
@@ -26,10 +27,12 @@ class DrainingServer(uvicorn.Server):
     cancel a request and write its plain-text 500. A second SIGINT still forces uvicorn out at once.
     """
 
-    def __init__(self, config: uvicorn.Config, batcher: Batcher, drain_seconds: float) -> None:
+    def __init__(self, config: uvicorn.Config, batcher: Batcher, drain_seconds: float,
+                 handshake_timeout_s: float | None = None) -> None:
         super().__init__(config)
         self.batcher = batcher
         self.drain_seconds = drain_seconds
+        self.handshake_timeout_s = handshake_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain: asyncio.Future | None = None
 
@@ -38,11 +41,33 @@ class DrainingServer(uvicorn.Server):
         await super().serve(sockets)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)  # the app's start (the warm-up), then listening on ``sockets``
+        tls = self.config.ssl
+        if tls is None or not sockets or self.handshake_timeout_s is None:
+            await super().startup(sockets)  # the app's start (the warm-up), then listening on ``sockets``
+        else:
+            await self._start_tls(sockets, tls)
         if self.started:
             listener = (sockets or [server.sockets[0] for server in self.servers])[0]
             scheme = "https" if self.config.is_ssl else "http"
             log.info("ready on %s://%s", scheme, address(self.config.host, listener.getsockname()[1]))
+
+    async def _start_tls(self, sockets: list[socket.socket], tls: ssl.SSLContext) -> None:
+        """uvicorn's start with no socket to listen on, then ``sockets`` served over TLS by this process, with the
+        handshake bounded by ``handshake_timeout_s``: a socket that never finishes it is closed then, not after
+        asyncio's default of 60 s (uvicorn passes no bound, and the connection guard sees a TLS connection only
+        once its handshake is done)."""
+        await super().startup([])
+        if not self.started:
+            return
+        config, loop = self.config, asyncio.get_running_loop()
+
+        def create_protocol(_loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Protocol:
+            return config.http_protocol_class(config=config, server_state=self.server_state,  # as uvicorn's own
+                                              app_state=self.lifespan.state, _loop=_loop)
+
+        for sock in sockets:
+            self.servers.append(await loop.create_server(create_protocol, sock=sock, ssl=tls, backlog=config.backlog,
+                                                         ssl_handshake_timeout=self.handshake_timeout_s))
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._loop is not None and self._drain is None:
