@@ -140,7 +140,9 @@ class Transport:
                  transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None) -> None:
         self.config = config or ClientConfig()
         self.endpoints = Endpoints(urls, self.config.dead_cooldown)
-        self._headers = {"Accept-Encoding": ACCEPT_ENCODING, **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+        self._headers = {"Accept-Encoding": ACCEPT_ENCODING}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
         self._transport = transport
         self._slots = threading.BoundedSemaphore(self.config.max_concurrency)
         self._lock = threading.Lock()
@@ -180,7 +182,7 @@ class Transport:
                                                 _closes_with_loop(client))
                 # Run it to its yield: asyncio.run (and any loop that calls shutdown_asyncgens) then closes the
                 # client's connections before the loop ends; each asyncio.run(...ascore) used to leave them open.
-                loop.create_task(self._loop_client.closer.__anext__())
+                loop.create_task(_started(self._loop_client.closer))
             return self._loop_client
 
     def probe_client(self, seconds: float) -> httpx.AsyncClient:
@@ -406,6 +408,10 @@ async def _closes_with_loop(client: httpx.AsyncClient) -> AsyncIterator[None]:
         yield
     finally:
         await client.aclose()
+
+
+async def _started(generator: AsyncIterator[None]) -> None:
+    await generator.__anext__()
 
 
 class _Stop(threading.Event):
