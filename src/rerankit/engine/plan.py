@@ -287,7 +287,8 @@ class _Builder:
     def __init__(self) -> None:
         self.tokens = 0
         self.ids: list[np.ndarray] = []
-        self.types: list[np.ndarray] = []
+        self.types: list[np.ndarray] = []  # once any piece is typed, as long as ``ids`` (``_typed``)
+        self.untyped = 0  # tokens laid out without types before the first typed piece
         self.segment_lengths: list[np.ndarray] = []  # a sequence is segments: a shared prefix, then spans
         self.segment_positions: list[np.ndarray] = []  # the position id of each segment's first token
         self.sequence_lengths: list[int] = []
@@ -330,7 +331,9 @@ class _Builder:
                 fill = fills.get(parts.item_type)
                 if fill is None:
                     fill = fills[parts.item_type] = np.full(max(lengths), parts.item_type, dtype=np.int64)
-                self.types += (parts.prefix_types, fill[:len(item_ids)], parts.suffix_types)
+                self._typed((parts.prefix_types, fill[:len(item_ids)], parts.suffix_types), length)
+            else:
+                self._typed(None, length)
             read_offsets.append(0 if parts.read_first else length - 1)
             items.append(item + parts.item_offset)
             requests.append(index)
@@ -353,8 +356,7 @@ class _Builder:
         """One sequence, one span, read at ``read_offset``."""
         length = sum(len(piece) for piece in pieces)
         self.ids += pieces
-        if types is not None:
-            self.types += types
+        self._typed(types, length)
         self._add(index, head, np.array([length]), np.zeros(1, dtype=np.int64), 0, np.array([read_offset]),
                   np.array([item]), 0)
 
@@ -373,6 +375,7 @@ class _Builder:
             self.ids.append(parts.prefix)
         for item in items.tolist():
             self.ids += (parts.items[item], parts.suffix)
+        self._typed(None, (0 if extend else prefix) + int(spans.sum()))
         if extend:
             self._extend(index, parts.head, spans, cached + prefix, items + parts.item_offset, prefix)
         else:
@@ -406,6 +409,20 @@ class _Builder:
         self.request_tokens[index] = self.request_tokens.get(index, 0) + length
         self.tokens += length
         self.open_shared = None
+
+    def _typed(self, types: "tuple[np.ndarray, ...] | list[np.ndarray] | None", length: int) -> None:
+        """The token types of the next ``length`` tokens laid out: ``types``, or zeros (what a model takes for no
+        types) where the batch holds typed pieces too, e.g. a templated cross-encoder request beside a plain pair."""
+        if types is None:
+            if self.types:
+                self.types.append(np.zeros(length, dtype=np.int64))
+            else:
+                self.untyped += length
+            return
+        if self.untyped:
+            self.types.append(np.zeros(self.untyped, dtype=np.int64))
+            self.untyped = 0
+        self.types += types
 
     def _reads(self, index: int, head: int, positions: np.ndarray, items: np.ndarray) -> None:
         self.read_positions.append(positions)
