@@ -65,6 +65,19 @@ def test_max_windows_caps_the_windows_and_a_stride_over_the_window_is_refused(lm
     assert error.value.field == "long_document_stride"
 
 
+def test_an_item_that_one_window_covers_never_meets_the_stride(lm):
+    """The stride matters only between windows: an item cut (max_tokens_per_item) to one window scores as one that
+    fits, whatever the stride (it was refused only when it had been longer than the cut)."""
+    fields = dict(query=QUERY, label_token_ids=LABELS, long_documents="max", max_tokens_per_item=5,
+                  long_document_stride=1000)
+    short, long = _document(4, 1), _document(40, 2)
+    scored = lm.score(ScoreRequest(items=[short, long], **fields))
+    assert [result.windows for result in scored.results] == [1, 1]
+    cut = lm.score(ScoreRequest(items=[short, long], **{**fields, "long_documents": "truncate",
+                                                        "long_document_stride": None}))
+    assert scored.scores == pytest.approx(cut.scores, abs=1e-5)
+
+
 def test_truncate_is_the_default_and_window_fields_need_a_windowed_mode():
     with pytest.raises(InvalidRequest) as error:
         ScoreRequest(query="q", items=["d"], long_document_window=10)

@@ -138,11 +138,13 @@ def split_windows(item: list[int], lead: int, room: int, request: ScoreRequest, 
     if size < 1:
         raise InvalidRequest(field, f"the prompt leaves {room} tokens for an item, which its template's {lead} "
                                     "tokens fill: no room for a window")
+    head, document = item[:lead], item[lead:]
+    if len(document) <= size:  # one window: the stride plays no part (as for an item that fits the model)
+        return [item]
     stride = request.long_document_stride or max(1, size * 3 // 4)
     if stride > size:
         raise InvalidRequest("long_document_stride", f"is {stride} tokens, more than the window of {size}: tokens "
                                                      "between windows would not be scored")
-    head, document = item[:lead], item[lead:]
     starts = [0]
     while starts[-1] + size < len(document) and len(starts) < (request.long_document_max_windows or len(document)):
         starts.append(starts[-1] + stride)
