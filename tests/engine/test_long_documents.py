@@ -69,7 +69,7 @@ def test_an_item_that_one_window_covers_never_meets_the_stride(lm):
     """The stride matters only between windows: an item cut (max_tokens_per_item) to one window scores as one that
     fits, whatever the stride (it was refused only when it had been longer than the cut)."""
     fields = dict(query=QUERY, label_token_ids=LABELS, long_documents="max", max_tokens_per_item=5,
-                  long_document_stride=1000)
+                  long_document_stride=100_000)
     short, long = _document(4, 1), _document(40, 2)
     scored = lm.score(ScoreRequest(items=[short, long], **fields))
     assert [result.windows for result in scored.results] == [1, 1]
