@@ -350,17 +350,16 @@ def test_an_empty_item_of_a_classifier_without_template_scores_as_alone(tiny_qwe
     assert scores[1] == pytest.approx(alone, abs=EXACT) and abs(scores[0] - scores[1]) > EXACT
 
 
-@pytest.mark.parametrize("runner", ["packed", "reference"])
-def test_a_templated_request_and_plain_pairs_share_a_call_on_a_cross_encoder(tiny_bert_cross_encoder, runner):
-    """A template's pairs carry no token types, a plain BERT pair does: in one micro-batch the untyped ones take
-    zeros, as they do alone (the batch's types were shorter than its tokens, and the call failed)."""
+def test_a_template_on_an_encoder_cross_encoder_is_refused(tiny_bert_cross_encoder):
+    """BERT reads [CLS] of the pair its tokenizer lays out; a template's text has neither, and its last token was
+    read: refused, per request and as a backend default."""
+    from rerankit.errors import ModelLoadError
+
     template = {"name": "plain-text", "prefix_format": "{query} ", "item_format": "{doc}", "suffix_format": "",
                 "labels": ["yes"]}
-    templated = ScoreRequest(query="what is", items=["paris", "berlin is a city"], template=template)
-    plain = ScoreRequest(query="capital", items=["france", "germany is big"])
-    backend = EmbeddedBackend(str(tiny_bert_cross_encoder), device="cpu", runner=runner)
-    alone = [backend.score(templated).scores, backend.score(plain).scores]
-    for order in ([templated, plain], [plain, templated]):
-        together = [score for response in backend.score_batch(order) for score in response.scores]
-        expected = alone if order[0] is templated else alone[::-1]
-        assert together == pytest.approx(expected[0] + expected[1], abs=EXACT)
+    backend = EmbeddedBackend(str(tiny_bert_cross_encoder), device="cpu")
+    with pytest.raises(InvalidRequest, match="takes no template") as error:
+        backend.score(ScoreRequest(query="q", items=["d"], template=template))
+    assert error.value.field == "template"
+    with pytest.raises(ModelLoadError, match="takes no template"):
+        EmbeddedBackend(str(tiny_bert_cross_encoder), device="cpu", template="qwen3-reranker")

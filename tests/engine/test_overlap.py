@@ -127,6 +127,21 @@ def test_an_empty_span_is_read_at_the_prefixs_last_token_in_a_continued_sequence
     assert micro.batch.read_positions.tolist() == [10, 7, 12, 7]  # prefix 0-7, item 0 at 8-10, item 2 at 11-12
 
 
+def test_untyped_pairs_beside_typed_ones_take_type_zero():
+    """A micro-batch whose pairs are typed (BERT's segments) and untyped keeps one type a token, zeros for the
+    untyped ones (what a model takes for no types); its types were shorter than its tokens."""
+    typed = RequestParts(np.array([1, 2, 3]), [np.array([4, 5])], np.array([6]), read_first=True,
+                         prefix_types=np.array([0, 0, 0]), item_type=1, suffix_types=np.array([1]))
+    untyped = RequestParts(np.array([7, 8]), [np.array([9]), np.array([10, 11])], np.array([], dtype=np.int64))
+    for order in ([untyped, typed], [typed, untyped]):
+        planner = Planner(10**6, padded=False, causal=False)
+        (micro,) = [*planner.add(0, order[0]), *planner.add(1, order[1]), *planner.finish()]
+        ids, types = micro.batch.input_ids.tolist(), micro.batch.token_type_ids.tolist()
+        assert len(types) == len(ids) == 6 + 7
+        assert [kind for token, kind in zip(ids, types) if token in (4, 5, 6)] == [1, 1, 1]
+        assert sum(types) == 3
+
+
 @pytest.fixture(scope="module")
 def lm_path(tmp_path_factory):
     return make_decoder(tmp_path_factory.mktemp("overlap") / "qwen3-lm", "lm")

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from rerankit.engine import heads
 from rerankit.engine.encode import EncodedRequest, encode_request, later_item_ids
-from rerankit.engine.resolve import Defaults, resolve_request
+from rerankit.engine.resolve import ENCODER_TAKES_NO_TEMPLATE, Defaults, resolve_request
 from rerankit.engine.load import LoadedModel, load_model
 from rerankit.engine.plan import DEFAULT_MAX_BATCH_TOKENS, MicroBatch, Planner, RequestParts, pack
 from rerankit.engine.prefetch import prefetch
@@ -126,6 +126,8 @@ class EmbeddedBackend:
         loaded = self._loaded
         if mode is not None and mode not in loaded.supported_modes:
             raise ModelLoadError(f"{model!r} cannot score in mode {mode!r}; it supports {loaded.supported_modes}")
+        if template is not None and not loaded.is_decoder:
+            raise ModelLoadError(f"template: {ENCODER_TAKES_NO_TEMPLATE}")
         self._defaults = Defaults(mode, template, instruction)
         self._classify = heads.sequence_classifier(loaded.model) if loaded.kind == "sequence-classifier" else None
         self._runner: Runner = make_runner(loaded, runner, cuda_graphs, prefix_cache_bytes)

@@ -34,6 +34,10 @@ def resolve_request(request: ScoreRequest, loaded: LoadedModel,
     return request, mode, template
 
 
+ENCODER_TAKES_NO_TEMPLATE = ("an encoder cross-encoder (BERT, RoBERTa, XLM-R) scores the pair as its tokenizer lays "
+                             "it out ([CLS] query [SEP] document [SEP]) and reads [CLS]: it takes no template")
+
+
 def resolve_template(request: ScoreRequest, loaded: LoadedModel, option: "str | Template | None",
                      mode: str) -> Template | None:
     """The request's template, else raw when it gives label ids, else the backend option, else the detected one.
@@ -43,6 +47,10 @@ def resolve_template(request: ScoreRequest, loaded: LoadedModel, option: "str | 
     if mode not in ("generative", "cross-encoder"):
         if request.template is not None:
             raise InvalidRequest("template", f"{mode} mode encodes the query and items alone; it takes no template")
+        return None
+    if not loaded.is_decoder:  # BERT, RoBERTa, XLM-R: read at [CLS] of the pair as the tokenizer lays it out
+        if request.template is not None:
+            raise InvalidRequest("template", ENCODER_TAKES_NO_TEMPLATE)
         return None
     if request.template is not None:
         return get_template(request.template)  # a name, or a Template given by its pieces
