@@ -82,3 +82,40 @@ def test_calls_keep_query_runs_whole_and_bounded() -> None:
     calls = _calls(runs)
     assert [run for call in calls for run in call] == runs
     assert all(sum(len(rows) for _, rows in call) <= CALL_ITEMS or len(call) == 1 for call in calls)
+
+
+@pytest.mark.parametrize("output, message", [("scored.txt", "must end in one of"),
+                                             ("no/such/folder/scored.jsonl", "does not exist")])
+def test_a_bad_output_is_refused_before_any_row_is_scored(tmp_path, capsys, monkeypatch, output, message) -> None:
+    import rerankit.offline
+
+    source = tmp_path / "pairs.jsonl"
+    source.write_text("".join(json.dumps({"query": row["q"], "document": row["text"]}) + "\n" for row in ROWS))
+    monkeypatch.setattr(rerankit.offline, "offline_backend", lambda *a, **k: pytest.fail("a model was loaded"))
+    assert main(["score", "--input", str(source), "--output", str(tmp_path / output)]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "--output" in error and message in error
+
+
+@pytest.mark.parametrize("rows, row", [([{"query": "q", "document": "a"}, {"query": "q", "document": None}], 2),
+                                       ([{"query": "q", "document": "a"}, {"query": "q"}], 2)])
+def test_an_empty_cell_names_its_row_and_column(tmp_path, capsys, rows, row) -> None:
+    source = tmp_path / "pairs.jsonl"
+    source.write_text("".join(json.dumps(each) + "\n" for each in rows))
+    assert main(["score", "--input", str(source), "--output", str(tmp_path / "out.jsonl")]) == 2
+    assert f"row {row}: column 'document' is empty" in capsys.readouterr().err
+
+
+def test_numbers_in_the_text_columns_are_scored_as_text(tmp_path, tiny_bert_cross_encoder) -> None:
+    csv_source, jsonl_source = tmp_path / "pairs.csv", tmp_path / "pairs.jsonl"
+    csv_source.write_text("query,document\n2024,1000\n2024,42\n")
+    jsonl_source.write_text('{"query": 2024, "document": 1000}\n{"query": 2024, "document": 42.5}\n')
+    for source in (csv_source, jsonl_source):
+        target = tmp_path / f"out{source.suffix}.jsonl"
+        assert main(["score", "--input", str(source), "--output", str(target), "--model",
+                     str(tiny_bert_cross_encoder), "--device", "cpu", "--no-progress"]) == 0
+        scored = [json.loads(line) for line in target.read_text().splitlines()]
+        with Reranker(str(tiny_bert_cross_encoder), device="cpu") as reranker:
+            documents = ["1000", "42"] if source is csv_source else ["1000", "42.5"]
+            expected = reranker.score(ScoreRequest(query="2024", items=documents)).scores
+        assert [row["score"] for row in scored] == pytest.approx(expected, abs=1e-5)

@@ -87,7 +87,9 @@ def read_table(path: str | Path, columns: Sequence[str]) -> Any:
         else:
             import pyarrow.csv as csv
 
-            table = csv.read_csv(path)
+            # the text columns as strings: a column of numbers ("2024", "42") is text to score, not int64
+            table = csv.read_csv(path, convert_options=csv.ConvertOptions(
+                column_types={name: pyarrow.string() for name in columns}))
     except (OSError, pyarrow.ArrowInvalid) as exc:
         raise InvalidRequest("--input", f"cannot read {path}: {exc}") from None
     missing = [name for name in columns if name not in table.column_names]
@@ -98,11 +100,40 @@ def read_table(path: str | Path, columns: Sequence[str]) -> Any:
     return table
 
 
-def write_table(table: Any, path: str | Path) -> None:
-    """Write ``table`` as .parquet, .jsonl or .csv, by ``path``'s suffix."""
+def check_output(path: str | Path) -> Path:
+    """``path`` as a table can be written there: a known suffix and an existing folder; ``InvalidRequest`` naming
+    ``--output`` otherwise (checked before any row is scored)."""
     path = Path(path)
     if path.suffix not in SUFFIXES:
         raise InvalidRequest("--output", f"{path} must end in one of {', '.join(SUFFIXES)}")
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise InvalidRequest("--output", f"{path}: the folder {folder} does not exist")
+    if path.is_dir():
+        raise InvalidRequest("--output", f"{path} is a folder, not a file")
+    return path
+
+
+def text_column(table: Any, name: str, flag: str, numbered: bool = True) -> list[str]:
+    """Column ``name`` as texts: numbers are written as text (a JSONL or Parquet column of them); an empty cell
+    (null, missing) is an ``InvalidRequest`` naming its column and, where ``numbered`` (the whole table), its row
+    (1-based, as an editor counts)."""
+    values = table.column(name).to_pylist()
+    for row, value in enumerate(values, start=1):
+        where = f"row {row}: " if numbered else ""
+        if value is None:
+            raise InvalidRequest("--input", f"{where}column {name!r} is empty ({flag} names the column)")
+        if not isinstance(value, str):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InvalidRequest("--input", f"{where}column {name!r} holds {type(value).__name__} "
+                                                f"{str(value)[:40]!r}, not text")
+            values[row - 1] = str(value)
+    return values
+
+
+def write_table(table: Any, path: str | Path) -> None:
+    """Write ``table`` as .parquet, .jsonl or .csv, by ``path``'s suffix."""
+    path = check_output(path)
     if path.suffix == ".parquet":
         import pyarrow.parquet as parquet
 
@@ -143,12 +174,14 @@ def score_file(input_path: str | Path, output_path: str | Path, *, model: str | 
     a URL names) and write them with a ``score_column`` to ``output_path``; returns the number of rows."""
     from tqdm.auto import tqdm
 
+    check_output(output_path)
     table = read_table(input_path, (query_column, document_column))
+    queries = text_column(table, query_column, "--query-column")
+    documents = text_column(table, document_column, "--document-column")
     backend = offline_backend(model, **engine_options)
     try:
         with tqdm(total=table.num_rows, unit="pair", desc="rerankit score", disable=not show_progress) as bar:
-            scores = score_pairs(backend, table.column(query_column).to_pylist(),
-                                 table.column(document_column).to_pylist(), bar.update, **(request_fields or {}))
+            scores = score_pairs(backend, queries, documents, bar.update, **(request_fields or {}))
     finally:
         backend.close()
     write_table(with_scores(table, scores, score_column), output_path)

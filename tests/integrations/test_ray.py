@@ -121,3 +121,31 @@ def test_serve_run_builder_takes_string_arguments_and_names_a_bad_one() -> None:
     assert deployment.init_args == ("m", {"device": "cuda"}, {})
     with pytest.raises(InvalidRequest, match="num_replicas"):
         serve_run_builds(app, {"num_replicas": "two"})
+
+
+def test_score_ray_refuses_a_folder_that_is_not_empty_and_gpus_the_local_cluster_lacks(cluster, tmp_path,
+                                                                                     capsys) -> None:
+    """Ray appends to a folder (a second run would hold every row twice), and a local cluster never gains a GPU
+    (its actors would wait for ever): both refused before any row is read."""
+    from rerankit.cli import main
+
+    source, target = tmp_path / "pairs.jsonl", tmp_path / "out"
+    source.write_text('{"query": "q", "document": "d"}\n')
+    target.mkdir()
+    (target / "part-0.parquet").write_bytes(b"earlier run")
+    assert main(["score", "--ray", "--input", str(source), "--output", str(target)]) == 2
+    assert "is a folder that is not empty" in capsys.readouterr().err
+    assert main(["score", "--ray", "--input", str(source), "--output", str(tmp_path / "new"),
+                 "--num-gpus", "1"]) == 2
+    assert "this machine's Ray cluster has 0" in capsys.readouterr().err
+
+
+def test_score_ray_names_a_bad_model_in_one_line(cluster, tmp_path, capsys) -> None:
+    from rerankit.cli import main
+
+    source = tmp_path / "pairs.jsonl"
+    source.write_text('{"query": "q", "document": "d"}\n{"query": "q", "document": null}\n')
+    assert main(["score", "--ray", "--input", str(source), "--output", str(tmp_path / "out"),
+                 "--model", str(tmp_path / "no-such-model"), "--device", "cpu"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and "no model folder" in error and error.count("\n") == 1, error[-2000:]

@@ -16,7 +16,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from rerankit.errors import InvalidRequest, RerankitError
-from rerankit.offline import offline_backend, score_pairs
+from rerankit.hub import check_source
+from rerankit.offline import offline_backend, score_pairs, text_column
+from rerankit.reranker import is_url
 from rerankit.server.main import API_KEY_ENV
 
 INSTALL = "pip install 'rerankit[ray]'"
@@ -120,9 +122,9 @@ class PairScorer:
         from rerankit.offline import with_scores
 
         query_column, document_column, score_column = self.columns
-        scores = score_pairs(self.backend, batch.column(query_column).to_pylist(),
-                             batch.column(document_column).to_pylist(), **self.request_fields)
-        return with_scores(batch, scores, score_column)
+        queries = text_column(batch, query_column, "query_column", numbered=False)
+        documents = text_column(batch, document_column, "document_column", numbered=False)
+        return with_scores(batch, score_pairs(self.backend, queries, documents, **self.request_fields), score_column)
 
 
 def score_dataset(ds: Any, *, query_column: str = "query", document_column: str = "document",
@@ -161,5 +163,36 @@ def score_file(input_path: str, output_path: str, **options: Any) -> None:
     suffix = os.path.splitext(input_path)[1]
     if suffix not in readers:
         raise InvalidRequest("--input", f"{input_path} must end in one of {', '.join(readers)}")
+    if os.path.isdir(output_path) and os.listdir(output_path):  # Ray appends: a second run would repeat every row
+        raise InvalidRequest("--output", f"{output_path} is a folder that is not empty: give a new one")
+    model = options.get("model")
+    if isinstance(model, str) and not is_url(model) and not os.path.exists(os.path.expanduser(model)):
+        check_source(model)  # a missing folder fails here in one line, not in every actor behind Ray's tracebacks
+    local = not os.environ.get("RAY_ADDRESS")
     ray.init(ignore_reinit_error=True)
-    score_dataset(readers[suffix](input_path), **options).write_parquet(output_path)
+    gpus = options.get("num_gpus") or 0
+    if local and gpus > ray.cluster_resources().get("GPU", 0):  # a local cluster never gains one: it would wait
+        raise InvalidRequest("--num-gpus", f"asks for {gpus:g} GPU(s) an actor; this machine's Ray cluster has "
+                                           f"{ray.cluster_resources().get('GPU', 0):g}")
+    try:
+        score_dataset(readers[suffix](input_path), **options).write_parquet(output_path)
+    except Exception as exc:  # a worker's RerankitError arrives wrapped in Ray's errors, with their tracebacks
+        cause = _rerankit_cause(exc)
+        if cause is None:
+            raise
+        raise cause from None
+
+
+def _rerankit_cause(exc: BaseException) -> RerankitError | None:
+    """The ``RerankitError`` that a Ray error wraps (``cause``, ``__cause__``, ``__context__``), if any."""
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [exc]
+    while stack:
+        error = stack.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        if isinstance(error, RerankitError):
+            return error
+        stack += [getattr(error, "cause", None), error.__cause__, error.__context__]
+    return None
