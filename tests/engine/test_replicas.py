@@ -280,3 +280,33 @@ def test_gpu_replicas_on_two_devices_score_like_one_with_calls_in_flight(tiny_qw
             thread.join(120)
         for got in outcomes:
             assert_same(got, expected, GPU_TOLERANCE)
+
+
+def test_close_stops_the_live_replicas_when_one_stays_down(monkeypatch) -> None:
+    import rerankit.engine.replicas as replicas_module
+
+    monkeypatch.setattr(replicas_module, "MAX_RESTARTS", 0)  # the first death keeps a replica down
+    backend = make_backend(None, device="cpu", data_parallel_size=2, startup_timeout_s=120)
+    down, live = backend._replicas
+    os.kill(down.process.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while down.state != "down":
+        assert time.monotonic() < deadline, "the killed replica was not marked down"
+        time.sleep(0.02)
+    assert backend.score(REQUESTS[1]).scores  # the live replica serves
+    backend.close()  # it raised on the down replica's closed queue and left the live one running
+    assert not live.process.is_alive()
+    with pytest.raises(ModelLoadError, match="closed"):
+        backend.score(REQUESTS[1])
+
+
+def test_a_backend_never_closed_is_closed_at_exit_without_false_deaths() -> None:
+    import subprocess
+    import sys
+
+    script = ("from rerankit import Reranker\n"
+              "reranker = Reranker(device='cpu', data_parallel_size=2)\n"
+              "print(len(reranker.rank('capital of france', ['Paris', 'Berlin'])))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0 and done.stdout.strip() == "2", done.stderr[-3000:]
+    assert "died" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]

@@ -12,12 +12,14 @@ retry dies too fails with ``ReplicaDied``. A task is answered once, by the first
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
 import multiprocessing
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -128,6 +130,9 @@ class DataParallelBackend:
                 self._start(replica)
         self._collector = threading.Thread(target=self._collect_forever, name="rerankit-replicas", daemon=True)
         self._collector.start()
+        # One never closed is closed as the interpreter exits, before multiprocessing's own exit handler ends its
+        # processes (atexit runs the newest first): else they would be taken for dead and restarted.
+        atexit.register(_close_at_exit, weakref.ref(self))
         self._wait_until_ready(startup_timeout_s)
 
     @property
@@ -233,7 +238,7 @@ class DataParallelBackend:
             for replica in self._replicas:
                 if replica.state == "starting" and replica.process is not None:
                     replica.process.kill()  # it holds no work: no need to wait for its model to load
-                elif replica.inbox is not None:
+                elif replica.inbox is not None and replica.state != "down":
                     replica.inbox.put(None)
         deadline = time.monotonic() + CLOSE_TIMEOUT_S
         for replica in self._replicas:
@@ -353,6 +358,7 @@ class DataParallelBackend:
                         self._read(replica)
                     else:
                         self._drain(replica)
+                        replica.process.join(1.0)  # its sentinel is ready as it ends: let the exit code settle
                         self._died(replica, f"exit code {replica.process.exitcode}")
 
     def _read(self, replica: _Replica) -> None:
@@ -409,6 +415,7 @@ class DataParallelBackend:
         replica.replies.close()
         replica.inbox.close()
         replica.inbox.cancel_join_thread()
+        replica.inbox = replica.replies = None  # closed: nothing may write to them again (``close`` skips it)
         replica.state = "down"
         if restart:  # first, so that a lone replica can take its own work back
             self._start(replica)
@@ -437,3 +444,11 @@ class DataParallelBackend:
         for task in held:
             if not task.future.done():
                 task.future.set_exception(error)
+
+
+def _close_at_exit(backend: "weakref.ref[DataParallelBackend]") -> None:
+    """``close`` a backend still alive (and not closed) as the interpreter exits."""
+    alive = backend()
+    if alive is not None:
+        alive.close()
+
