@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from typing import Any, Sequence
 
 from rerankit.backend import Backend
-from rerankit.errors import ModelLoadError
+from rerankit.errors import InvalidRequest, ModelLoadError
 from rerankit.schema import RankedDocument, ScoreRequest, ScoreResponse
 
 
@@ -79,7 +79,15 @@ class Reranker:
 
     def __init__(self, model: str | Sequence[str] | None = None, *, backend: Backend | None = None,
                  **options: Any) -> None:
+        if backend is not None and (model is not None or options):
+            given = ["model"] * (model is not None) + sorted(options)
+            raise InvalidRequest(given[0], f"{', '.join(given)} would be ignored beside a ready backend: give one "
+                                           "or the other")
         self.backend: Backend = backend if backend is not None else make_backend(model, **options)
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a Reranker holds a live model or connection pool and cannot be copied or pickled: make one "
+                        "in each process (e.g. from the same model name)")
 
     @property
     def model_name(self) -> str:

@@ -120,3 +120,21 @@ def test_a_path_object_names_a_folder(tmp_path):
 
     with pytest.raises(ModelLoadError, match="no model folder"):
         Reranker(tmp_path / "missing" / "model")
+
+
+def test_a_ready_backend_takes_no_model_or_options_beside_it():
+    with pytest.raises(InvalidRequest, match="would be ignored beside a ready backend") as error:
+        Reranker("/some/model", backend=WordOverlapBackend(), device="cuda")
+    assert error.value.field == "model"
+    with pytest.raises(InvalidRequest, match="dtype"):
+        Reranker(backend=WordOverlapBackend(), dtype="nonsense")
+
+
+def test_a_reranker_says_why_it_cannot_be_copied_or_pickled():
+    import copy
+    import pickle
+
+    reranker = Reranker(backend=WordOverlapBackend())
+    for attempt in (lambda: pickle.dumps(reranker), lambda: copy.deepcopy(reranker), lambda: copy.copy(reranker)):
+        with pytest.raises(TypeError, match="make one in each process"):
+            attempt()
