@@ -280,3 +280,17 @@ def test_gpu_pipelined_calls_score_as_one_at_a_time(lm_path):
     backend = EmbeddedBackend(str(lm_path), device="cuda", dtype="float32", max_batch_tokens=256)
     assert backend.pipelined_calls == 2
     _pipelined_calls_score_as_one_at_a_time(backend, atol=1e-5)
+
+
+def test_a_ramped_request_refuses_the_item_the_whole_request_would(tiny_bert_embedder):
+    """Items checked chunk by chunk used to report the first chunk's too-long item where the whole request reports
+    a later item's id outside the vocabulary (ids are checked before lengths)."""
+    items = [[1000]] * 40
+    items[1], items[30] = [1000] * 600, [30522]
+    request = ScoreRequest(query="q", items=items, truncation="none")
+    fields = []
+    for options in ({"runner": "reference"}, {"runner": "packed"}, {"runner": "packed", "overlap": True}):
+        with pytest.raises(InvalidRequest) as error:
+            EmbeddedBackend(str(tiny_bert_embedder), device="cpu", **options).score(request)
+        fields.append(error.value.field)
+    assert fields == ["items[30]"] * 3

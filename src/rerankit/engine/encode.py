@@ -373,8 +373,10 @@ def _query_ids(request: ScoreRequest, loaded: LoadedModel) -> list[int]:
 
 def _item_ids(request: ScoreRequest, loaded: LoadedModel, chunk: _Chunk) -> list[list[int]]:
     if request.items_are_token_ids:
-        for index, item in enumerate(chunk.items, chunk.offset):
-            _check_vocab(item, loaded.vocab_size, f"items[{index}]")
+        if chunk.offset == 0:  # every item's ids are checked with the first chunk, so that a request split into
+            # chunks (ramp-up) refuses the item the whole request would: an id outside the vocabulary goes first
+            for index, item in enumerate(request.items):
+                _check_vocab(item, loaded.vocab_size, f"items[{index}]")
         return [list(item) for item in chunk.items]
     return _tokenize_items(loaded.tokenizer, chunk.items, request, loaded)[1]
 
