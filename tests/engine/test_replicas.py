@@ -293,11 +293,15 @@ def test_close_stops_the_live_replicas_when_one_stays_down(monkeypatch) -> None:
     while down.state != "down":
         assert time.monotonic() < deadline, "the killed replica was not marked down"
         time.sleep(0.02)
-    assert backend.score(REQUESTS[1]).scores  # the live replica serves
+    assert backend.score(REQUESTS[1]).scores and backend.problem() is None  # the live replica serves
     backend.close()  # it raised on the down replica's closed queue and left the live one running
-    assert not live.process.is_alive()
+    assert not live.process.is_alive() and backend.problem() == "the backend is closed"
     with pytest.raises(ModelLoadError, match="closed"):
         backend.score(REQUESTS[1])
+    live.state = "down"  # every replica down, as after too many deaths: what a server's /health answers 503 with
+    backend._closing = False
+    assert "no replica is running" in backend.problem()
+    backend._closing = True
 
 
 def test_a_backend_never_closed_is_closed_at_exit_without_false_deaths() -> None:

@@ -242,6 +242,35 @@ def test_the_over_capacity_503_is_in_the_format_of_the_routes_own_errors(rerank_
         assert "max_connections" in refused.text
 
 
+def test_the_over_capacity_503_is_counted_on_its_route():
+    from rerankit.server.metrics import Metrics
+
+    metrics = Metrics(lambda: 0, lambda: 0)
+    refuse = TestClient(over_capacity_app(ServerConfig(), metrics))
+    for path in ("/rerank", "/v2/rerank", "/health"):
+        assert refuse.post(path, json={}).status_code == 503
+    text = metrics.render()
+    assert 'rerankit_requests_total{route="/rerank",status="503"} 1' in text
+    assert 'rerankit_requests_total{route="/v2/rerank",status="503"} 1' in text
+    assert "/health" not in text  # not a scoring route
+    assert 'le="300.0"' in text  # latencies of minutes land in a bucket of their own
+
+
+def test_health_is_a_503_while_no_engine_replica_can_score():
+    class Replicas(RecordingBackend):
+        state = None
+
+        def problem(self):
+            return self.state
+
+    backend = Replicas()
+    client = TestClient(create_app(backend, ServerConfig()))
+    assert client.get("/health").status_code == 200
+    backend.state = "no replica is running: every one failed to start or died too often"
+    answer = client.get("/health")
+    assert answer.status_code == 503 and "no replica is running" in answer.text and answer.headers["retry-after"]
+
+
 def test_a_dripping_body_is_answered_408_in_json_and_its_connection_closed(protocol):
     """A client that sends its headers, then part of a declared body, gets a JSON 408 naming body_timeout_s once the
     timeout passes, and its connection is closed; other clients are served meanwhile."""

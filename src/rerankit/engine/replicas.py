@@ -228,6 +228,15 @@ class DataParallelBackend:
         self._wait_for(tasks, None)
         return max(task.future.result() for task in tasks)
 
+    def problem(self) -> str | None:
+        """None while a replica can take work; else why none can (a server's ``/health`` answers 503 with it)."""
+        with self._lock:
+            if self._closing:
+                return "the backend is closed"
+            if all(replica.state == "down" for replica in self._replicas):
+                return "no replica is running: every one failed to start or died too often"
+        return None
+
     def close(self) -> None:
         """Stop every replica (killed if it has not exited within 10 s); later calls raise ``ModelLoadError``."""
         with self._lock:

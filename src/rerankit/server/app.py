@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 from rerankit import __version__
 from rerankit.backend import Backend
 from rerankit.defaults import DEFAULT_MODEL_PACKAGE
-from rerankit.errors import RerankitError, UpstreamError, hide_credentials
+from rerankit.errors import ReplicaDied, RerankitError, UpstreamError, hide_credentials
 from rerankit.remote.dialects import get_dialect
 from rerankit.remote.dialects.common import openai_error
 from rerankit.server.batcher import Batcher
@@ -44,6 +44,7 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
     fixed_name = config.served_model_name or (None if batcher.proxies else public_model_name(backend.model_name))
     learn_name = None if fixed_name else getattr(backend, "aserved_model", None)
     far_problem = getattr(backend, "ahealth", None) if batcher.proxies else None
+    engine_problem = None if batcher.proxies else getattr(backend, "problem", None)  # data-parallel replicas
 
     def model_name() -> str:
         return fixed_name or public_model_name(backend.model_name)
@@ -78,12 +79,17 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
                               operation_id=f"{method.lower()}{path.replace('/', '_')}",
                               summary=f"Score or rerank ({' | '.join(dialects)} wire format)")
 
-    @app.get("/health", tags=["server"], responses={503: {"description": "a proxy's far server is unreachable"}})
+    @app.get("/health", tags=["server"],
+             responses={503: {"description": "no engine replica runs, or a proxy's far server is unreachable"}})
     async def health() -> JSONResponse:
-        """200 while the server runs; a proxy's: 503 while its far server is unreachable (probed every few s)."""
+        """200 while the server can score; 503 while no engine replica runs, or a proxy's far server is unreachable
+        (probed every few s)."""
         problem = await far_problem() if far_problem is not None else None
         if problem is not None:
             return app_error_response(UpstreamError(503, problem, None), config)
+        problem = engine_problem() if engine_problem is not None else None
+        if problem is not None:
+            return app_error_response(ReplicaDied(problem), config)
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models", tags=["server"])

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from rerankit.errors import TooManyConnections
 from rerankit.server.app import path_error_response
+from rerankit.server.routes import ROUTES
 from rerankit.server.limits import ServerConfig
 from rerankit.server.request_ids import RequestIds
 
@@ -94,14 +96,16 @@ class _ConnectionGuard:
         return False
 
 
-def guarded_protocol(config: ServerConfig, base: type[asyncio.Protocol] = AutoHTTPProtocol) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol ``base`` with ``config``'s connection limit and request-header deadline."""
+def guarded_protocol(config: ServerConfig, base: type[asyncio.Protocol] = AutoHTTPProtocol,
+                     metrics: Any = None) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol ``base`` with ``config``'s connection limit and request-header deadline; ``metrics``
+    (the server's ``Metrics``) counts the 503s of connections over the limit."""
     attributes = {"max_connections": config.max_connections, "header_timeout_s": config.header_timeout_s,
-                  "over_capacity": staticmethod(over_capacity_app(config)), "waiting": {}}
+                  "over_capacity": staticmethod(over_capacity_app(config, metrics)), "waiting": {}}
     return type(f"Guarded{base.__name__}", (_ConnectionGuard, base), attributes)
 
 
-def over_capacity_app(config: ServerConfig) -> Any:
+def over_capacity_app(config: ServerConfig, metrics: Any = None) -> Any:
     """The ASGI app answering a connection over ``max_connections``: one JSON 503, then close. A scoring path answers
     it as its own errors (``routes.default_dialect``, ``routes.error_response``); any other path as the app does;
 with the request's ``X-Request-Id``, as every answer of the app."""
@@ -109,9 +113,13 @@ with the request's ``X-Request-Id``, as every answer of the app."""
                                "(max_connections), each with a request running; retry later")
 
     async def over_capacity(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        response = path_error_response(scope.get("path", ""), error, config)
+        started = time.perf_counter()
+        path = scope.get("path", "")
+        response = path_error_response(path, error, config)
         response.headers["Connection"] = "close"
         await response(scope, receive, send)
+        if metrics is not None and path in ROUTES:  # load turned away is counted as every scoring answer is
+            metrics.observe_request(path, error.status_code, time.perf_counter() - started)
 
     return RequestIds(over_capacity)  # its 503 carries an X-Request-Id too
 
@@ -122,7 +130,8 @@ def uvicorn_config(app: Any, config: ServerConfig, protocol: type[asyncio.Protoc
     (httptools where installed, else h11); ``options`` go to uvicorn as is."""
     import uvicorn
 
-    return uvicorn.Config(app, http=guarded_protocol(config, protocol),
+    metrics = getattr(getattr(getattr(app, "state", None), "batcher", None), "metrics", None)
+    return uvicorn.Config(app, http=guarded_protocol(config, protocol, metrics),
                           timeout_keep_alive=config.keep_alive_timeout_s, **options)
 
 
