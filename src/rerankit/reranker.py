@@ -26,6 +26,15 @@ def missing_modules(*names: str) -> list[str]:
     return [name for name in names if importlib.util.find_spec(name) is None]
 
 
+def check_model_source(model: Any) -> None:
+    """For a local ``model`` (not a URL): ``ModelLoadError`` in one line, before torch loads, where it is a missing
+    folder or a hub id neither cached nor reachable (``hub.check_source``)."""
+    if isinstance(model, str) and not is_url(model) and not Path(model).expanduser().exists():
+        from rerankit.hub import check_source
+
+        check_source(model)
+
+
 def make_backend(model: str | Sequence[str] | None = None, **options: Any) -> Backend:
     """A backend for ``model``: a URL (or list) gives a remote client, anything else the embedded engine.
 
@@ -49,10 +58,7 @@ def make_backend(model: str | Sequence[str] | None = None, **options: Any) -> Ba
             f"the embedded engine needs {' and '.join(missing)}: pip install 'rerankit[engine]', "
             "or pass a server URL as model"
         )
-    if isinstance(model, str) and not Path(model).expanduser().exists():
-        from rerankit.hub import check_source
-
-        check_source(model)  # a missing folder, or a hub id the cache lacks, fails here in one line, before torch loads
+    check_model_source(model)
     from rerankit.engine import EmbeddedBackend
 
     if model is None:

@@ -101,7 +101,7 @@ class ScoreRequest(_Strict):
     def _query_not_empty(cls, query: Union[str, TokenIds]) -> Union[str, TokenIds]:
         if isinstance(query, str) and not query.strip():
             raise ValueError("must not be empty")
-        if isinstance(query, str) and not _encodable(query):
+        if isinstance(query, str) and not is_valid_text(query):
             raise ValueError("holds a lone UTF-16 surrogate: not valid text")
         if isinstance(query, list):
             if not query:
@@ -123,7 +123,7 @@ class ScoreRequest(_Strict):
                 raise ValueError(f"mixes item types ({', '.join(sorted(kinds))}): give all texts or all token-id lists")
             if isinstance(items[0], str):
                 for position, item in enumerate(items):
-                    if not _encodable(item):
+                    if not is_valid_text(item):
                         raise ValueError(f"item {position} holds a lone UTF-16 surrogate: not valid text")
             if isinstance(items[0], list):
                 for position, item in enumerate(items):
@@ -264,7 +264,7 @@ class RankedDocument(BaseModel):
     text: str
 
 
-def _encodable(text: str) -> bool:
+def is_valid_text(text: str) -> bool:
     """Whether ``text`` is valid Unicode text (no lone UTF-16 surrogate, which no tokenizer takes); an ASCII text
     answers at once."""
     if text.isascii():

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from rerankit.engine import heads
 from rerankit.engine.encode import EncodedRequest, encode_request, later_item_ids
-from rerankit.engine.resolve import ENCODER_TAKES_NO_TEMPLATE, Defaults, resolve_request
+from rerankit.engine.resolve import ENCODER_TAKES_NO_TEMPLATE, Defaults, check_instruction_written, resolve_request
 from rerankit.engine.load import LoadedModel, load_model
 from rerankit.engine.plan import DEFAULT_MAX_BATCH_TOKENS, MicroBatch, Planner, RequestParts, pack
 from rerankit.engine.prefetch import prefetch
@@ -113,9 +113,8 @@ class EmbeddedBackend:
                  prefix_cache_bytes: int = PREFIX_CACHE_MAX_BYTES, show_progress: bool | None = None,
                  pipelined: bool | None = None) -> None:
         # Options that do not need the model are checked before it loads, which can take minutes.
-        if template is not None and not get_template(template).takes_instruction and instruction is not None:
-            raise InvalidRequest("instruction", f"template {get_template(template).name!r} has no {{instruction}} "
-                                 "placeholder, so the instruction would not be written")
+        if template is not None:
+            check_instruction_written(get_template(template), instruction)
         if max_batch_tokens < 1:
             raise InvalidRequest("max_batch_tokens", f"must be >= 1, got {max_batch_tokens}")
         if prefix_cache_bytes < 0:

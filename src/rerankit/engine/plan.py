@@ -377,23 +377,22 @@ class _Builder:
             self.ids += (parts.items[item], parts.suffix)
         self._typed(None, (0 if extend else prefix) + int(spans.sum()))
         if extend:
-            self._extend(index, parts.head, spans, cached + prefix, items + parts.item_offset, prefix)
+            self._extend(index, parts.head, spans, cached + prefix, items + parts.item_offset)
         else:
             self._add(index, parts.head, np.concatenate(([prefix], spans)),
                       np.concatenate(([cached], np.full(len(spans), cached + prefix))), prefix,
                       _span_reads(prefix, spans, prefix), items + parts.item_offset, cached)
         self.open_shared = (index, parts.head, parts.prefix)
 
-    def _extend(self, index: int, head: int, spans: np.ndarray, prefix: int, items: np.ndarray,
-                laid_prefix: int) -> None:
-        """More item spans at the end of the last (MIS) sequence; ``prefix``: the position their tokens start at;
-        ``laid_prefix``: the sequence's prefix tokens in this batch (an empty span is read at the last of them)."""
+    def _extend(self, index: int, head: int, spans: np.ndarray, prefix: int, items: np.ndarray) -> None:
+        """More item spans at the end of the last (MIS) sequence; ``prefix``: the position their tokens start at. An
+        empty span is read at the last of the sequence's prefix tokens in this batch (``prefix_lengths``)."""
         length = int(spans.sum())
         start = self.tokens - int(self.sequence_lengths[-1])
         self.segment_lengths.append(spans)
         self.segment_positions.append(np.full(len(spans), prefix))
         self.sequence_lengths[-1] += length
-        self._reads(index, head, _span_reads(self.tokens, spans, start + laid_prefix), items)
+        self._reads(index, head, _span_reads(self.tokens, spans, start + self.prefix_lengths[-1]), items)
         self.request_tokens[index] += length
         self.tokens += length
 

@@ -29,7 +29,7 @@ def resolve_request(request: ScoreRequest, loaded: LoadedModel,
                              f"it supports {', '.join(loaded.supported_modes)}")
     template = resolve_template(request, loaded, defaults.template, mode)
     if defaults.instruction is not None and request.instruction is None and template is not None \
-            and template.name != RAW and template.takes_instruction:
+            and template.takes_instruction:  # (raw takes none)
         request = request.model_copy(update={"instruction": defaults.instruction})
     return request, mode, template
 
@@ -78,8 +78,15 @@ def check_fields_apply(request: ScoreRequest, mode: str, template: Template | No
                 raise InvalidRequest(field, "only applies to raw scoring (label_token_ids without a template)")
     if request.instruction is not None and (template is None or raw):
         raise InvalidRequest("instruction", "this model's mode has no template that takes an instruction")
-    if request.instruction is not None and not template.takes_instruction:
-        raise InvalidRequest("instruction", f"template {template.name!r} has no {{instruction}} placeholder, so the "
-                             "instruction would not be written: give a template that holds one")
+    if request.instruction is not None:
+        check_instruction_written(template, request.instruction)
     if raw and request.item_first and request.mis_delimiter_token_id is not None:
         raise InvalidRequest("mis_delimiter_token_id", "cannot be combined with item_first")
+
+
+def check_instruction_written(template: Template, instruction: str | None) -> None:
+    """Refuse an ``instruction`` that ``template`` would not write (it holds no ``{instruction}``)."""
+    if instruction is not None and not template.takes_instruction:
+        raise InvalidRequest("instruction", f"template {template.name!r} has no {{instruction}} placeholder, so the "
+                             "instruction would not be written: give a template that holds one")
+

@@ -16,9 +16,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from rerankit.errors import InvalidRequest, RerankitError
-from rerankit.hub import check_source
 from rerankit.offline import offline_backend, score_pairs, text_column
-from rerankit.reranker import is_url
+from rerankit.reranker import check_model_source
 from rerankit.server.main import API_KEY_ENV
 
 INSTALL = "pip install 'rerankit[ray]'"
@@ -165,9 +164,7 @@ def score_file(input_path: str, output_path: str, **options: Any) -> None:
         raise InvalidRequest("--input", f"{input_path} must end in one of {', '.join(readers)}")
     if os.path.isdir(output_path) and os.listdir(output_path):  # Ray appends: a second run would repeat every row
         raise InvalidRequest("--output", f"{output_path} is a folder that is not empty: give a new one")
-    model = options.get("model")
-    if isinstance(model, str) and not is_url(model) and not os.path.exists(os.path.expanduser(model)):
-        check_source(model)  # a missing folder fails here in one line, not in every actor behind Ray's tracebacks
+    check_model_source(options.get("model"))  # here in one line, not in every actor behind Ray's tracebacks
     local = not os.environ.get("RAY_ADDRESS")
     ray.init(ignore_reinit_error=True)
     gpus = options.get("num_gpus") or 0

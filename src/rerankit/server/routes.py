@@ -45,6 +45,7 @@ from rerankit.errors import (BodyTimeout, Cancelled, InvalidRequest, RemoteError
                              UnsupportedMediaType, UpstreamError)
 from rerankit.remote.dialects import Dialect, get_dialect
 from rerankit.request_ids import REQUEST_ID
+from rerankit.schema import is_valid_text
 from rerankit.server.batcher import Batcher
 from rerankit.server.disconnect import unless_disconnected
 from rerankit.server.limits import ServerConfig, bound_request, caller_of, check_api_key, check_body_size
@@ -215,10 +216,8 @@ def _check_texts(value: Any) -> None:
     while stack:
         value = stack.pop()
         if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                raise InvalidRequest("body", "holds a lone UTF-16 surrogate escape: not valid text") from None
+            if not is_valid_text(value):
+                raise InvalidRequest("body", "holds a lone UTF-16 surrogate escape: not valid text")
         elif isinstance(value, dict):
             stack.extend(value.keys())
             stack.extend(value.values())
