@@ -16,7 +16,7 @@ from rerankit import __version__
 from rerankit.errors import InvalidRequest, RerankitError
 from rerankit.flag_types import (id_list, non_negative_float, non_negative_int, port, positive_float,
                                  positive_int, replica_count, word_list)
-from rerankit.flags_from_env import defaults_from_environment
+from rerankit.flags_from_env import FromEnvironment, defaults_from_environment, environment_problem
 from rerankit.reranker import is_url, make_backend
 from rerankit.schema import MODES, ScoreRequest, ScoreResponse
 from rerankit.server.limits import RERANK_DIALECTS
@@ -34,6 +34,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RerankitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return USAGE_ERROR
+    except KeyboardInterrupt:  # Ctrl-C: one line, not the traceback of wherever the engine was
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader of stdout left (`rerankit rank ... | head`): stop quietly, as cat does
+        try:  # so the flush at exit raises no more
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # a stdout without a file descriptor
+            pass
+        return 141
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--otlp-service-name",
                        help="with --otlp-traces-endpoint: the service name of the spans (default: "
                             "$OTEL_SERVICE_NAME, else rerankit)")
-    serve.set_defaults(run=run_serve, environment_problems=defaults_from_environment(serve))
+    defaults_from_environment(serve)  # a bad value becomes the flag's default problem (flags_from_env)
+    serve.set_defaults(run=run_serve)
     add_score_command(commands)
     return parser
 
@@ -345,8 +355,18 @@ def _print_sequence(title: str, sequence: Any, out: TextIO) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """``rerankit serve``: hand the flags to the server (a server URL as --model serves it as a proxy)."""
-    if args.environment_problems:
-        raise RerankitError(args.environment_problems[0])
+    problem = environment_problem(args)
+    if problem is not None:
+        raise RerankitError(problem)
+    if any(not key.strip() for key in args.api_key or ()):  # an unset secret ("$KEY") must not open the server
+        raise InvalidRequest("--api-key", "is empty: give the key (or leave the flag out to serve without one)")
+    # the command line wins: a template given there replaces the other kind set in the environment
+    if isinstance(args.template_file, FromEnvironment) and args.template is not None \
+            and not isinstance(args.template, FromEnvironment):
+        args.template_file = None
+    if isinstance(args.template, FromEnvironment) and args.template_file is not None \
+            and not isinstance(args.template_file, FromEnvironment):
+        args.template = None
     if is_url(args.model):
         refuse_misplaced(args, ("device", "dtype", "prefix_cache_mib", "template", "template_file", "mode",
                                 "instruction", "data_parallel_size"))
@@ -404,7 +424,7 @@ def run_score(args: argparse.Namespace) -> int:
 def read_documents(source: str, file_format: str | None, text_field: str) -> list[str]:
     """The documents of a .txt file (one a line, blank lines skipped), a .jsonl file, or stdin (``-``)."""
     if file_format is None:
-        file_format = "jsonl" if source != "-" and Path(source).suffix == ".jsonl" else "txt"
+        file_format = "jsonl" if source != "-" and Path(source).suffix.lower() == ".jsonl" else "txt"
     try:
         # stdin as bytes: its text layer would smuggle bad bytes through as surrogates the tokenizer rejects
         data = sys.stdin.buffer.read() if source == "-" else Path(source).read_bytes()

@@ -10,10 +10,24 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 PREFIX = "RERANKIT_"
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class EnvironmentProblem:
+    """The default of a flag whose variable holds a value the flag refuses: raised only if the command line does
+    not give the flag (the command line wins), never converted by argparse (it is not a string)."""
+
+    message: str
+
+
+class FromEnvironment(str):
+    """A text flag's value taken from its variable (argparse keeps the default's object), so that a command can
+    tell it from one given on the command line."""
 
 
 def variable_of(action: argparse.Action) -> str | None:
@@ -27,8 +41,9 @@ def variable_of(action: argparse.Action) -> str | None:
 def defaults_from_environment(parser: argparse.ArgumentParser,
                               environ: Mapping[str, str] | None = None) -> list[str]:
     """Make each flag of ``parser`` whose variable is set default to its value, converted and checked as the flag
-    would be; returns what was wrong with the variables that could not be taken (kept to be raised only when
-    the command runs: a stray variable must not break other commands)."""
+    would be. A variable that cannot be taken makes its flag's default an ``EnvironmentProblem``, raised when the
+    command runs only if the command line did not give the flag (``environment_problem``): a stray variable must
+    not break other commands, nor a flag given on the command line. Returns those problems."""
     environ = os.environ if environ is None else environ
     problems = []
     for action in parser._actions:
@@ -36,20 +51,32 @@ def defaults_from_environment(parser: argparse.ArgumentParser,
         text = None if name is None else environ.get(name)
         if text is None:
             continue
+        problem = None
         if action.nargs == 0:  # a switch: store_true / store_false
             word = text.strip().lower()
             if word not in _TRUE + _FALSE:
-                problems.append(f"${name}={text!r}: give one of {', '.join(_TRUE + _FALSE)}")
+                problem = f"${name}={text!r}: give one of {', '.join(_TRUE + _FALSE)}"
             elif word in _TRUE:
                 action.default = action.const
-            continue
-        try:
-            value = action.type(text) if callable(action.type) else text
-        except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
-            problems.append(f"${name}={text!r}: {exc}")
-            continue
-        if action.choices is not None and value not in action.choices:
-            problems.append(f"${name}={text!r}: choose from {', '.join(map(str, action.choices))}")
-            continue
-        action.default = value
+        else:
+            try:
+                value = action.type(text) if callable(action.type) else FromEnvironment(text)
+            except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
+                problem = f"${name}={text!r}: {exc}"
+            else:
+                if action.choices is not None and value not in action.choices:
+                    problem = f"${name}={text!r}: choose from {', '.join(map(str, action.choices))}"
+                else:
+                    action.default = value
+        if problem is not None:
+            if text.startswith("tcp://"):  # Kubernetes' service links: a Service named rerankit sets RERANKIT_PORT
+                problem += (" (Kubernetes sets it for a Service of that name: give the flag on the command line, "
+                            "or set enableServiceLinks: false)")
+            problems.append(problem)
+            action.default = EnvironmentProblem(problem)
     return problems
+
+
+def environment_problem(args: argparse.Namespace) -> str | None:
+    """The first problem of a variable whose flag the command line did not give (it would have replaced it)."""
+    return next((value.message for value in vars(args).values() if isinstance(value, EnvironmentProblem)), None)

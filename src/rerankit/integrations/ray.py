@@ -162,6 +162,8 @@ def score_file(input_path: str, output_path: str, **options: Any) -> None:
     suffix = os.path.splitext(input_path)[1]
     if suffix not in readers:
         raise InvalidRequest("--input", f"{input_path} must end in one of {', '.join(readers)}")
+    if os.path.exists(output_path) and not os.path.isdir(output_path):
+        raise InvalidRequest("--output", f"{output_path} is a file: with --ray it names a folder of Parquet files")
     if os.path.isdir(output_path) and os.listdir(output_path):  # Ray appends: a second run would repeat every row
         raise InvalidRequest("--output", f"{output_path} is a folder that is not empty: give a new one")
     check_model_source(options.get("model"))  # here in one line, not in every actor behind Ray's tracebacks
