@@ -124,3 +124,14 @@ def test_serve_hands_the_connection_flags_to_the_server(monkeypatch):
         cli.main(["serve", "--body-timeout", "-1"])
     with pytest.raises(SystemExit):
         cli.main(["serve", "--header-timeout", "0"])
+
+
+@pytest.mark.parametrize("api_key", ["", " ", ["good-key", ""]])
+def test_serve_refuses_an_empty_api_key_before_loading_anything(monkeypatch, api_key):
+    """An empty key (an unset ``$KEY`` passed on) is refused, not taken for "no key": that would open the server."""
+    from rerankit.errors import RerankitError
+    from rerankit.server.main import serve
+
+    monkeypatch.setenv("RERANKIT_API_KEY", "from-the-environment")
+    with pytest.raises(RerankitError, match="api_key: a key is empty"):
+        serve("/no/such/model", api_key=api_key)
