@@ -154,6 +154,7 @@ def test_mutual_tls_refuses_a_client_without_a_certificate_of_the_ca(pki, tls_se
     (["--ssl-certfile", "/no/such.pem"], "--ssl-certfile: cannot load the certificate and its key (No such file"),
     (["--ssl-keyfile", "/k.pem", "--ssl-ca-certs", "/ca.pem"],
      "--ssl-keyfile, --ssl-ca-certs need --ssl-certfile"),
+    (["--ssl-keyfile", "/k.pem"], "--ssl-keyfile needs --ssl-certfile"),
 ])
 def test_tls_files_that_do_not_load_end_serve_before_the_model_loads(flags, message):
     completed = rerankit_cli("serve", "--model", "/no/such/model", *flags)

@@ -51,7 +51,7 @@ def tls_of(certfile: str | None, keyfile: str | None = None, keyfile_password: s
         given = [flag for flag, value in (("--ssl-keyfile", keyfile), ("--ssl-keyfile-password", keyfile_password),
                                           ("--ssl-ca-certs", ca_certs)) if value is not None]
         if given:
-            raise RerankitError(f"{', '.join(given)} need --ssl-certfile (the certificate the server presents)")
+            raise RerankitError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} --ssl-certfile (the certificate the server presents)")
         return None
     return Tls(certfile, keyfile, keyfile_password, ca_certs)
 
