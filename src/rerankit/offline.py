@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -33,19 +34,23 @@ def require_pyarrow() -> Any:
 
 
 def score_pairs(backend: Backend, queries: Sequence[str], documents: Sequence[str],
-                progress: Callable[[int], Any] | None = None, **request_fields: Any) -> list[float]:
+                progress: Callable[[int], Any] | None = None, *, scored: dict[int, float] | None = None,
+                record: Callable[[list[int], list[float]], Any] | None = None, **request_fields: Any) -> list[float]:
     """The score of each (query, document) row, in row order; ``progress(n)`` is told of each n rows scored.
 
-    ``request_fields`` go to every ``ScoreRequest`` (``instruction``, ``max_tokens_per_item``...).
+    ``scored`` (row -> score): rows scored before (a journal's), not scored again; ``record(rows, scores)`` is
+    told of each backend call's. ``request_fields`` go to every ``ScoreRequest`` (``instruction``...).
     """
     if len(queries) != len(documents):
         raise InvalidRequest("documents", f"has {len(documents)} rows but queries has {len(queries)}")
+    scored = scored or {}
     groups: dict[str, list[int]] = {}
     for row, query in enumerate(queries):
-        groups.setdefault(query, []).append(row)
+        if row not in scored:
+            groups.setdefault(query, []).append(row)
     runs = [(query, rows[start:start + REQUEST_ITEMS])
             for query, rows in groups.items() for start in range(0, len(rows), REQUEST_ITEMS)]
-    scores = [0.0] * len(queries)
+    scores = [scored.get(row, 0.0) for row in range(len(queries))]
     score_batch = getattr(backend, "score_batch", None)
     for call in _calls(runs):
         requests = [ScoreRequest(query=query, items=[documents[row] for row in rows], **request_fields)
@@ -54,6 +59,9 @@ def score_pairs(backend: Backend, queries: Sequence[str], documents: Sequence[st
         for (_, rows), response in zip(call, responses):
             for row, score in zip(rows, response.scores):
                 scores[row] = score
+        if record is not None:
+            rows = [row for _, run in call for row in run]
+            record(rows, [scores[row] for row in rows])
         if progress is not None:
             progress(sum(len(rows) for _, rows in call))
     return scores
@@ -262,8 +270,13 @@ def score_file(input_path: str | Path, output_path: str | Path, *, model: str | 
                show_progress: bool = True, request_fields: dict[str, Any] | None = None,
                **engine_options: Any) -> int:
     """Score the pairs of ``input_path`` with ``offline_backend(model, **engine_options)`` (here, or on the server
-    a URL names) and write them with a ``score_column`` to ``output_path``; returns the number of rows."""
+    a URL names) and write them with a ``score_column`` to ``output_path``; returns the number of rows.
+
+    Each backend call's scores are kept in a journal beside the output (``score_journal``) until it is written: a
+    run stopped for any reason (Ctrl-C, a lost server) goes on where it stopped when run again."""
     from tqdm.auto import tqdm
+
+    from rerankit.score_journal import ScoreJournal, job_of, journal_path
 
     check_output(output_path)
     if score_column in (query_column, document_column):
@@ -273,11 +286,32 @@ def score_file(input_path: str | Path, output_path: str | Path, *, model: str | 
     check_writable(with_scores(table.slice(0, 0), [], score_column), output_path)
     queries = text_column(table, query_column, "--query-column", blank=False)
     documents = text_column(table, document_column, "--document-column")
+    job = job_of(input_path, columns=[query_column, document_column], model=model, fields=request_fields or {},
+                 engine={name: value for name, value in engine_options.items()
+                         if name not in ("data_parallel_size", "show_progress")})
+    try:
+        journal = ScoreJournal(journal_path(output_path), job, table.num_rows)
+    except OSError as exc:
+        raise InvalidRequest("--output", f"cannot keep scores beside {output_path}: {exc}") from None
     backend = offline_backend(model, **engine_options)
     try:
-        with tqdm(total=table.num_rows, unit="pair", desc="rerankit score", disable=not show_progress) as bar:
-            scores = score_pairs(backend, queries, documents, bar.update, **(request_fields or {}))
+        with tqdm(total=table.num_rows, unit="pair", desc="rerankit score", disable=not show_progress,
+                  initial=len(journal.scored)) as bar:
+            if journal.scored:
+                bar.write(f"rerankit score: {len(journal.scored)} of {table.num_rows} rows were scored by an "
+                          f"earlier run ({journal.path}); scoring the rest", file=sys.stderr)
+            scores = score_pairs(backend, queries, documents, bar.update, scored=journal.scored,
+                                 record=journal.record, **(request_fields or {}))
+    except BaseException:
+        if journal.kept:
+            journal.close()
+            print(f"rerankit score: the {journal.kept} rows scored so far are kept in {journal.path}: run the same "
+                  "command again to go on", file=sys.stderr)
+        else:
+            journal.remove()
+        raise
     finally:
         backend.close()
     write_table(with_scores(table, scores, score_column), output_path)
+    journal.remove()
     return table.num_rows
