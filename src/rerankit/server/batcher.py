@@ -92,6 +92,7 @@ class Batcher:
         self._last_requests = 0  # requests the last call answered
         self._arrivals_since_end = 0
         self._draining = False
+        self.refusing = asyncio.Event()  # set once draining: a request still reading its body is answered 503
         self._abort = False  # read by the engine thread: drop the running call at its next micro-batch
         # Budgets bucketed to powers of two, so that the calls the queue forms come in a bounded set of sizes.
         self.max_chunk_tokens = power_of_two_floor(min(config.max_chunk_tokens, config.max_batch_tokens))
@@ -164,6 +165,7 @@ class Batcher:
         """Refuse new work from now on; give queued and running work ``seconds`` to finish, then answer the rest
         ``ShuttingDown`` (the running engine call stops at its next micro-batch where the backend allows it)."""
         self._draining = True
+        self.refusing.set()
         log.info("draining: %d requests in progress; %.1f s to finish", len(self._live), seconds)
         try:
             await asyncio.wait_for(self._idle.wait(), seconds)

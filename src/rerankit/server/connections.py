@@ -65,22 +65,43 @@ class _ConnectionGuard:
         if self._header_deadline is not None:
             self._header_deadline.cancel()
         self._waiting_after = self.cycle  # type: ignore[attr-defined]
+        self._unsent: int | None = None  # the answer's bytes left unsent at the last deadline (``_stalled_reader``)
         self.waiting.pop(self, None)
         self.waiting[self] = None
         self._header_deadline = self.loop.call_later(  # type: ignore[attr-defined]
             self.header_timeout_s, self._headers_overdue)
 
-    def _waiting_for_headers(self) -> bool:
+    def _idle_since_armed(self) -> bool:
         """Whether no request runs on this connection and none has come since the deadline was armed."""
         cycle = self.cycle  # type: ignore[attr-defined]
         # httptools makes a pipelined request's cycle as its headers arrive, before the previous response ends:
         # that request may still be running when the deadline armed at that response comes.
         answering = cycle is not None and not cycle.response_complete
-        return cycle is self._waiting_after and not answering and not self.transport.is_closing()  # type: ignore
+        return cycle is self._waiting_after and not answering
+
+    def _waiting_for_headers(self) -> bool:
+        """Whether no request runs on this connection, none has come since the deadline was armed, and it is open."""
+        return self._idle_since_armed() and not self.transport.is_closing()  # type: ignore[attr-defined]
+
+    def _stalled_reader(self) -> bool:
+        """Whether its last answer still sits unsent in the write buffer, and no byte of it left since the last look:
+        the client stopped reading. ``transport.close()`` waits for that buffer to flush, so such a connection (and
+        the answer it holds) would stay open, and counted against ``max_connections``, for ever."""
+        size, before = self.transport.get_write_buffer_size(), self._unsent  # type: ignore[attr-defined]
+        self._unsent = size
+        return size > 0 and before is not None and size >= before
 
     def _headers_overdue(self) -> None:
         self._header_deadline = None
-        if self._waiting_for_headers():
+        if not self._idle_since_armed():
+            return
+        if self.transport.get_write_buffer_size():  # type: ignore[attr-defined]
+            if self._stalled_reader():
+                self.transport.abort()  # type: ignore[attr-defined]
+            else:  # the client still reads its answer: give it another period
+                self._header_deadline = self.loop.call_later(  # type: ignore[attr-defined]
+                    self.header_timeout_s, self._headers_overdue)
+        elif not self.transport.is_closing():  # type: ignore[attr-defined]
             self.transport.close()  # type: ignore[attr-defined]
 
     def _close_longest_waiting(self) -> bool:
@@ -92,6 +113,9 @@ class _ConnectionGuard:
             del self.waiting[connection]  # waiting or not: one that waits again is put back at the end
             if connection._waiting_for_headers():
                 connection.transport.close()
+                return True
+            if connection._idle_since_armed() and connection.transport.is_closing():
+                connection.transport.abort()  # answered and closing, its client not reading the rest: nothing runs
                 return True
         return False
 

@@ -54,7 +54,7 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
     from rerankit.server.connections import uvicorn_config
     from rerankit.server.limits import ServerConfig
     from rerankit.server.logs import log_config
-    from rerankit.server.shutdown import GRACE_AFTER_DRAIN_S, STARTUP_FAILURE, DrainingServer
+    from rerankit.server.shutdown import GRACE_AFTER_DRAIN_S, STARTUP_FAILURE, DrainingServer, raise_exit_signals
     from rerankit.server.tls import tls_of
     from rerankit.server.tracing import setup_tracing
 
@@ -106,6 +106,8 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
             traces.shutdown()  # the spans still batched go to the collector
     if not server.started:
         sys.exit(STARTUP_FAILURE)
+    # SIGTERM: the process ends by it, as uvicorn's would, but only now that the backend is closed and the spans sent
+    raise_exit_signals(getattr(server, "exit_signals", ()))
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -41,8 +41,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from rerankit import tracing
-from rerankit.errors import (BodyTimeout, Cancelled, InvalidRequest, RemoteError, RerankitError, Unauthorized,
-                             UnsupportedMediaType, UpstreamError)
+from rerankit.errors import (BodyTimeout, Cancelled, InvalidRequest, RemoteError, RerankitError, ShuttingDown,
+                             Unauthorized, UnsupportedMediaType, UpstreamError)
 from rerankit.remote.dialects import Dialect, get_dialect
 from rerankit.request_ids import REQUEST_ID
 from rerankit.schema import is_valid_text
@@ -86,7 +86,7 @@ def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
         try:
             key_index = check_api_key(config, request.headers.get("authorization"))
             batcher.admit()  # a full queue or a drain refuses before the body is read, parsed and checked
-            body = parse_json(await read_body(request, config))
+            body = parse_json(await read_body(request, config, batcher.refusing))
             dialect = dialect_for(dialects, body, request.headers, default)
             score_request = dialect.parse_request(body)
             parsed = True  # from here on an error names a ScoreRequest field, which the reply names as the body does
@@ -144,9 +144,11 @@ def dialect_for(dialects: list[Dialect], body: Any, headers: Mapping[str, str] |
     return next(dialect for dialect in dialects if weights[dialect.name] == best)
 
 
-async def read_body(request: Request, config: ServerConfig) -> bytes:
-    """The request body: refused (415) unless declared JSON, (413) as soon as it passes ``max_body_bytes``, and
-    (408) unless it is whole within ``body_timeout_s``."""
+async def read_body(request: Request, config: ServerConfig, refusing: asyncio.Event | None = None) -> bytes:
+    """The request body: refused (415) unless declared JSON, (413) as soon as it passes ``max_body_bytes``, (408)
+    unless it is whole within ``body_timeout_s``, and (503) as soon as ``refusing`` is set (the server drains for
+    shutdown: the request would be refused once read, and uvicorn cancels, with a plain-text 500, a body still
+    arriving after the drain)."""
     check_json_content_type(request.headers.get("content-type"))
     check_identity_encoding(request.headers.get("content-encoding"))
     declared = request.headers.get("content-length", "")
@@ -161,8 +163,22 @@ async def read_body(request: Request, config: ServerConfig) -> bytes:
             chunks.append(chunk)
         return b"".join(chunks)
 
+    reading = asyncio.ensure_future(asyncio.wait_for(whole(), config.body_timeout_s))
+    if refusing is not None:
+        refused = asyncio.ensure_future(refusing.wait())
+        try:
+            await asyncio.wait({reading, refused}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            reading.cancel()
+            raise
+        finally:
+            refused.cancel()
+        if not reading.done():
+            reading.cancel()
+            await asyncio.gather(reading, return_exceptions=True)
+            raise ShuttingDown("the server is shutting down and takes no new requests")
     try:
-        return await asyncio.wait_for(whole(), config.body_timeout_s)
+        return await reading
     except asyncio.TimeoutError:
         raise BodyTimeout("body", f"did not arrive whole within {config.body_timeout_s:g} s "
                                   "(body_timeout_s)") from None
@@ -282,7 +298,7 @@ def error_headers(error: RerankitError, config: ServerConfig) -> dict[str, str]:
         headers["Retry-After"] = str(retry_after_seconds(getattr(error, "retry_after", None), config))
     if isinstance(error, Unauthorized):
         headers["WWW-Authenticate"] = "Bearer"
-    if isinstance(error, BodyTimeout):  # the rest of the body may still come: the connection cannot be reused
+    if isinstance(error, (BodyTimeout, ShuttingDown)):  # the rest of the body may still come; or the server stops
         headers["Connection"] = "close"
     return headers
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
 import socket
 import ssl
 from types import FrameType
+from typing import Iterator
 
 import uvicorn
 
@@ -17,6 +20,14 @@ log = logging.getLogger("rerankit.server")
 
 GRACE_AFTER_DRAIN_S = 5  # uvicorn's own graceful-shutdown timeout is the drain time plus this: it never cancels work
 STARTUP_FAILURE = 3  # uvicorn's exit status when the server did not start
+
+
+def raise_exit_signals(signals: "list[int] | tuple[int, ...]") -> None:
+    """Die of the signals that stopped the server (``DrainingServer.exit_signals``), as uvicorn would have, newest
+    first; SIGINT excepted: ``serve()`` has always ended quietly on Ctrl-C."""
+    for sig in reversed(signals):
+        if sig != signal.SIGINT:
+            signal.raise_signal(sig)
 
 
 class DrainingServer(uvicorn.Server):
@@ -35,6 +46,19 @@ class DrainingServer(uvicorn.Server):
         self.handshake_timeout_s = handshake_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain: asyncio.Future | None = None
+        self.exit_signals: list[int] = []  # the signals that stopped it, for serve() to raise once it has cleaned up
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's, except that the signals caught are not raised again as it ends: uvicorn raises them with the
+        default handlers back, and SIGTERM's ends the process at once, before ``serve()`` closes the backend and
+        sends the last batched spans. They are kept in ``exit_signals`` for ``serve()`` to raise afterwards."""
+        with super().capture_signals():
+            yield
+            # uvicorn 0.29 on keeps them here; one without the attribute raises none again
+            self.exit_signals = list(getattr(self, "_captured_signals", ()))
+            if hasattr(self, "_captured_signals"):
+                self._captured_signals = []
 
     async def serve(self, sockets: list | None = None) -> None:
         self._loop = asyncio.get_running_loop()
