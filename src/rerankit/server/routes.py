@@ -47,7 +47,7 @@ from rerankit.remote.dialects import Dialect, get_dialect
 from rerankit.request_ids import REQUEST_ID
 from rerankit.schema import is_valid_text
 from rerankit.server.batcher import Batcher
-from rerankit.server.disconnect import unless_disconnected
+from rerankit.server.disconnect import unless, unless_disconnected
 from rerankit.server.limits import ServerConfig, bound_request, caller_of, check_api_key, check_body_size
 
 log = logging.getLogger("rerankit.server")
@@ -163,22 +163,12 @@ async def read_body(request: Request, config: ServerConfig, refusing: asyncio.Ev
             chunks.append(chunk)
         return b"".join(chunks)
 
-    reading = asyncio.ensure_future(asyncio.wait_for(whole(), config.body_timeout_s))
-    if refusing is not None:
-        refused = asyncio.ensure_future(refusing.wait())
-        try:
-            await asyncio.wait({reading, refused}, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            reading.cancel()
-            raise
-        finally:
-            refused.cancel()
-        if not reading.done():
-            reading.cancel()
-            await asyncio.gather(reading, return_exceptions=True)
-            raise ShuttingDown("the server is shutting down and takes no new requests")
+    reading = asyncio.wait_for(whole(), config.body_timeout_s)
     try:
-        return await reading
+        if refusing is None:
+            return await reading
+        return await unless(reading, refusing.wait(),
+                            lambda: ShuttingDown("the server is shutting down and takes no new requests"))
     except asyncio.TimeoutError:
         raise BodyTimeout("body", f"did not arrive whole within {config.body_timeout_s:g} s "
                                   "(body_timeout_s)") from None
