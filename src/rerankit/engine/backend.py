@@ -12,7 +12,6 @@ instruction are long next to its first items).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import threading
 import time
@@ -30,6 +29,7 @@ from rerankit.engine.load import LoadedModel, load_model
 from rerankit.engine.plan import DEFAULT_MAX_BATCH_TOKENS, MicroBatch, Planner, RequestParts, pack
 from rerankit.engine.prefetch import prefetch
 from rerankit.engine.prefix_cache import PREFIX_CACHE_MAX_BYTES
+from rerankit.engine.process_safety import LIVE_BACKENDS, score_cancellably
 from rerankit.engine.results import HostCopy, SliceOutput, responses
 from rerankit.engine.runner import PackedRunner, Runner, make_runner
 from rerankit.engine.warm_up import warm_up_runner
@@ -140,6 +140,7 @@ class EmbeddedBackend:
         self._lock = threading.Lock()
         self._tokenizer_thread: ThreadPoolExecutor | None = None  # tokenizes a ramped request's later chunks
         self._tokenize_later_chunks = True  # ahead, on that thread (``_tokenize_ahead``); False: when planned
+        LIVE_BACKENDS.add(self)  # made fit for a forked child (``process_safety``)
 
     @property
     def model_name(self) -> str:
@@ -168,8 +169,9 @@ class EmbeddedBackend:
         return self.score_batch([request])[0]
 
     async def ascore(self, request: ScoreRequest) -> ScoreResponse:
-        """``score`` on a worker thread, so the event loop keeps running."""
-        return await asyncio.to_thread(self.score, request)
+        """``score`` on a worker thread, so the event loop keeps running. Cancelling the awaiting task stops the
+        call before its next micro-batch (it no longer holds the model for a caller that has gone)."""
+        return await score_cancellably(self.score_batch, request)
 
     def score_batch(self, requests: list[ScoreRequest], *, return_exceptions: bool = False,
                     should_stop: Callable[[], bool] | None = None) -> list[ScoreResponse | RerankitError]:
@@ -253,6 +255,12 @@ class EmbeddedBackend:
                 self._tokenizer_thread = None
             if on_gpu:
                 torch.cuda.empty_cache()
+
+    def _after_fork(self) -> None:
+        """In a forked child: the parent's lock (held there by another thread, maybe) and tokenizing thread (not
+        copied by fork: its queue would never be served) are the parent's; this process starts its own."""
+        self._lock = threading.Lock()
+        self._tokenizer_thread = None
 
     def _model(self) -> LoadedModel:
         if self._loaded is None:

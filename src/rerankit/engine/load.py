@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,11 @@ _ST_POOLING_KEYS: dict[str, Pooling] = {
     "pooling_mode_cls_token": "cls",
     "pooling_mode_lasttoken": "lasttoken",
 }
+# Loads in this process, one at a time: transformers' from_pretrained swaps process-wide state while it builds a
+# model (PreTrainedModel.tie_weights patched out, torch's default dtype, torch.linspace) and restores it after, and
+# its lazy first import is not thread-safe either; two threads loading at once got ImportError or meta tensors,
+# and could leave tie_weights a no-op for the rest of the process (every later tied model failed to load).
+_LOADING = threading.RLock()
 _DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                 "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
@@ -101,6 +107,12 @@ def load_model(model: str, *, device: str | torch.device | None = None,
     transformers model. ``dtype="fp8"``: FP8 projections (``engine.fp8``), on GPUs with FP8 tensor cores only; a
     checkpoint stored in FP8 runs so by default where the device can, else dequantized to the default dtype.
     """
+    with _LOADING:  # one load at a time in this process (see _LOADING)
+        return _load_model(model, device=device, dtype=dtype, weights=weights, packed_only=packed_only)
+
+
+def _load_model(model: str, *, device: str | torch.device | None, dtype: str | torch.dtype | None,
+                weights: bool, packed_only: bool) -> LoadedModel:
     from transformers import AutoConfig, AutoTokenizer
 
     folder = Path(model).expanduser()
@@ -177,7 +189,9 @@ def load_transformers_model(loaded: LoadedModel) -> None:
     runner that needs it after all."""
     if loaded.model is not None and not is_transformers_model(loaded):
         source = str(Path(loaded.name).expanduser())  # packed_only reads local folders only
-        loaded.model = _transformers_model(loaded.name, source, loaded.kind, loaded.device, loaded.dtype, True)
+        with _LOADING:
+            loaded.model = _transformers_model(loaded.name, source, loaded.kind, loaded.device, loaded.dtype,
+                                               True)
 
 
 def _transformers_model(model: str, source: str, kind: ModelKind, device: torch.device, dtype: torch.dtype,

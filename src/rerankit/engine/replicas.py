@@ -11,7 +11,6 @@ retry dies too fails with ``ReplicaDied``. A task is answered once, by the first
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import itertools
 import logging
@@ -26,6 +25,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_ready
 from typing import Any, Callable
 
+from rerankit.engine.process_safety import score_cancellably
 from rerankit.engine.replica_worker import replica_main
 from rerankit.engine.shards import cut, merge
 from rerankit.errors import Cancelled, InvalidRequest, ModelLoadError, RerankitError, ReplicaDied
@@ -171,8 +171,9 @@ class DataParallelBackend:
         return self.score_batch([request])[0]  # type: ignore[return-value]
 
     async def ascore(self, request: ScoreRequest) -> ScoreResponse:
-        """``score`` on a worker thread, so the event loop keeps running (and other calls reach other replicas)."""
-        return await asyncio.to_thread(self.score, request)
+        """``score`` on a worker thread, so the event loop keeps running (and other calls reach other replicas).
+        Cancelling the awaiting task stops the call (``score_batch``'s ``should_stop``)."""
+        return await score_cancellably(self.score_batch, request)
 
     def score_batch(self, requests: list[ScoreRequest], *, return_exceptions: bool = False,
                     should_stop: Callable[[], bool] | None = None) -> list[ScoreResponse | RerankitError]:

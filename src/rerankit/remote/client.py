@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import os
 import random
 import threading
 import time
+import weakref
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
@@ -144,12 +146,30 @@ class Transport:
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._transport = transport
+        self._fresh_state()
+        _LIVE_TRANSPORTS.add(self)
+
+    def _fresh_state(self) -> None:
+        """Pools, threads, slots and locks made anew: at the start, and in a forked child (``_after_fork_in_child``),
+        where the parent's are not this process's to use: its pooled keep-alive sockets are shared with the parent
+        (two processes reading one socket get each other's replies), its worker threads were not copied, and its
+        lock may have been held by another thread."""
         self._slots = threading.BoundedSemaphore(self.config.max_concurrency)
         self._lock = threading.Lock()
         self._client: httpx.Client | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self._loop_client: _LoopClient | None = None
+        # One async client per event loop: loops in several threads (asyncio.run in worker threads) each keep
+        # theirs, rather than taking turns replacing one (a new client, and connections, on every switch).
+        self._loop_clients: dict[asyncio.AbstractEventLoop, _LoopClient] = {}
         self._calls: set[_Stop] = set()  # the stops of the split calls running on the executor's threads
+
+    @property
+    def _loop_client(self) -> _LoopClient | None:
+        """The async client of the running loop, if it has one."""
+        try:
+            return self._loop_clients.get(asyncio.get_running_loop())
+        except RuntimeError:
+            return None
 
     @property
     def _no_slot(self) -> str:
@@ -174,16 +194,20 @@ class Transport:
     def _async_client(self) -> _LoopClient:
         loop = asyncio.get_running_loop()
         with self._lock:
-            if self._loop_client is None or self._loop_client.loop is not loop:
-                # A client made under an earlier (now finished) loop cannot be reused or closed from this one.
+            loop_client = self._loop_clients.get(loop)
+            if loop_client is None:
+                # A client made under another loop cannot be used from this one; those of finished loops are
+                # forgotten (their loop closed the client as it shut down: ``_closes_with_loop``).
+                for done in [other for other in self._loop_clients if other.is_closed()]:
+                    del self._loop_clients[done]
                 transport = self._transport if isinstance(self._transport, httpx.AsyncBaseTransport) else None
                 client = httpx.AsyncClient(transport=transport, headers=self._headers, limits=self._limits())
-                self._loop_client = _LoopClient(loop, client, asyncio.Semaphore(self.config.max_concurrency),
-                                                _closes_with_loop(client))
+                loop_client = self._loop_clients[loop] = _LoopClient(
+                    loop, client, asyncio.Semaphore(self.config.max_concurrency), _closes_with_loop(client))
                 # Run it to its yield: asyncio.run (and any loop that calls shutdown_asyncgens) then closes the
                 # client's connections before the loop ends; each asyncio.run(...ascore) used to leave them open.
-                loop.create_task(_started(self._loop_client.closer))
-            return self._loop_client
+                loop.create_task(_started(loop_client.closer))
+            return loop_client
 
     def probe_client(self, seconds: float) -> httpx.AsyncClient:
         """A one-off async client with this transport's headers, outside its pool (busy requests cannot hold up a
@@ -377,7 +401,7 @@ class Transport:
         with self._lock:
             client, self._client = self._client, None
             executor, self._executor = self._executor, None
-            loop_client, self._loop_client = self._loop_client, None
+            loop_clients, self._loop_clients = list(self._loop_clients.values()), {}
             calls, self._calls = self._calls, set()
         for stop in calls:  # their posts, queued or between tries, end at once and the calls return
             stop.set("the remote backend was closed while this call ran")
@@ -387,17 +411,14 @@ class Transport:
             # Queued posts are left to run: each sees its call's stop and ends, so the call's wait returns
             # (cancelled futures would never wake it).
             executor.shutdown(wait=False)
-        if loop_client is not None:
+        for loop_client in loop_clients:
             _close_on_loop(loop_client)
 
     async def aclose(self) -> None:
         """Close everything, awaiting the async pool of the running loop."""
         with self._lock:
-            loop_client = self._loop_client
-            mine = loop_client is not None and loop_client.loop is asyncio.get_running_loop()
-            if mine:
-                self._loop_client = None
-        if mine:
+            loop_client = self._loop_clients.pop(asyncio.get_running_loop(), None)
+        if loop_client is not None:
             await loop_client.client.aclose()
         self.close()
 
@@ -423,6 +444,20 @@ class _Stop(threading.Event):
         if reason is not None and self.reason is None:
             self.reason = reason
         super().set()
+
+
+_LIVE_TRANSPORTS: "weakref.WeakSet[Transport]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """``os.register_at_fork`` hook: each transport of the parent starts afresh in the child (``_fresh_state``).
+    The parent's clients are dropped, not closed: closing would shut connections the parent still uses."""
+    for transport in list(_LIVE_TRANSPORTS):
+        transport._fresh_state()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _close_on_loop(loop_client: _LoopClient) -> None:
