@@ -41,17 +41,21 @@ class LazyBackend:
         self._lock = threading.Lock()
 
     def get(self) -> Backend:
-        """The backend, built once even when several threads ask at the same time."""
-        if self._backend is None:
+        """The backend, built once even when several threads ask at the same time (read once: a ``close`` from
+        another thread leaves this call the backend it found, whose use then says it is closed, never None)."""
+        backend = self._backend
+        if backend is None:
             with self._lock:
                 if self._backend is None:
                     self._backend = make_backend(self._model, **self._options)
-        return self._backend
+                backend = self._backend
+        return backend
 
     async def aget(self) -> Backend:
         """``get`` for coroutines: a first call builds the backend on a worker thread, not on the event loop."""
-        if self._backend is not None:
-            return self._backend
+        backend = self._backend
+        if backend is not None:
+            return backend
         return await asyncio.to_thread(self.get)
 
     def close(self) -> None:
