@@ -135,3 +135,13 @@ def test_serve_refuses_an_empty_api_key_before_loading_anything(monkeypatch, api
     monkeypatch.setenv("RERANKIT_API_KEY", "from-the-environment")
     with pytest.raises(RerankitError, match="api_key: a key is empty"):
         serve("/no/such/model", api_key=api_key)
+
+
+def test_serve_refuses_a_blank_api_key_variable(monkeypatch):
+    """``$RERANKIT_API_KEY`` set but empty (a secret that did not arrive) is refused; unset, it means no key."""
+    from rerankit.errors import RerankitError
+    from rerankit.server.main import serve
+
+    monkeypatch.setenv("RERANKIT_API_KEY", " ")
+    with pytest.raises(RerankitError, match=r"\$RERANKIT_API_KEY is set but empty"):
+        serve("/no/such/model")

@@ -69,7 +69,10 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000
     keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
     if any(not key.strip() for key in keys):  # an unset secret must not open the server
         raise RerankitError("api_key: a key is empty; give the key, or leave api_key out to serve without one")
-    keys = keys or ((os.environ[API_KEY_ENV],) if os.environ.get(API_KEY_ENV) else ())
+    if not keys and API_KEY_ENV in os.environ:  # set but blank: a secret that did not arrive, not "no key"
+        if not os.environ[API_KEY_ENV].strip():
+            raise RerankitError(f"${API_KEY_ENV} is set but empty; give the key, or unset it to serve without one")
+        keys = (os.environ[API_KEY_ENV],)
     config = ServerConfig(**{"freeze_gc": True, **given, "api_key": keys or None})
     engine_options = {**{name: value for name, value in (("device", device), ("dtype", dtype),
                                                           ("prefix_cache_bytes", prefix_cache_bytes),
