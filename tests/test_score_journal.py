@@ -102,3 +102,118 @@ def test_a_run_that_scored_nothing_leaves_no_journal(pairs, capsys):
     assert run(lambda backend: Counting(backend, calls=0, failure=KeyboardInterrupt())) == 130
     assert "kept in" not in capsys.readouterr().err
     assert not journal_path(target).exists()
+
+
+def test_lines_after_a_cut_line_are_kept_by_the_next_runs(pairs):
+    """A cut last line is cut off before the next run appends: that run's scores are taken by the run after it
+    (they were glued onto the cut line, unreadable, and every later run started from the same rows)."""
+    source, target, run, used = pairs
+    assert run(lambda backend: Counting(backend, calls=3, failure=KeyboardInterrupt())) == 130
+    journal = journal_path(target)
+    lines = journal.read_text().splitlines(keepends=True)
+    journal.write_text("".join(lines[:-1]) + lines[-1][:len(lines[-1]) // 2])  # killed while writing it
+    kept = used[-1].rows - len(json.loads(lines[-1])["rows"])
+    assert run(lambda backend: Counting(backend, calls=2, failure=KeyboardInterrupt())) == 130
+    kept += used[-1].rows
+    assert run() == 0
+    assert used[-1].rows == len(ROWS) - kept  # nothing the second run scored is scored again
+
+
+def test_a_full_disk_keeps_the_journal_whole(pairs, capsys):
+    """The disk fills while a line is written: an error line (not a traceback), no part of the line left, and the
+    next run takes every whole line."""
+    import resource
+
+    source, target, run, used = pairs
+    assert run(lambda backend: Counting(backend, calls=2, failure=KeyboardInterrupt())) == 130
+    journal = journal_path(target)
+    lines = journal.read_text().splitlines(keepends=True)
+    kept = used[-1].rows
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (journal.stat().st_size + len(lines[-1]) // 2, hard))
+    try:  # writes past the limit are cut short, then fail with EFBIG, as on a full disk (ENOSPC)
+        code = run()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert code == 2 and "cannot keep scores in" in capsys.readouterr().err
+    assert journal.read_bytes().endswith(b"\n") and not target.exists()
+    assert run() == 0
+    assert used[-1].rows == len(ROWS) - kept
+
+
+def test_a_second_run_of_the_same_command_is_refused(pairs, capsys):
+    """A run whose journal another run holds is refused: it neither truncates nor removes that journal."""
+    from rerankit.score_journal import ScoreJournal
+
+    source, target, run, used = pairs
+    assert run(lambda backend: Counting(backend, calls=2, failure=KeyboardInterrupt())) == 130
+    journal = journal_path(target)
+    before = journal.read_bytes()
+    job = json.loads(before.splitlines()[0])
+    holder = ScoreJournal(journal, job, len(ROWS))  # the other run, still going
+    try:
+        assert run(lambda backend: Counting(backend, calls=0, failure=KeyboardInterrupt())) == 2
+        assert "another rerankit score" in capsys.readouterr().err
+        assert journal.read_bytes() == before
+    finally:
+        holder.close()
+
+
+def test_a_model_saved_over_its_folder_starts_afresh(tmp_path, monkeypatch):
+    """The journal of a model folder whose files were replaced (a new checkpoint at the same path) is not taken."""
+    from tiny_models import make_bert_cross_encoder
+
+    model = make_bert_cross_encoder(tmp_path / "model", seed=2)
+    source, target = tmp_path / "pairs.parquet", tmp_path / "scored.jsonl"
+    parquet.write_table(pyarrow.Table.from_pylist(ROWS), source)
+    monkeypatch.setattr(offline, "CALL_ITEMS", 4)
+    made, used = offline.offline_backend, []
+    args = ["score", "--input", str(source), "--output", str(target), "--model", str(model), "--device", "cpu",
+            "--query-column", "q", "--document-column", "text", "--no-progress"]
+
+    def run(wrap):
+        monkeypatch.setattr(offline, "offline_backend", lambda *a, **k: used.append(wrap(made(*a, **k))) or used[-1])
+        return main(args)
+
+    assert run(lambda backend: Counting(backend, calls=2, failure=KeyboardInterrupt())) == 130
+    make_bert_cross_encoder(tmp_path / "model", seed=7)  # retrained, saved over it
+    assert run(Counting) == 0
+    assert used[-1].rows == len(ROWS)
+
+
+def test_an_input_replaced_keeping_size_and_time_starts_afresh(tmp_path, tiny_bert_cross_encoder, monkeypatch):
+    """Another input of the same size and modification time (two rows' texts swapped, copied with cp -p) is
+    another job: its rows do not take the scores of the rows that were at their place."""
+    import os
+
+    source, target = tmp_path / "pairs.csv", tmp_path / "scored.jsonl"
+    texts = [row["text"] for row in ROWS]
+    write = lambda: source.write_text("q,text\n" + "".join(f"{row['q']},{text}\n" for row, text in zip(ROWS, texts)))
+    write()
+    monkeypatch.setattr(offline, "CALL_ITEMS", 4)
+    made, used = offline.offline_backend, []
+
+    def run(wrap):
+        monkeypatch.setattr(offline, "offline_backend", lambda *a, **k: used.append(wrap(made(*a, **k))) or used[-1])
+        return main(["score", "--input", str(source), "--output", str(target), "--model", str(tiny_bert_cross_encoder),
+                     "--device", "cpu", "--query-column", "q", "--document-column", "text", "--no-progress"])
+
+    assert run(lambda backend: Counting(backend, calls=3, failure=KeyboardInterrupt())) == 130
+    stat = source.stat()
+    texts[0], texts[1] = texts[1], texts[0]
+    write()
+    assert source.stat().st_size == stat.st_size
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert run(Counting) == 0
+    assert used[-1].rows == len(ROWS)
+
+
+def test_temporary_outputs_of_killed_runs_are_removed(pairs):
+    """A run killed while writing its output leaves a hidden temporary file beside it; the next run removes it."""
+    source, target, run, used = pairs
+    stale = target.with_name(f".{target.name}.12345.0123456789ab.tmp")
+    stale.write_bytes(b"x" * 1000)
+    other = target.with_name(".other.jsonl.12345.0123456789ab.tmp")
+    other.write_bytes(b"y")
+    assert run() == 0
+    assert not stale.exists() and other.exists()

@@ -7,6 +7,7 @@ pyarrow); files are Parquet, JSON Lines or CSV, by suffix.
 
 from __future__ import annotations
 
+import glob
 import math
 import os
 import sys
@@ -276,7 +277,7 @@ def score_file(input_path: str | Path, output_path: str | Path, *, model: str | 
     run stopped for any reason (Ctrl-C, a lost server) goes on where it stopped when run again."""
     from tqdm.auto import tqdm
 
-    from rerankit.score_journal import ScoreJournal, job_of, journal_path
+    from rerankit.score_journal import ScoreJournal, job_of, journal_path, model_files, pairs_digest
 
     check_output(output_path)
     if score_column in (query_column, document_column):
@@ -286,7 +287,8 @@ def score_file(input_path: str | Path, output_path: str | Path, *, model: str | 
     check_writable(with_scores(table.slice(0, 0), [], score_column), output_path)
     queries = text_column(table, query_column, "--query-column", blank=False)
     documents = text_column(table, document_column, "--document-column")
-    job = job_of(input_path, columns=[query_column, document_column], model=model, fields=request_fields or {},
+    job = job_of(input_path, columns=[query_column, document_column], model=model, model_files=model_files(model),
+                 pairs=pairs_digest(queries, documents), fields=request_fields or {},
                  engine={name: value for name, value in engine_options.items()
                          if name not in ("data_parallel_size", "show_progress")})
     try:
@@ -312,6 +314,9 @@ def score_file(input_path: str | Path, output_path: str | Path, *, model: str | 
         raise
     finally:
         backend.close()
+    output = Path(output_path)
+    for stale in output.parent.glob(f".{glob.escape(output.name)}.*.tmp"):  # of runs killed while writing: the
+        stale.unlink(missing_ok=True)  # journal's lock, held here, keeps any live run of this output away
     write_table(with_scores(table, scores, score_column), output_path)
     journal.remove()
     return table.num_rows
