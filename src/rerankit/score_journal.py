@@ -3,10 +3,11 @@
 ``score_file`` writes its output only once every row is scored (into a temporary file, renamed over the target).
 Without a journal, Ctrl-C, a lost server or a full disk after hours of scoring would lose every score. The journal
 is a JSON Lines file beside the output (``.<output name>.scored``): a first line naming what is scored (the input
-file's path, size and modification time, the columns, the model and the request fields), then one line a backend
-call with the rows it scored and their scores, flushed as each call ends. A run that finds a journal of the same
-job takes its scores and scores only the other rows; one of another job (the input changed, another model) is
-started afresh. The journal is removed once the output is written.
+file's path, size and modification time, a digest of the texts scored, the columns, the model and a local model
+folder's files, the request fields), then one line a backend call with the rows it scored and their scores,
+written as each call ends. A run that finds a journal of the same job takes its scores and scores only the other
+rows; one of another job (the input changed, another model) is started afresh. The journal is locked while a run
+holds it, and removed once the output is written.
 """
 
 from __future__ import annotations
