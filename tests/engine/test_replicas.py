@@ -97,7 +97,7 @@ def test_calls_are_cut_only_across_replicas_with_room_for_another_task() -> None
     assert spare_replicas([replica(0, 0), replica(1, 0)]) == 2  # a lone call is cut across both
     assert spare_replicas([replica(0, 1), replica(1, 2)]) == 1  # one has room
     assert spare_replicas([replica(0, 2), replica(1, 3)]) == 1  # both full: whole requests, to the least loaded
-    assert spare_replicas([replica(0, 0, "down"), replica(1, 0), replica(2, 0, "starting")]) == 2
+    assert spare_replicas([replica(0, 0, "down"), replica(1, 0), replica(2, 0, "starting")]) == 1  # ready ones only
     long = ScoreRequest(query="capital of france", items=DOCS)
     assert len(cut([long], spare_replicas([replica(0, 2), replica(1, 2)]))) == 1
 

@@ -36,6 +36,10 @@ log = logging.getLogger("rerankit.replicas")
 MAX_RESTARTS = 3  # a replica that dies more often than this stays down (a model that cannot run there)
 STOP_POLL_S = 0.05  # how often a waiting call asks ``should_stop``
 CLOSE_TIMEOUT_S = 10.0  # a replica that has not exited this long after being told to stop is killed
+# ``replica_timeout_s``: a replica holding work that sends no reply this long is taken as hung (a stopped process,
+# a hung device): killed, restarted, its work retried elsewhere. Off by default: a replica sends nothing while a
+# call runs, and one call may take minutes (thousands of long documents on a large model).
+REPLICA_TIMEOUT_S: float | None = None
 
 
 @dataclass
@@ -67,6 +71,7 @@ class _Replica:
     pipelined_calls: int = 1  # tasks it runs at once, as it reports when ready
     failure: Exception | None = None  # why it failed to load
     tasks: dict[int, _Task] = field(default_factory=dict)
+    last_progress: float = 0.0  # time.monotonic() of its latest reply, or of work sent to it while it held none
 
     @property
     def load(self) -> int:
@@ -99,7 +104,7 @@ def spare_replicas(replicas: list[_Replica]) -> int:
     """How many replicas a call's requests are cut across: those running with room for another task (fewer tasks in
     flight than they run at once), at least 1. A replica busy to the full takes whole requests: a cut would not
     start its part any sooner, and each part pays a call's fixed cost (tokenizing, launches, the prefix again)."""
-    return max(1, sum(replica.state != "down" and len(replica.tasks) < replica.pipelined_calls
+    return max(1, sum(replica.state == "ready" and len(replica.tasks) < replica.pipelined_calls
                       for replica in replicas))
 
 
@@ -112,9 +117,11 @@ class DataParallelBackend:
     """
 
     def __init__(self, model: str, *, data_parallel_size: int | str = "auto", device: str | None = None,
-                 startup_timeout_s: float = 600.0, **engine_options: Any) -> None:
+                 startup_timeout_s: float = 600.0, replica_timeout_s: float | None = REPLICA_TIMEOUT_S,
+                 **engine_options: Any) -> None:
         devices = replica_devices(device, data_parallel_size)
         self._model = model
+        self._replica_timeout_s = replica_timeout_s
         self._options = {"show_progress": False, **engine_options}
         self._threads = max(1, (os.cpu_count() or 1) // len(devices)) if devices[0] == "cpu" else None
         self._context = multiprocessing.get_context("spawn")
@@ -298,6 +305,9 @@ class DataParallelBackend:
         candidates = [replica for replica in self._replicas if replica.state != "down"]
         if avoid is not None and len(candidates) > 1:
             candidates = [replica for replica in candidates if replica.index != avoid]
+        # ready and still alive: a replica killed with another may not be seen dead yet (its retry would die too)
+        ready = [replica for replica in candidates if replica.state == "ready" and replica.process.is_alive()]
+        candidates = ready or candidates  # a restarting replica takes work only while none is ready
         if not candidates:
             raise ReplicaDied("no replica is running: every one failed to start or died too often")
         # ties go to a ready replica before one that is still starting
@@ -307,6 +317,8 @@ class DataParallelBackend:
         if self._closing:
             task.future.set_exception(ModelLoadError("this DataParallelBackend is closed"))
             return
+        if not replica.tasks:
+            replica.last_progress = time.monotonic()
         replica.tasks[task.id] = task
         replica.inbox.put((task.kind, task.id, task.payload))
 
@@ -370,6 +382,22 @@ class DataParallelBackend:
                         self._drain(replica)
                         replica.process.join(1.0)  # its sentinel is ready as it ends: let the exit code settle
                         self._died(replica, f"exit code {replica.process.exitcode}")
+            self._kill_hung()
+
+    def _kill_hung(self) -> None:
+        """Kill a ready replica that holds work and has sent no reply for ``replica_timeout_s`` (a hung device or
+        process): its death is then handled as any other, so it is restarted and its work goes to another replica."""
+        if self._replica_timeout_s is None:
+            return
+        now = time.monotonic()
+        with self._lock:
+            for replica in self._replicas:
+                if (replica.state == "ready" and replica.tasks and not self._closing
+                        and now - replica.last_progress > self._replica_timeout_s):
+                    log.error("replica %d on %s sent no reply for %.0f s holding %d task(s): killing it as hung",
+                              replica.index, replica.device, now - replica.last_progress, len(replica.tasks))
+                    replica.last_progress = now  # once: its sentinel reports the death
+                    replica.process.kill()
 
     def _read(self, replica: _Replica) -> None:
         try:
@@ -390,6 +418,7 @@ class DataParallelBackend:
 
     def _handle(self, replica: _Replica, message: tuple) -> None:
         kind = message[0]
+        replica.last_progress = time.monotonic()
         if kind == "ready":
             _, self._model_name, load_seconds, self._max_length, replica.pipelined_calls = message
             replica.state = "ready"
