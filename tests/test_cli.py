@@ -332,6 +332,24 @@ def test_serve_hands_template_mode_and_instruction_to_the_engine_as_defaults(mon
     assert given["engine_options"] == {"template": "qwen3-reranker"}
 
 
+def test_serve_hands_the_replica_timeout_to_the_replicas_only(monkeypatch, capsys):
+    from rerankit import cli
+    from rerankit.reranker import make_backend
+
+    given = {}
+    monkeypatch.setattr(cli, "serve", lambda model, **options: given.update(options))
+    assert cli.main(["serve", "--model", "folder", "--data-parallel-size", "2", "--replica-timeout", "90"]) == 0
+    assert given["engine_options"]["replica_timeout_s"] == 90 and given["data_parallel_size"] == 2
+    assert cli.main(["serve", "--model", "folder", "--replica-timeout", "90"]) == 2
+    assert "--replica-timeout: applies to engine replicas" in capsys.readouterr().err
+    # where the replicas come to one (data_parallel_size "auto" on one device), the engine in process takes none
+    backend = make_backend(None, device="cpu", data_parallel_size="auto", replica_timeout_s=90)
+    try:
+        assert type(backend).__name__ == "EmbeddedBackend"
+    finally:
+        backend.close()
+
+
 # --- templates and render -----------------------------------------------------------------------------------
 
 TEMPLATE_YAML = """\

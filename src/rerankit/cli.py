@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--data-parallel-size", type=replica_count,
                        help="local model: engine replicas, one process per GPU ('auto': every visible GPU; "
                             "on CPU, N processes share the cores) (default: 1)")
+    serve.add_argument("--replica-timeout", type=positive_float, metavar="S",
+                       help="with --data-parallel-size: a replica that holds work and sends nothing for S seconds "
+                            "(a hung process or device) is killed and restarted, its work retried on another "
+                            "(default: off; one call may run for minutes)")
     serve.add_argument("--max-tokens-per-item", type=positive_int,
                        help="cut items to this many tokens; refuse them where the request asks for no cut "
                             "(default: 8192)")
@@ -369,9 +373,12 @@ def run_serve(args: argparse.Namespace) -> int:
         args.template = None
     if is_url(args.model):
         refuse_misplaced(args, ("device", "dtype", "prefix_cache_mib", "template", "template_file", "mode",
-                                "instruction", "data_parallel_size"))
+                                "instruction", "data_parallel_size", "replica_timeout"))
+    if args.replica_timeout is not None and args.data_parallel_size in (None, 1):
+        raise InvalidRequest("--replica-timeout", "applies to engine replicas: give --data-parallel-size too")
     kept_bytes = None if args.prefix_cache_mib is None else args.prefix_cache_mib << 20
-    defaults = {"template": chosen_template(args), "mode": args.mode, "instruction": args.instruction}
+    defaults = {"template": chosen_template(args), "mode": args.mode, "instruction": args.instruction,
+                "replica_timeout_s": args.replica_timeout}
     serve(args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
           prefix_cache_bytes=kept_bytes, api_key=args.api_key, data_parallel_size=args.data_parallel_size,
           engine_options={name: value for name, value in defaults.items() if value is not None},

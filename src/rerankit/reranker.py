@@ -72,6 +72,7 @@ def make_backend(model: str | Sequence[str] | None = None, **options: Any) -> Ba
         if len(replica_devices(options.get("device"), size)) > 1:
             return DataParallelBackend(str(model), data_parallel_size=size, **options)
     options.pop("startup_timeout_s", None)  # a replica process's; the engine in process loads before returning
+    options.pop("replica_timeout_s", None)  # replicas' too: an engine in this process is not watched
     return EmbeddedBackend(str(model), **options)
 
 
