@@ -39,13 +39,12 @@ def variable_of(action: argparse.Action) -> str | None:
 
 
 def defaults_from_environment(parser: argparse.ArgumentParser,
-                              environ: Mapping[str, str] | None = None) -> list[str]:
+                              environ: Mapping[str, str] | None = None) -> None:
     """Make each flag of ``parser`` whose variable is set default to its value, converted and checked as the flag
     would be. A variable that cannot be taken makes its flag's default an ``EnvironmentProblem``, raised when the
     command runs only if the command line did not give the flag (``environment_problem``): a stray variable must
-    not break other commands, nor a flag given on the command line. Returns those problems."""
+    not break other commands, nor a flag given on the command line."""
     environ = os.environ if environ is None else environ
-    problems = []
     for action in parser._actions:
         name = variable_of(action)
         text = None if name is None else environ.get(name)
@@ -72,9 +71,7 @@ def defaults_from_environment(parser: argparse.ArgumentParser,
             if text.startswith("tcp://"):  # Kubernetes' service links: a Service named rerankit sets RERANKIT_PORT
                 problem += (" (Kubernetes sets it for a Service of that name: give the flag on the command line, "
                             "or set enableServiceLinks: false)")
-            problems.append(problem)
             action.default = EnvironmentProblem(problem)
-    return problems
 
 
 def environment_problem(args: argparse.Namespace) -> str | None:

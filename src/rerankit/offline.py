@@ -277,7 +277,7 @@ def score_file(input_path: str | Path, output_path: str | Path, *, model: str | 
     run stopped for any reason (Ctrl-C, a lost server) goes on where it stopped when run again."""
     from tqdm.auto import tqdm
 
-    from rerankit.score_journal import ScoreJournal, job_of, journal_path, model_files, pairs_digest
+    from rerankit.score_journal import ScoreJournal, job_of, journal_path
 
     check_output(output_path)
     if score_column in (query_column, document_column):
@@ -287,10 +287,9 @@ def score_file(input_path: str | Path, output_path: str | Path, *, model: str | 
     check_writable(with_scores(table.slice(0, 0), [], score_column), output_path)
     queries = text_column(table, query_column, "--query-column", blank=False)
     documents = text_column(table, document_column, "--document-column")
-    job = job_of(input_path, columns=[query_column, document_column], model=model, model_files=model_files(model),
-                 pairs=pairs_digest(queries, documents), fields=request_fields or {},
-                 engine={name: value for name, value in engine_options.items()
-                         if name not in ("data_parallel_size", "show_progress")})
+    job = job_of(input_path, queries, documents, model, columns=[query_column, document_column],
+                 fields=request_fields or {}, engine={name: value for name, value in engine_options.items()
+                                                      if name not in ("data_parallel_size", "show_progress")})
     try:
         journal = ScoreJournal(journal_path(output_path), job, table.num_rows)
     except OSError as exc:

@@ -75,12 +75,16 @@ def model_files(model: Any) -> list | None:
     return sorted(found)
 
 
-def job_of(input_path: str | Path, **job: Any) -> dict:
-    """What identifies a scoring job: the input file as it is now (path, size, modification time) and ``job``'s
-    settings (columns, model, request fields), as JSON values."""
+def job_of(input_path: str | Path, queries: Sequence[str], documents: Sequence[str], model: Any,
+           **settings: Any) -> dict:
+    """What identifies a scoring job, as JSON values: the input file as it is now (path, size, modification time),
+    a digest of the texts scored (``pairs_digest``), the model and a local model folder's files (``model_files``),
+    and ``settings`` (columns, request fields, engine options)."""
     stat = os.stat(input_path)
-    return json.loads(json.dumps({"journal": VERSION, "input": str(Path(input_path).resolve()),
-                                  "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, **job}, default=str))
+    job = {"journal": VERSION, "input": str(Path(input_path).resolve()), "size": stat.st_size,
+           "mtime_ns": stat.st_mtime_ns, "pairs": pairs_digest(queries, documents), "model": model,
+           "model_files": model_files(model), **settings}
+    return json.loads(json.dumps(job, default=str))
 
 
 class ScoreJournal:
@@ -92,11 +96,9 @@ class ScoreJournal:
 
     def __init__(self, path: Path, job: dict, rows: int) -> None:
         self.path = path
-        self.restarted = False  # a journal of another job was there and has been replaced
         self._file = self._open_locked(path)
         try:
             read = self._read(job, rows)
-            self.restarted = read is None and self._file.seek(0, os.SEEK_END) > 0
             self.scored, good_end = read or ({}, 0)
             self.kept = len(self.scored)  # rows whose scores the journal holds
             self._file.seek(good_end)  # the file's offset too: lines are written at it with os.write

@@ -288,7 +288,7 @@ async def test_async_context_of_reranker_closes_the_async_pool():
     server = FakeServer()
     async with Reranker("http://fake:8000", dialect="cohere", transport=httpx.MockTransport(server)) as reranker:
         ranked = await reranker.arank("q", DOCS[:3])
-        pool = reranker.backend.transport._loop_client.client
+        pool = reranker.backend.transport._loop_clients[asyncio.get_running_loop()].client
     assert [document.index for document in ranked] == [2, 1, 0]
     assert pool.is_closed
 

@@ -310,8 +310,7 @@ class DataParallelBackend:
         candidates = ready or candidates  # a restarting replica takes work only while none is ready
         if not candidates:
             raise ReplicaDied("no replica is running: every one failed to start or died too often")
-        # ties go to a ready replica before one that is still starting
-        return min(candidates, key=lambda replica: (planned[replica.index], replica.state != "ready", replica.index))
+        return min(candidates, key=lambda replica: (planned[replica.index], replica.index))
 
     def _send(self, task: _Task, replica: _Replica) -> None:
         if self._closing:

@@ -164,14 +164,6 @@ class Transport:
         self._calls: set[_Stop] = set()  # the stops of the split calls running on the executor's threads
 
     @property
-    def _loop_client(self) -> _LoopClient | None:
-        """The async client of the running loop, if it has one."""
-        try:
-            return self._loop_clients.get(asyncio.get_running_loop())
-        except RuntimeError:
-            return None
-
-    @property
     def _no_slot(self) -> str:
         return f"waiting for one of the max_concurrency={self.config.max_concurrency} request slots"
 

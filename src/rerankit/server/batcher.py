@@ -91,8 +91,7 @@ class Batcher:
         self._last_end = -math.inf  # loop time the last engine call ended
         self._last_requests = 0  # requests the last call answered
         self._arrivals_since_end = 0
-        self._draining = False
-        self.refusing = asyncio.Event()  # set once draining: a request still reading its body is answered 503
+        self.refusing = asyncio.Event()  # set once draining: new requests, and bodies still arriving, get a 503
         self._abort = False  # read by the engine thread: drop the running call at its next micro-batch
         # Budgets bucketed to powers of two, so that the calls the queue forms come in a bounded set of sizes.
         self.max_chunk_tokens = power_of_two_floor(min(config.max_chunk_tokens, config.max_batch_tokens))
@@ -150,7 +149,8 @@ class Batcher:
 
     async def stop(self) -> None:
         """Stop the dispatcher; whatever is still queued or running is answered ``ShuttingDown``."""
-        self._draining = self._abort = True
+        self.refusing.set()
+        self._abort = True
         for task in (self._dispatcher, *self._calls):
             if task is not None:
                 task.cancel()
@@ -164,7 +164,6 @@ class Batcher:
     async def drain(self, seconds: float) -> None:
         """Refuse new work from now on; give queued and running work ``seconds`` to finish, then answer the rest
         ``ShuttingDown`` (the running engine call stops at its next micro-batch where the backend allows it)."""
-        self._draining = True
         self.refusing.set()
         log.info("draining: %d requests in progress; %.1f s to finish", len(self._live), seconds)
         try:
@@ -183,7 +182,7 @@ class Batcher:
             raise self._full()
 
     def _refuse_if_draining(self) -> None:
-        if self._draining:
+        if self.refusing.is_set():
             raise ShuttingDown("the server is shutting down and takes no new requests")
 
     def _full(self) -> Overloaded:

@@ -56,9 +56,9 @@ class DrainingServer(uvicorn.Server):
         with super().capture_signals():
             yield
             # uvicorn 0.29 on keeps them here; one without the attribute raises none again
-            self.exit_signals = list(getattr(self, "_captured_signals", ()))
-            if hasattr(self, "_captured_signals"):
-                self._captured_signals = []
+            captured = getattr(self, "_captured_signals", None)
+            if captured is not None:
+                self.exit_signals, self._captured_signals = list(captured), []
 
     async def serve(self, sockets: list | None = None) -> None:
         self._loop = asyncio.get_running_loop()
