@@ -123,7 +123,7 @@ def test_a_failed_write_leaves_the_earlier_file_whole(tmp_path, monkeypatch):
 
     target = tmp_path / "out.jsonl"
     target.write_text("earlier results")
-    monkeypatch.setattr("rerankit.offline._json_safe", lambda row: (_ for _ in ()).throw(OSError(28, "disk full")))
+    monkeypatch.setattr("rerankit.table_files._json_safe", lambda row: (_ for _ in ()).throw(OSError(28, "disk full")))
     with pytest.raises(Exception, match="cannot write"):
         write_table(pyarrow.table({"a": [1]}), target)
     assert target.read_text() == "earlier results" and [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]
