@@ -237,10 +237,14 @@ def add_score_command(commands: argparse._SubParsersAction) -> None:
     """``rerankit score``: a table of (query, document) pairs in, the same table with a score column out."""
     score = commands.add_parser("score", help="score a file of (query, document) pairs offline",
                                 description="Score every (query, document) row of a .parquet, .jsonl or .csv file "
-                                            "and write the rows with a score column.")
-    score.add_argument("--input", required=True, help="the pairs: .parquet, .jsonl or .csv")
-    score.add_argument("--output", required=True, help="where to write them scored (.parquet, .jsonl or .csv; "
-                                                       "with --ray, a folder of Parquet files)")
+                                            "(.jsonl.gz, .csv.gz: gzipped; -: stdin) and write the rows with a "
+                                            "score column.")
+    score.add_argument("--input", required=True, help="the pairs: .parquet, .jsonl, .csv, .jsonl.gz, .csv.gz, or - "
+                                                      "for stdin (with --format)")
+    score.add_argument("--output", required=True, help="where to write them scored (the same suffixes, or - for "
+                                                       "stdout; with --ray, a folder of Parquet files)")
+    score.add_argument("--format", choices=("jsonl", "csv", "parquet"),
+                       help="the format of - as --input or --output (default for stdout: the input's)")
     score.add_argument("--model", help="model path, hub id or server URL (default: the packaged MiniLM)")
     score.add_argument("--query-column", default="query", help="column of the queries (default: query)")
     score.add_argument("--document-column", default="document", help="column of the documents (default: document)")
@@ -409,6 +413,9 @@ def run_score(args: argparse.Namespace) -> int:
     if args.ray:
         if args.data_parallel_size is not None:
             raise InvalidRequest("--data-parallel-size", "does not apply with --ray: use --concurrency")
+        if "-" in (args.input, args.output) or args.format is not None:
+            raise InvalidRequest("--input" if args.input == "-" else "--output" if args.output == "-" else "--format",
+                                 "with --ray, --input and --output name files (no stdin or stdout)")
         from rerankit.integrations.ray import score_file as score_on_ray
 
         ray = {name: value for name, value in (("concurrency", args.concurrency), ("num_gpus", args.num_gpus),
@@ -423,8 +430,9 @@ def run_score(args: argparse.Namespace) -> int:
 
     if args.data_parallel_size is not None:
         engine["data_parallel_size"] = args.data_parallel_size
-    rows = score_file(args.input, args.output, show_progress=args.progress, **columns, **engine)
-    print(f"scored {rows} pairs into {args.output}", file=sys.stderr)
+    rows = score_file(args.input, args.output, show_progress=args.progress, file_format=args.format, **columns,
+                      **engine)
+    print(f"scored {rows} pairs into {'stdout' if args.output == '-' else args.output}", file=sys.stderr)
     return 0
 
 

@@ -2,7 +2,7 @@
 
 Rows of one query are scored as one request (so a generative model shares the query's prefix among them), several
 queries a backend call; the scores come back in row order. Tables are pyarrow tables (the ``ray`` extra brings
-pyarrow); their files (Parquet, JSON Lines or CSV, by suffix) are ``table_files``'.
+pyarrow); their files (Parquet, JSON Lines or CSV, gzipped, or stdin and stdout) are ``table_files``'.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Any, Callable, Sequence
 from rerankit.backend import Backend
 from rerankit.errors import InvalidRequest
 from rerankit.schema import ScoreRequest
-from rerankit.table_files import check_output, check_writable, read_table, require_pyarrow, write_table
+from rerankit.table_files import (STDIO, check_output, check_writable, read_table, require_pyarrow, table_file,
+                                  write_table)
 
 CALL_ITEMS = 2048  # pairs a backend call: large enough that data-parallel replicas each get a fair share
 REQUEST_ITEMS = 1024  # one query with more rows is scored in runs of this many (a server's usual item limit)
@@ -104,53 +105,63 @@ def offline_backend(model: str | Sequence[str] | None, **engine_options: Any) ->
 def score_file(input_path: str | Path, output_path: str | Path, *, model: str | None = None,
                query_column: str = "query", document_column: str = "document", score_column: str = "score",
                show_progress: bool = True, request_fields: dict[str, Any] | None = None,
-               **engine_options: Any) -> int:
+               file_format: str | None = None, **engine_options: Any) -> int:
     """Score the pairs of ``input_path`` with ``offline_backend(model, **engine_options)`` (here, or on the server
-    a URL names) and write them with a ``score_column`` to ``output_path``; returns the number of rows.
+    a URL names) and write them with a ``score_column`` to ``output_path``; returns the number of rows. Either may
+    be ``-`` (stdin, stdout) in ``file_format``; stdout without it takes the input's format.
 
     Each backend call's scores are kept in a journal beside the output (``score_journal``) until it is written: a
-    run stopped for any reason (Ctrl-C, a lost server) goes on where it stopped when run again."""
+    run stopped for any reason (Ctrl-C, a lost server) goes on where it stopped when run again. Stdout has no
+    journal (nowhere beside it); stdin's is known by the texts scored, as it is read whole before scoring."""
     from tqdm.auto import tqdm
 
     from rerankit.score_journal import ScoreJournal, job_of, journal_path
 
-    check_output(output_path)
+    if file_format is not None and STDIO not in (str(input_path), str(output_path)):
+        raise InvalidRequest("--format", "only applies to - as --input or --output (a file's format is its suffix)")
+    source = table_file(input_path, "--input", file_format)
+    target = check_output(output_path, file_format or source.format)
     if score_column in (query_column, document_column):
         raise InvalidRequest("--score-column", f"{score_column!r} is the query or document column: the scores "
                                                "would replace its texts")
-    table = read_table(input_path, (query_column, document_column))
-    check_writable(with_scores(table.slice(0, 0), [], score_column), output_path)
+    table = read_table(input_path, (query_column, document_column), source.format)
+    check_writable(with_scores(table.slice(0, 0), [], score_column), output_path, target.format)
     queries = text_column(table, query_column, "--query-column", blank=False)
     documents = text_column(table, document_column, "--document-column")
-    job = job_of(input_path, queries, documents, model, columns=[query_column, document_column],
-                 fields=request_fields or {}, engine={name: value for name, value in engine_options.items()
-                                                      if name not in ("data_parallel_size", "show_progress")})
-    try:
-        journal = ScoreJournal(journal_path(output_path), job, table.num_rows)
-    except OSError as exc:
-        raise InvalidRequest("--output", f"cannot keep scores beside {output_path}: {exc}") from None
+    journal = None
+    if not target.stdio:
+        job = job_of(input_path, queries, documents, model, columns=[query_column, document_column],
+                     fields=request_fields or {}, engine={name: value for name, value in engine_options.items()
+                                                          if name not in ("data_parallel_size", "show_progress")})
+        try:
+            journal = ScoreJournal(journal_path(output_path), job, table.num_rows)
+        except OSError as exc:
+            raise InvalidRequest("--output", f"cannot keep scores beside {output_path}: {exc}") from None
+    scored = journal.scored if journal is not None else {}
     backend = offline_backend(model, **engine_options)
     try:
         with tqdm(total=table.num_rows, unit="pair", desc="rerankit score", disable=not show_progress,
-                  initial=len(journal.scored)) as bar:
-            if journal.scored:
-                bar.write(f"rerankit score: {len(journal.scored)} of {table.num_rows} rows were scored by an "
+                  initial=len(scored), file=sys.stderr) as bar:
+            if scored:
+                bar.write(f"rerankit score: {len(scored)} of {table.num_rows} rows were scored by an "
                           f"earlier run ({journal.path}); scoring the rest", file=sys.stderr)
-            scores = score_pairs(backend, queries, documents, bar.update, scored=journal.scored,
-                                 record=journal.record, **(request_fields or {}))
+            scores = score_pairs(backend, queries, documents, bar.update, scored=scored,
+                                 record=journal.record if journal is not None else None, **(request_fields or {}))
     except BaseException:
-        if journal.kept:
+        if journal is not None and journal.kept:
             journal.close()
             print(f"rerankit score: the {journal.kept} rows scored so far are kept in {journal.path}: run the same "
                   "command again to go on", file=sys.stderr)
-        else:
+        elif journal is not None:
             journal.remove()
         raise
     finally:
         backend.close()
-    output = Path(output_path)
-    for stale in output.parent.glob(f".{glob.escape(output.name)}.*.tmp"):  # of runs killed while writing: the
-        stale.unlink(missing_ok=True)  # journal's lock, held here, keeps any live run of this output away
-    write_table(with_scores(table, scores, score_column), output_path)
-    journal.remove()
+    if not target.stdio:
+        output = Path(output_path)
+        for stale in output.parent.glob(f".{glob.escape(output.name)}.*.tmp"):  # of runs killed while writing:
+            stale.unlink(missing_ok=True)  # the journal's lock, held here, keeps any live run of this output away
+    write_table(with_scores(table, scores, score_column), output_path, target.format)
+    if journal is not None:
+        journal.remove()
     return table.num_rows

@@ -3,8 +3,8 @@
 ``score_file`` writes its output only once every row is scored (into a temporary file, renamed over the target).
 Without a journal, Ctrl-C, a lost server or a full disk after hours of scoring would lose every score. The journal
 is a JSON Lines file beside the output (``.<output name>.scored``): a first line naming what is scored (the input
-file's path, size and modification time, a digest of the texts scored, the columns, the model and a local model
-folder's files, the request fields), then one line a backend call with the rows it scored and their scores,
+file's path, size and modification time, or stdin; a digest of the texts scored, the columns, the model and a local
+model folder's files, the request fields), then one line a backend call with the rows it scored and their scores,
 written as each call ends. A run that finds a journal of the same job takes its scores and scores only the other
 rows; one of another job (the input changed, another model) is started afresh. The journal is locked while a run
 holds it, and removed once the output is written.
@@ -77,12 +77,16 @@ def model_files(model: Any) -> list | None:
 
 def job_of(input_path: str | Path, queries: Sequence[str], documents: Sequence[str], model: Any,
            **settings: Any) -> dict:
-    """What identifies a scoring job, as JSON values: the input file as it is now (path, size, modification time),
-    a digest of the texts scored (``pairs_digest``), the model and a local model folder's files (``model_files``),
-    and ``settings`` (columns, request fields, engine options)."""
-    stat = os.stat(input_path)
-    job = {"journal": VERSION, "input": str(Path(input_path).resolve()), "size": stat.st_size,
-           "mtime_ns": stat.st_mtime_ns, "pairs": pairs_digest(queries, documents), "model": model,
+    """What identifies a scoring job, as JSON values: the input file as it is now (path, size, modification time;
+    stdin, ``-``, by its texts alone: rows whose texts are the same get the same scores), a digest of the texts
+    scored (``pairs_digest``), the model and a local model folder's files (``model_files``), and ``settings``
+    (columns, request fields, engine options)."""
+    if str(input_path) == "-":
+        source: dict[str, Any] = {"input": "-"}
+    else:
+        stat = os.stat(input_path)
+        source = {"input": str(Path(input_path).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    job = {"journal": VERSION, **source, "pairs": pairs_digest(queries, documents), "model": model,
            "model_files": model_files(model), **settings}
     return json.loads(json.dumps(job, default=str))
 

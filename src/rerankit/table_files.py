@@ -1,18 +1,30 @@
-"""The files of ``rerankit score``: a table read from and written to .parquet, .jsonl or .csv, by suffix, with its
-cells as written, and written whole or not at all (a temporary file renamed over the target)."""
+"""The files of ``rerankit score``: a table read from and written to .parquet, .jsonl or .csv (the last two also
+gzipped, .jsonl.gz and .csv.gz), or stdin and stdout as ``-`` in a format named apart (``--format``).
+
+Cells come back as written (a CSV cell keeps its text). A file is written whole or not at all (a temporary file
+renamed over the target); stdout is written once every row is scored.
+"""
 
 from __future__ import annotations
 
+import gzip
+import io
+import json
 import math
 import os
+import sys
 import tempfile
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from rerankit.errors import InvalidRequest, RerankitError
 
-SUFFIXES = (".parquet", ".jsonl", ".csv")
+STDIO = "-"
+FORMATS = ("parquet", "jsonl", "csv")
+SUFFIXES = (".parquet", ".jsonl", ".csv", ".jsonl.gz", ".csv.gz")
+BATCH_ROWS = 4096  # JSONL rows turned into Python objects at a time while writing
 
 
 def require_pyarrow() -> Any:
@@ -24,52 +36,111 @@ def require_pyarrow() -> Any:
     return pyarrow
 
 
-def read_table(path: str | Path, columns: Sequence[str]) -> Any:
-    """The pyarrow table of a .parquet, .jsonl or .csv file; ``InvalidRequest`` naming ``--input`` if it cannot
-    be read or lacks one of ``columns``."""
+@dataclass(frozen=True)
+class TableFile:
+    """A file (or ``-``: stdin or stdout) and its format; ``flag`` names it in errors."""
+
+    path: str
+    format: str
+    gzipped: bool
+    flag: str
+
+    @property
+    def stdio(self) -> bool:
+        return self.path == STDIO
+
+    @property
+    def name(self) -> str:
+        """The file, as an error names it."""
+        return ("stdin" if self.flag == "--input" else "stdout") if self.stdio else self.path
+
+
+def table_file(path: str | Path, flag: str, file_format: str | None = None) -> TableFile:
+    """``path`` with its format: its suffix's (``.gz`` after it: gzipped), or ``file_format`` for ``-``;
+    ``InvalidRequest`` naming ``flag`` for an unknown suffix or a ``-`` without a format."""
+    path = str(path)
+    if path == STDIO:
+        if file_format not in FORMATS:
+            raise InvalidRequest(flag, "- has no suffix to tell its format: give --format jsonl, csv or parquet")
+        return TableFile(path, file_format, False, flag)
+    lowered = path.lower()
+    gzipped = lowered.endswith(".gz")
+    stem = lowered[:-3] if gzipped else lowered
+    found = next((name for name in FORMATS if stem.endswith(f".{name}")), None)
+    if found is None or (gzipped and found == "parquet"):
+        why = " (Parquet compresses its own pages: drop the .gz)" if found == "parquet" else ""
+        raise InvalidRequest(flag, f"{path} must end in one of {', '.join(SUFFIXES)}{why}")
+    return TableFile(path, found, gzipped, flag)
+
+
+def read_table(path: str | Path, columns: Sequence[str], file_format: str | None = None) -> Any:
+    """The pyarrow table of a .parquet, .jsonl or .csv file (gzipped, or stdin as ``-`` in ``file_format``);
+    ``InvalidRequest`` naming ``--input`` if it cannot be read or lacks one of ``columns``."""
     pyarrow = require_pyarrow()
-    path = Path(path)
-    if path.suffix.lower() not in SUFFIXES:
-        raise InvalidRequest("--input", f"{path} must end in one of {', '.join(SUFFIXES)}")
+    source = table_file(path, "--input", file_format)
     try:
-        if path.suffix.lower() == ".parquet":
+        open_stream = _opener(source)
+        if source.format == "parquet":
             import pyarrow.parquet as parquet
 
-            table = parquet.read_table(path)
-        elif path.suffix.lower() == ".jsonl":
-            table = _read_jsonl(path)
+            with open_stream() as stream:
+                table = parquet.read_table(stream)
+        elif source.format == "jsonl":
+            table = _read_jsonl(open_stream, source)
         else:
-            table = _read_csv(path, columns)
+            table = _read_csv(open_stream, columns)
     except (OSError, pyarrow.ArrowInvalid) as exc:
-        raise InvalidRequest("--input", f"cannot read {path}: {exc}") from None
+        damaged = source.gzipped and any(word in str(exc).lower() for word in ("compress", "zlib", "gzip"))
+        why = " (the gzip file is cut short or damaged)" if damaged else ""
+        raise InvalidRequest("--input", f"cannot read {source.name}: {exc}{why}") from None
     missing = [name for name in columns if name not in table.column_names]
     if missing:
-        raise InvalidRequest("--input", f"{path} has no column {missing[0]!r} (its columns: "
+        raise InvalidRequest("--input", f"{source.name} has no column {missing[0]!r} (its columns: "
                                         f"{', '.join(table.column_names)}); choose one with --query-column / "
                                         "--document-column")
     doubled = [name for name in columns if table.column_names.count(name) > 1]
     if doubled:
-        raise InvalidRequest("--input", f"{path} has {table.column_names.count(doubled[0])} columns named "
+        raise InvalidRequest("--input", f"{source.name} has {table.column_names.count(doubled[0])} columns named "
                                         f"{doubled[0]!r}: rename them")
     return table
 
 
-def _read_jsonl(path: Path) -> Any:
+def _opener(source: TableFile) -> Callable[[], Any]:
+    """A function giving a new pyarrow stream of ``source``'s bytes, decompressed (a truncated or corrupt gzip
+    raises ``OSError`` as it is read); stdin is read whole once, each stream reads it again from memory."""
+    import pyarrow
+
+    if source.stdio:
+        data = pyarrow.py_buffer(sys.stdin.buffer.read())
+        return lambda: pyarrow.BufferReader(data)
+    return lambda: pyarrow.input_stream(source.path, compression="gzip" if source.gzipped else None)
+
+
+def _read_jsonl(open_stream: Callable[[], Any], source: TableFile) -> Any:
     """A JSON Lines file; a line longer than pyarrow's 1 MiB block (a multi-megabyte document) is read with one
     block for the whole file instead of being refused as a "straddling object"."""
     import pyarrow
-    import pyarrow.json as json
+    import pyarrow.json as json_reader
 
     try:
-        return json.read_json(path)
+        with open_stream() as stream:
+            return json_reader.read_json(stream)
     except pyarrow.ArrowInvalid as exc:
         if "straddl" not in str(exc):
             raise
-    block = min(max(path.stat().st_size + 1, 1 << 20), (1 << 31) - 1)
-    return json.read_json(path, read_options=json.ReadOptions(block_size=block))
+    if source.stdio or source.gzipped:
+        size = 0
+        with open_stream() as stream:
+            while chunk := stream.read(1 << 24):
+                size += len(chunk)
+    else:
+        size = os.stat(source.path).st_size
+    block = min(max(size + 1, 1 << 20), (1 << 31) - 1)
+    with open_stream() as stream:
+        return json_reader.read_json(stream, read_options=json_reader.ReadOptions(block_size=block))
 
 
-def _read_csv(path: Path, text_columns: Sequence[str]) -> Any:
+def _read_csv(open_stream: Callable[[], Any], text_columns: Sequence[str]) -> Any:
     """A CSV file, its cells kept as written: the text columns as strings (a column of numbers, "2024", is text
     to score), quoted values may hold newlines, and any other column is typed (int, float, bool, date) only where
     every cell reads back as the same text -- an id "00123", "1e5" or "N/A" stays as written."""
@@ -78,11 +149,14 @@ def _read_csv(path: Path, text_columns: Sequence[str]) -> Any:
     import pyarrow.csv as csv
 
     parse = csv.ParseOptions(newlines_in_values=True)
-    names = csv.open_csv(path, parse_options=parse).schema.names
-    as_text = csv.read_csv(path, parse_options=parse, convert_options=csv.ConvertOptions(
-        column_types={name: pyarrow.string() for name in names}))
-    typed = csv.read_csv(path, parse_options=parse, convert_options=csv.ConvertOptions(
-        column_types={name: pyarrow.string() for name in text_columns}))
+    with open_stream() as stream:
+        names = csv.open_csv(stream, parse_options=parse).schema.names
+    with open_stream() as stream:
+        as_text = csv.read_csv(stream, parse_options=parse, convert_options=csv.ConvertOptions(
+            column_types={name: pyarrow.string() for name in names}))
+    with open_stream() as stream:
+        typed = csv.read_csv(stream, parse_options=parse, convert_options=csv.ConvertOptions(
+            column_types={name: pyarrow.string() for name in text_columns}))
     if len(set(names)) != len(names):
         return as_text  # columns are matched by name below
     for position, name in enumerate(names):
@@ -96,12 +170,14 @@ def _read_csv(path: Path, text_columns: Sequence[str]) -> Any:
     return as_text
 
 
-def check_output(path: str | Path) -> Path:
-    """``path`` as a table can be written there: a known suffix and a folder this process can create a file in;
-    ``InvalidRequest`` naming ``--output`` otherwise (checked before any row is scored)."""
+def check_output(path: str | Path, file_format: str | None = None) -> TableFile:
+    """``path`` as a table can be written there: a known suffix and a folder this process can create a file in
+    (stdout, ``-``, needs only a format); ``InvalidRequest`` naming ``--output`` otherwise (checked before any row
+    is scored)."""
+    target = table_file(path, "--output", file_format)
+    if target.stdio:
+        return target
     path = Path(path)
-    if path.suffix.lower() not in SUFFIXES:
-        raise InvalidRequest("--output", f"{path} must end in one of {', '.join(SUFFIXES)}")
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise InvalidRequest("--output", f"{path}: the folder {folder} does not exist")
@@ -112,57 +188,84 @@ def check_output(path: str | Path) -> Path:
             pass
     except OSError as exc:
         raise InvalidRequest("--output", f"cannot write into {folder}: {exc.strerror or exc}") from None
-    return path
+    return target
 
 
-def check_writable(table: Any, path: str | Path) -> None:
+def check_writable(table: Any, path: str | Path, file_format: str | None = None) -> None:
     """``InvalidRequest`` naming ``--output`` when ``table``'s columns cannot be written in ``path``'s format
     (a struct or list column as CSV), checked on its empty slice before any row is scored."""
-    import io
-
     pyarrow = require_pyarrow()
-    if Path(path).suffix.lower() != ".csv":
+    target = table_file(path, "--output", file_format)
+    if target.format != "csv":
         return
     import pyarrow.csv as csv
 
     try:
         csv.write_csv(table.slice(0, 0), io.BytesIO())
     except (pyarrow.ArrowInvalid, pyarrow.ArrowNotImplementedError) as exc:
-        raise InvalidRequest("--output", f"{path}: CSV cannot hold these columns ({exc}); write .jsonl or "
+        raise InvalidRequest("--output", f"{target.name}: CSV cannot hold these columns ({exc}); write .jsonl or "
                                          ".parquet") from None
 
 
-def write_table(table: Any, path: str | Path) -> None:
-    """Write ``table`` as .parquet, .jsonl or .csv, by ``path``'s suffix: into a temporary file beside it, renamed
-    over ``path`` once whole, so an existing file is never left truncated; ``InvalidRequest`` naming ``--output``
-    if it cannot be written."""
+def write_table(table: Any, path: str | Path, file_format: str | None = None) -> None:
+    """Write ``table`` as .parquet, .jsonl or .csv (gzipped where the name ends in .gz), by ``path``'s suffix, or to
+    stdout as ``-`` in ``file_format``. A file goes into a temporary file beside it, renamed over ``path`` once
+    whole, so an existing file is never left truncated; ``InvalidRequest`` naming ``--output`` if it cannot be
+    written (a closed stdout raises ``BrokenPipeError``, for the command to end quietly)."""
     pyarrow = require_pyarrow()
-    path = check_output(path)
+    target = check_output(path, file_format)
+    failures = (OSError, pyarrow.ArrowInvalid, pyarrow.ArrowNotImplementedError)
+    if target.stdio:
+        sys.stdout.flush()  # anything printed before goes first, not into the middle of the table
+        try:
+            _write(table, target.format, sys.stdout.buffer)
+            sys.stdout.buffer.flush()
+        except BrokenPipeError:
+            raise
+        except failures as exc:
+            raise InvalidRequest("--output", f"cannot write to stdout: {exc}") from None
+        return
+    path = Path(path)
     # a name of its own beside the target, created as any new file is (the umask's mode), then renamed over it
     temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
     try:
-        temporary.open("xb").close()
-        if path.suffix.lower() == ".parquet":
-            import pyarrow.parquet as parquet
-
-            parquet.write_table(table, temporary)
-        elif path.suffix.lower() == ".csv":
-            import pyarrow.csv as csv
-
-            csv.write_csv(table, temporary)
-        else:
-            import json
-
-            with temporary.open("w", encoding="utf-8") as out:
-                for row in table.to_pylist():
-                    out.write(json.dumps(_json_safe(row), ensure_ascii=False, default=str, allow_nan=False) + "\n")
+        with temporary.open("xb") as raw:
+            if target.gzipped:  # the header names the file within, as gzip does
+                with gzip.GzipFile(filename=path.name, mode="wb", fileobj=raw, compresslevel=6) as packed:
+                    _write(table, target.format, packed)
+            else:
+                _write(table, target.format, raw)
         if path.exists():  # the file replaced keeps its mode
             os.chmod(temporary, path.stat().st_mode & 0o7777)
         os.replace(temporary, path)
-    except (OSError, pyarrow.ArrowInvalid, pyarrow.ArrowNotImplementedError) as exc:
+    except failures as exc:
         raise InvalidRequest("--output", f"cannot write {path}: {exc}") from None
     finally:
         temporary.unlink(missing_ok=True)
+
+
+def _write(table: Any, file_format: str, sink: Any) -> None:
+    """``table`` in ``file_format`` into the binary file object ``sink``."""
+    if file_format == "parquet":
+        import pyarrow.parquet as parquet
+
+        parquet.write_table(table, sink)
+    elif file_format == "csv":
+        import pyarrow.csv as csv
+
+        csv.write_csv(table, sink)
+    else:
+        for lines in _json_lines(table):
+            sink.write(lines.encode("utf-8"))
+
+
+def _json_lines(table: Any) -> Iterator[str]:
+    """The rows of ``table`` as JSON lines, some thousands a piece: NaN and infinities as null."""
+    for batch in table.to_batches(max_chunksize=BATCH_ROWS):
+        lines = []
+        for row in batch.to_pylist():
+            lines.append(json.dumps(_json_safe(row), ensure_ascii=False, default=str, allow_nan=False) + "\n")
+        yield "".join(lines)
 
 
 def _json_safe(value: Any) -> Any:

@@ -1,0 +1,205 @@
+"""``rerankit score``'s files: gzipped input and output, and stdin and stdout as ``-``. A backend that scores each
+document by its length stands in for a model (no model loads)."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import sys
+
+import pytest
+
+pyarrow = pytest.importorskip("pyarrow")
+
+from rerankit import offline  # noqa: E402
+from rerankit.cli import main  # noqa: E402
+from rerankit.schema import ScoreResponse, ScoreResult  # noqa: E402
+from rerankit.score_journal import journal_path  # noqa: E402
+
+ROWS = [{"id": row, "query": f"q{row % 3}", "document": "d" * row} for row in range(1, 9)]
+
+
+class Lengths:
+    """Scores each document by its length; raises KeyboardInterrupt on the call after ``calls`` calls."""
+
+    def __init__(self, calls=None):
+        self.calls, self.rows = calls, 0
+
+    def score_batch(self, requests):
+        if self.calls == 0:
+            raise KeyboardInterrupt
+        if self.calls is not None:
+            self.calls -= 1
+        self.rows += sum(len(request.items) for request in requests)
+        return [ScoreResponse(model="lengths", results=[ScoreResult(index=index, score=float(len(item)))
+                                                        for index, item in enumerate(request.items)])
+                for request in requests]
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def backends(monkeypatch):
+    """The backends the runs made; ``backends.next_calls`` sets how many calls the next one answers."""
+    made = []
+
+    def make(*args, **kwargs):
+        made.append(Lengths(getattr(make, "next_calls", None)))
+        make.next_calls = None
+        return made[-1]
+
+    monkeypatch.setattr(offline, "offline_backend", make)
+    make.made = made
+    return make
+
+
+def _jsonl(rows):
+    return "".join(json.dumps(row) + "\n" for row in rows)
+
+
+def _csv(rows):
+    return "id,query,document\n" + "".join(f"{row['id']},{row['query']},{row['document']}\n" for row in rows)
+
+
+def _stdin(monkeypatch, data: bytes):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_gzipped_input_and_output_are_read_and_written(tmp_path, backends, suffix):
+    source, target = tmp_path / f"pairs{suffix}.gz", tmp_path / f"scored{suffix}.gz"
+    source.write_bytes(gzip.compress((_jsonl if suffix == ".jsonl" else _csv)(ROWS).encode()))
+
+    assert main(["score", "--input", str(source), "--output", str(target), "--no-progress"]) == 0
+
+    with gzip.open(target, "rt") as packed:
+        text = packed.read()
+    if suffix == ".jsonl":
+        rows = [json.loads(line) for line in text.splitlines()]
+    else:
+        import csv
+
+        rows = [{**row, "id": int(row["id"]), "score": float(row["score"])} for row in csv.DictReader(io.StringIO(text))]
+    assert rows == [{**row, "score": float(len(row["document"]))} for row in ROWS]
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted([source.name, target.name])  # no journal left
+
+
+def test_a_stopped_run_into_a_gzipped_output_goes_on_where_it_stopped(tmp_path, backends, monkeypatch, capsys):
+    source, target = tmp_path / "pairs.jsonl", tmp_path / "scored.jsonl.gz"
+    source.write_text(_jsonl(ROWS))
+    monkeypatch.setattr(offline, "CALL_ITEMS", 2)
+    command = ["score", "--input", str(source), "--output", str(target), "--no-progress"]
+
+    backends.next_calls = 1
+    assert main(command) == 130 and journal_path(target).exists() and not target.exists()
+    first = backends.made[-1].rows
+    assert main(command) == 0
+    assert backends.made[-1].rows == len(ROWS) - first and "were scored by an earlier run" in capsys.readouterr().err
+    with gzip.open(target, "rt") as packed:
+        assert [json.loads(line)["score"] for line in packed] == [float(row["id"]) for row in ROWS]
+
+
+@pytest.mark.parametrize("damage, why", [(lambda packed: packed[:len(packed) // 2], "cut short or damaged"),
+                                         (lambda packed: packed[:-8], "cut short or damaged"),
+                                         (lambda packed: gzip.decompress(packed), "cut short or damaged")],
+                         ids=["cut in half", "no trailer", "not gzipped"])
+@pytest.mark.parametrize("suffix", [".jsonl.gz", ".csv.gz"])
+def test_a_damaged_gzip_input_is_a_one_line_error_naming_it(tmp_path, backends, capsys, damage, why, suffix):
+    source = tmp_path / f"pairs{suffix}"
+    text = (_jsonl if suffix == ".jsonl.gz" else _csv)(ROWS * 400)
+    source.write_bytes(damage(gzip.compress(text.encode())))
+
+    assert main(["score", "--input", str(source), "--output", str(tmp_path / "out.jsonl"), "--no-progress"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and f"--input: cannot read {source}" in error and why in error
+    assert backends.made == []
+
+
+def test_a_gzipped_parquet_name_is_refused(tmp_path, backends, capsys):
+    source = tmp_path / "pairs.jsonl"
+    source.write_text(_jsonl(ROWS))
+    assert main(["score", "--input", str(source), "--output", str(tmp_path / "out.parquet.gz")]) == 2
+    assert "--output" in (error := capsys.readouterr().err) and "drop the .gz" in error
+
+
+@pytest.mark.parametrize("file_format, parse", [
+    ("jsonl", lambda text: [json.loads(line) for line in text.splitlines()]),
+    ("csv", lambda text: [{**row, "id": int(row["id"]), "score": float(row["score"])}
+                          for row in __import__("csv").DictReader(io.StringIO(text))]),
+])
+def test_stdin_to_stdout_writes_only_the_table_there(tmp_path, backends, monkeypatch, capsys, file_format, parse):
+    monkeypatch.chdir(tmp_path)
+    _stdin(monkeypatch, (_jsonl if file_format == "jsonl" else _csv)(ROWS).encode())
+
+    assert main(["score", "--input", "-", "--output", "-", "--format", file_format]) == 0  # with a progress bar
+
+    out, err = capsys.readouterr()
+    assert parse(out) == [{**row, "score": float(len(row["document"]))} for row in ROWS]
+    assert "scored 8 pairs into stdout" in err and "rerankit score: 100%" in err
+    assert list(tmp_path.iterdir()) == []  # no journal, nothing beside
+
+
+def test_a_stopped_run_to_stdout_writes_nothing_and_keeps_no_journal(tmp_path, backends, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(offline, "CALL_ITEMS", 2)
+    _stdin(monkeypatch, _jsonl(ROWS).encode())
+    backends.next_calls = 1
+    assert main(["score", "--input", "-", "--output", "-", "--format", "jsonl", "--no-progress"]) == 130
+    assert capsys.readouterr().out == "" and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("file_format", ["jsonl", "csv", "parquet"])
+def test_a_closed_stdout_ends_quietly(tmp_path, backends, monkeypatch, capsys, file_format):
+    class Closed(io.RawIOBase):
+        def writable(self):
+            return True
+
+        def write(self, data):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    source = tmp_path / "pairs.jsonl"
+    source.write_text(_jsonl(ROWS))
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BufferedWriter(Closed(), 16)))
+    assert main(["score", "--input", str(source), "--output", "-", "--format", file_format, "--no-progress"]) == 141
+    assert "error" not in capsys.readouterr().err
+
+
+def test_stdout_takes_the_input_files_format(tmp_path, backends, capsys):
+    source = tmp_path / "pairs.csv.gz"
+    source.write_bytes(gzip.compress(_csv(ROWS).encode()))
+    assert main(["score", "--input", str(source), "--output", "-", "--no-progress"]) == 0
+    assert capsys.readouterr().out.splitlines()[:2] == ['"id","query","document","score"', '1,"q1","d",1']
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--input", "-", "--output", "out.jsonl"], "--input: - has no suffix to tell its format: give --format"),
+    (["--input", "pairs.jsonl", "--output", "out.jsonl", "--format", "csv"], "--format: only applies to -"),
+    (["--input", "-", "--output", "out/", "--format", "csv", "--ray"], "--input: with --ray"),
+])
+def test_stdio_flags_that_cannot_apply_are_refused(tmp_path, backends, monkeypatch, capsys, flags, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pairs.jsonl").write_text(_jsonl(ROWS))
+    assert main(["score", *flags, "--no-progress"]) == 2
+    assert message in capsys.readouterr().err and backends.made == []
+
+
+def test_a_stopped_run_from_stdin_goes_on_when_the_same_rows_come_again(tmp_path, backends, monkeypatch):
+    target = tmp_path / "scored.jsonl"
+    monkeypatch.setattr(offline, "CALL_ITEMS", 2)
+    command = ["score", "--input", "-", "--format", "jsonl", "--output", str(target), "--no-progress"]
+
+    _stdin(monkeypatch, _jsonl(ROWS).encode())
+    backends.next_calls = 1
+    assert main(command) == 130 and journal_path(target).exists()
+    first = backends.made[-1].rows
+    _stdin(monkeypatch, _jsonl(ROWS).encode())
+    assert main(command) == 0 and backends.made[-1].rows == len(ROWS) - first
+
+    changed = [{**row, "document": row["document"] + "!"} for row in ROWS]
+    _stdin(monkeypatch, _jsonl(changed).encode())
+    backends.next_calls = 1
+    assert main(command) == 130
+    _stdin(monkeypatch, _jsonl(ROWS).encode())  # not the rows the journal holds: scored afresh
+    assert main(command) == 0 and backends.made[-1].rows == len(ROWS)
