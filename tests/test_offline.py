@@ -97,13 +97,34 @@ def test_a_bad_output_is_refused_before_any_row_is_scored(tmp_path, capsys, monk
     assert error.count("\n") == 1 and "--output" in error and message in error
 
 
-@pytest.mark.parametrize("rows, row", [([{"query": "q", "document": "a"}, {"query": "q", "document": None}], 2),
-                                       ([{"query": "q", "document": "a"}, {"query": "q"}], 2)])
-def test_an_empty_cell_names_its_row_and_column(tmp_path, capsys, rows, row) -> None:
-    source = tmp_path / "pairs.jsonl"
-    source.write_text("".join(json.dumps(each) + "\n" for each in rows))
+MISSING = {"jsonl null": '{"query": "q", "document": "a"}\n{"query": "q", "document": null}\n',
+           "jsonl absent": '{"query": "q", "document": "a"}\n{"query": "q"}\n',
+           "csv empty cell": "query,document\nq,a\nq,\n"}
+
+
+@pytest.mark.parametrize("case", [*MISSING, "parquet null"])
+def test_a_missing_document_is_refused_in_every_format_naming_its_row_and_column(tmp_path, capsys, monkeypatch,
+                                                                                 case) -> None:
+    source = tmp_path / f"pairs.{case.split()[0]}"
+    if case == "parquet null":
+        parquet.write_table(pyarrow.table({"query": ["q", "q"], "document": ["a", None]}), source)
+    else:
+        source.write_text(MISSING[case])
+    monkeypatch.setattr("rerankit.offline.offline_backend", lambda *a, **k: pytest.fail("scored"))
     assert main(["score", "--input", str(source), "--output", str(tmp_path / "out.jsonl")]) == 2
-    assert f"row {row}: column 'document' is empty" in capsys.readouterr().err
+    assert "row 2: column 'document' has no value" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, content", [("pairs.jsonl", '{"query": "q", "document": "a"}\n'
+                                                           '{"query": "q", "document": ""}\n'),
+                                           ("pairs.csv", 'query,document\nq,a\nq,""\n')])
+def test_an_empty_text_is_a_document_as_the_python_api_takes_it(tmp_path, name, content) -> None:
+    from rerankit.offline import read_table, text_column
+
+    source = tmp_path / name
+    source.write_text(content)
+    assert text_column(read_table(source, ("query", "document")), "document", "--document-column") == ["a", ""]
+    ScoreRequest(query="q", items=["a", ""])  # what rank, the server and the Python API score
 
 
 def test_numbers_in_the_text_columns_are_scored_as_text(tmp_path, tiny_bert_cross_encoder) -> None:

@@ -1,5 +1,5 @@
-"""``rerankit score``'s files: gzipped input and output, and stdin and stdout as ``-``. A backend that scores each
-document by its length stands in for a model (no model loads)."""
+"""``rerankit score``'s files: gzipped input and output, stdin and stdout as ``-``, and JSONL numbers written back as
+they were written. A backend that scores each document by its length stands in for a model (no model loads)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sys
 import pytest
 
 pyarrow = pytest.importorskip("pyarrow")
+import pyarrow.parquet as parquet  # noqa: E402
 
 from rerankit import offline  # noqa: E402
 from rerankit.cli import main  # noqa: E402
@@ -203,3 +204,20 @@ def test_a_stopped_run_from_stdin_goes_on_when_the_same_rows_come_again(tmp_path
     assert main(command) == 130
     _stdin(monkeypatch, _jsonl(ROWS).encode())  # not the rows the journal holds: scored afresh
     assert main(command) == 0 and backends.made[-1].rows == len(ROWS)
+
+
+def test_jsonl_numbers_come_back_as_written(tmp_path, backends):
+    source = tmp_path / "pairs.jsonl"
+    values, documents = [1000, 2.5, 12345678901234567890, None, -7, 1e-3], [1000, 42.5, 7, 1, 1, 1]
+    source.write_text("".join(json.dumps({"query": "q", "document": document, "n": value}) + "\n"
+                              for document, value in zip(documents, values)))
+
+    assert main(["score", "--input", str(source), "--output", str(tmp_path / "out.jsonl"), "--no-progress"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [row["n"] for row in rows] == values and [type(row["n"]) for row in rows] == [type(v) for v in values]
+    assert [row["document"] for row in rows] == documents and type(rows[0]["document"]) is int
+    assert [row["score"] for row in rows[:3]] == [4.0, 4.0, 1.0]  # "1000", "42.5", "7" as written, not "1000.0"
+
+    assert main(["score", "--input", str(source), "--output", str(tmp_path / "out.parquet"), "--no-progress"]) == 0
+    table = parquet.read_table(tmp_path / "out.parquet")
+    assert table.schema.field("n").type == pyarrow.float64() and table.column("n").to_pylist()[:2] == [1000.0, 2.5]
