@@ -71,15 +71,15 @@ def _calls(runs: list[tuple[str, list[int]]]) -> list[list[tuple[str, list[int]]
 
 def text_column(table: Any, name: str, flag: str, numbered: bool = True, blank: bool = True) -> list[str]:
     """Column ``name`` as texts: numbers are written as text (a JSONL or Parquet column of them); a cell with no
-    value (null, an absent field, an empty CSV cell) or -- unless ``blank`` -- only whitespace (as a query may not
+    value (a JSONL or Parquet null, an absent field) or -- unless ``blank`` -- only whitespace (as a query may not
     be) is an ``InvalidRequest`` naming its column and, where ``numbered`` (the whole table), its row (1-based, as
     an editor counts). An empty text (``""``) where ``blank`` is a text, as the Python API and the server take it."""
     values = table.column(name).to_pylist()
     for row, value in enumerate(values, start=1):
         where = f"row {row}: " if numbered else ""
         if value is None and blank:
-            raise InvalidRequest("--input", f'{where}column {name!r} has no value (null, absent, or an empty CSV '
-                                            f'cell; an empty text is written ""); {flag} names the column')
+            raise InvalidRequest("--input", f'{where}column {name!r} has no value (null or absent; an empty '
+                                            f'text is written ""); {flag} names the column')
         if value is None or (not blank and isinstance(value, str) and not value.strip()):
             raise InvalidRequest("--input", f"{where}column {name!r} is empty ({flag} names the column)")
         if not isinstance(value, str):

@@ -192,8 +192,8 @@ def _skip_space(text: str, position: int) -> int:
 def _read_csv(open_stream: Callable[[], Any], text_columns: Sequence[str]) -> Any:
     """A CSV file, its cells kept as written: the text columns as strings (a column of numbers, "2024", is text
     to score), quoted values may hold newlines, and any other column is typed (int, float, bool, date) only where
-    every cell reads back as the same text -- an id "00123", "1e5" or "N/A" stays as written. An empty cell of a
-    text column is a missing value (null), a quoted one (``""``) an empty text."""
+    every cell reads back as the same text -- an id "00123", "1e5" or "N/A" stays as written. CSV has no null: an
+    empty cell of a text column is an empty text, quoted or not."""
     import pyarrow
     import pyarrow.compute as compute
     import pyarrow.csv as csv
@@ -204,16 +204,9 @@ def _read_csv(open_stream: Callable[[], Any], text_columns: Sequence[str]) -> An
     with open_stream() as stream:
         as_text = csv.read_csv(stream, parse_options=parse, convert_options=csv.ConvertOptions(
             column_types={name: pyarrow.string() for name in names}))
-    with open_stream() as stream:  # text columns: an unquoted empty cell is null, a quoted one ""
+    with open_stream() as stream:
         typed = csv.read_csv(stream, parse_options=parse, convert_options=csv.ConvertOptions(
-            column_types={name: pyarrow.string() for name in text_columns}, strings_can_be_null=True,
-            quoted_strings_can_be_null=False))
-    for name in set(text_columns):
-        if names.count(name) == 1:
-            position = names.index(name)
-            text = as_text.column(position)
-            missing = compute.and_(compute.is_null(typed.column(position)), compute.equal(text, ""))
-            as_text = as_text.set_column(position, name, compute.if_else(missing, None, text))
+            column_types={name: pyarrow.string() for name in text_columns}))
     if len(set(names)) != len(names):
         return as_text  # columns are matched by name below
     for position, name in enumerate(names):
