@@ -216,6 +216,22 @@ def test_a_killed_replica_is_restarted_and_its_work_retried_once(
     assert_same(replicas.score_batch(REQUESTS), expected)
 
 
+def test_a_replica_makes_no_named_semaphore_of_its_own(replicas: DataParallelBackend) -> None:
+    """A replica holds no named semaphore but its inbox's, which the parent made and takes back: one the replica
+    made (tqdm's lock, made by the first bar, even a disabled one) stays registered when the replica is killed, and
+    the parent's exit warns "There appear to be 1 leaked semaphore objects"."""
+    if not os.path.exists(f"/proc/{os.getpid()}/maps") or not os.path.isdir("/dev/shm"):
+        pytest.skip("needs Linux's /proc and /dev/shm")
+    replicas.score_batch(REQUESTS)  # each replica has scored: the engine built its (disabled) progress bars
+    for replica in replicas._replicas:
+        inbox = replica.inbox
+        made_here = {os.stat("/dev/shm/sem." + lock._semlock.name.lstrip("/")).st_ino
+                     for lock in (inbox._rlock, inbox._wlock, inbox._sem)}
+        with open(f"/proc/{replica.process.pid}/maps") as maps:  # a semaphore is a mapped /dev/shm/sem.* file
+            mapped = {int(line.split()[4]) for line in maps if " /dev/shm/sem." in line}
+        assert mapped == made_here, f"replica {replica.index} made {len(mapped - made_here)} semaphore(s)"
+
+
 def test_work_whose_retry_dies_too_fails_with_replica_died(replicas: DataParallelBackend) -> None:
     first, second = replicas._replicas
     outcome: dict = {}

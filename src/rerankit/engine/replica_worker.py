@@ -38,6 +38,7 @@ def portable(error: BaseException) -> BaseException:
 def replica_main(model: str, options: dict[str, Any], threads: int | None, inbox: multiprocessing.Queue,
                  outbox: Connection) -> None:
     """Entry point of a replica process (spawned): load, say ready, then score tasks until told to stop."""
+    no_named_semaphores()
     if threads is not None:
         import torch
 
@@ -83,6 +84,23 @@ def replica_main(model: str, options: dict[str, Any], threads: int | None, inbox
         if pool is not None:
             pool.shutdown(wait=True)
         backend.close()
+
+
+def no_named_semaphores() -> None:
+    """Keep tqdm from making a multiprocessing lock in this process.
+
+    tqdm makes one (a named semaphore) the first time a bar is built, even a disabled one, as the engine builds one
+    every call. A spawned replica registers it with the resource tracker it shares with its parent; a replica that is
+    killed (``kill -9``, ``replica_timeout_s``) cannot take it back, and the parent's exit then warns of "leaked
+    semaphore objects". The lock is of no use here: a spawned process would make its own, shared with no other.
+    Threads keep tqdm's thread lock.
+    """
+    try:
+        from tqdm.std import TqdmDefaultWriteLock
+    except ImportError:  # pragma: no cover - tqdm comes with the engine's dependencies
+        return
+    if not hasattr(TqdmDefaultWriteLock, "mp_lock"):
+        TqdmDefaultWriteLock.mp_lock = None  # "made already, and there is none": tqdm uses its thread lock alone
 
 
 def _next_task(inbox: multiprocessing.Queue) -> tuple | None:
