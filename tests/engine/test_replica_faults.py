@@ -31,6 +31,7 @@ def test_a_hung_replica_is_killed_restarted_and_its_work_answered_by_the_other()
             assert not any(call.is_alive() for call in calls), "a call on the hung replica never returned"
             assert all(scores == expected for scores in outcome.values()) and len(outcome) == 4
             assert victim.restarts == 1
+            assert backend.replica_status()[0].failures == {"died": 0, "timed_out": 1, "failed_to_start": 0}
         finally:
             try:
                 os.kill(victim.process.pid, signal.SIGCONT)
@@ -53,3 +54,9 @@ def test_a_restarting_replica_takes_no_work_while_another_is_ready() -> None:
         took = time.monotonic() - begun
         assert took < 1.0, f"the call waited {took:.1f} s for the restarting replica"
         assert victim.state == "starting", "the restart ended before the call: the test proves nothing"
+        assert backend.problem() is None  # degraded, not down: the other replica serves
+        os.kill(victim.process.pid, signal.SIGKILL)  # it dies again before it is ready
+        while victim.restarts != 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert backend.replica_status()[0].failures == {"died": 1, "timed_out": 0, "failed_to_start": 1}

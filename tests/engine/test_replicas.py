@@ -102,6 +102,49 @@ def test_calls_are_cut_only_across_replicas_with_room_for_another_task() -> None
     assert len(cut([long], spare_replicas([replica(0, 2), replica(1, 2)]))) == 1
 
 
+class FakeProcess:
+    def __init__(self, pid: int, alive: bool = True) -> None:
+        self.pid, self.alive = pid, alive
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+
+def backend_of(*replicas: _Replica) -> DataParallelBackend:
+    """A backend over ``replicas`` (fakes: no process is started), for what it tells of them."""
+    backend = DataParallelBackend.__new__(DataParallelBackend)
+    backend._lock = threading.Lock()
+    backend._ready = threading.Condition(backend._lock)
+    backend._closing, backend._replicas = False, list(replicas)
+    return backend
+
+
+def test_replica_pids_and_status_report_a_replica_not_running_as_none() -> None:
+    ready = _Replica(0, "cpu", process=FakeProcess(11), state="ready")
+    ended = _Replica(1, "cpu", process=FakeProcess(12, alive=False), state="ready")  # its death not handled yet
+    down = _Replica(2, "cpu", process=FakeProcess(13), state="down")  # its process object outlives it
+    starting = _Replica(3, "cpu", process=FakeProcess(14), state="starting")  # a restart: its new process
+    backend = backend_of(ready, ended, down, starting)
+    assert backend.replica_pids == [11, None, None, 14]
+    status = backend.replica_status()
+    assert [replica.state for replica in status] == ["ready", "ready", "down", "starting"]
+    assert [replica.pid for replica in status] == [11, None, None, 14]
+    assert status[0].failures == {"died": 0, "timed_out": 0, "failed_to_start": 0}
+
+
+def test_problem_says_why_while_no_replica_is_ready_and_a_failed_load_is_counted() -> None:
+    first = _Replica(0, "cpu", process=FakeProcess(11), state="starting")
+    second = _Replica(1, "cpu", process=FakeProcess(12), state="ready")
+    backend = backend_of(first, second)
+    assert backend.problem() is None  # one ready: degraded, still serving
+    with backend._lock:
+        backend._handle(second, ("load_failed", ModelLoadError("out of memory")))  # as a restart's load fails
+    assert second.state == "down" and second.failures["failed_to_start"] == 1
+    assert backend.problem() == "no replica is ready: 1 restarting (loading the model), 1 down for good"
+    first.state = "down"
+    assert "no replica is running" in backend.problem()
+
+
 def test_data_parallel_size_is_checked_before_any_process_starts() -> None:
     with pytest.raises(InvalidRequest, match="data_parallel_size"):
         replica_devices("cpu", 0)
@@ -213,6 +256,9 @@ def test_a_killed_replica_is_restarted_and_its_work_retried_once(
         assert time.monotonic() < deadline, "the killed replica did not come back"
         time.sleep(0.05)
     assert replicas.replica_pids[0] != old_pid and victim.restarts == 1
+    status = replicas.replica_status()[0]
+    assert status.failures == {"died": 1, "timed_out": 0, "failed_to_start": 0} and status.restarts == 1
+    assert status.pid == victim.process.pid and status.state == "ready"
     assert_same(replicas.score_batch(REQUESTS), expected)
 
 
@@ -310,8 +356,12 @@ def test_close_stops_the_live_replicas_when_one_stays_down(monkeypatch) -> None:
         assert time.monotonic() < deadline, "the killed replica was not marked down"
         time.sleep(0.02)
     assert backend.score(REQUESTS[1]).scores and backend.problem() is None  # the live replica serves
+    assert backend.replica_pids == [None, live.process.pid]  # it listed the dead process's pid
+    assert [(replica.state, replica.failures["died"]) for replica in backend.replica_status()] == [("down", 1),
+                                                                                                 ("ready", 0)]
     backend.close()  # it raised on the down replica's closed queue and left the live one running
     assert not live.process.is_alive() and backend.problem() == "the backend is closed"
+    assert backend.replica_pids == [None, None]
     with pytest.raises(ModelLoadError, match="closed"):
         backend.score(REQUESTS[1])
     live.state = "down"  # every replica down, as after too many deaths: what a server's /health answers 503 with

@@ -271,6 +271,49 @@ def test_health_is_a_503_while_no_engine_replica_can_score():
     assert answer.status_code == 503 and "no replica is running" in answer.text and answer.headers["retry-after"]
 
 
+def test_health_and_metrics_tell_the_replicas_ready_restarting_and_down():
+    """An operator's view of data-parallel replicas: /health is 200 "degraded" while one restarts or stays down and
+    the others serve, 503 while none is ready; /metrics counts them by state and their failures by cause."""
+    from rerankit.engine.replicas import FAILURE_CAUSES, ReplicaStatus
+
+    def status(index, state, **failures):
+        return ReplicaStatus(index, "cpu", state, None if state == "down" else 100 + index, 0,
+                             {**dict.fromkeys(FAILURE_CAUSES, 0), **failures}, 1.0)
+
+    class Replicas(RecordingBackend):
+        replicas = [status(0, "ready"), status(1, "ready")]
+        state = None
+
+        def problem(self):
+            return self.state
+
+        def replica_status(self):
+            return self.replicas
+
+    backend = Replicas()
+    client = TestClient(create_app(backend, ServerConfig()))
+    assert client.get("/health").json() == {"status": "ok", "replicas": {"ready": 2, "starting": 0, "down": 0}}
+    page = client.get("/metrics").text
+    assert 'rerankit_replicas{state="ready"} 2' in page and 'rerankit_replicas{state="down"} 0' in page
+    assert 'rerankit_replica_failures_total{replica="1",cause="timed_out"} 0' in page  # there before any failure
+    backend.replicas = [status(0, "starting", died=1), status(1, "ready", timed_out=2)]
+    answer = client.get("/health")
+    assert answer.status_code == 200
+    assert answer.json() == {"status": "degraded", "replicas": {"ready": 1, "starting": 1, "down": 0}}
+    page = client.get("/metrics").text
+    assert "# TYPE rerankit_replicas gauge" in page and "# TYPE rerankit_replica_failures_total counter" in page
+    assert 'rerankit_replicas{state="starting"} 1' in page
+    assert 'rerankit_replica_failures_total{replica="0",cause="died"} 1' in page
+    assert 'rerankit_replica_failures_total{replica="1",cause="timed_out"} 2' in page
+    backend.replicas = [status(0, "down", died=4), status(1, "ready")]
+    assert client.get("/health").json()["status"] == "degraded"
+    backend.state = "no replica is ready: 1 restarting (loading the model), 1 down for good"
+    answer = client.get("/health")
+    assert answer.status_code == 503 and "no replica is ready" in answer.text and answer.headers["retry-after"]
+    assert 'rerankit_replicas{state="down"} 1' in client.get("/metrics").text  # scraped whatever /health says
+    assert "rerankit_replicas" not in TestClient(create_app(RecordingBackend(), ServerConfig())).get("/metrics").text
+
+
 def test_a_dripping_body_is_answered_408_in_json_and_its_connection_closed(protocol):
     """A client that sends its headers, then part of a declared body, gets a JSON 408 naming body_timeout_s once the
     timeout passes, and its connection is closed; other clients are served meanwhile."""

@@ -7,6 +7,7 @@ to the replica with the least estimated work outstanding (so concurrent calls sp
 back in input order. One collector thread reads every replica's pipe and watches its process: a replica that dies
 is logged as a ``ReplicaDied`` error and restarted, and the tasks it held go once to another replica; a task whose
 retry dies too fails with ``ReplicaDied``. A task is answered once, by the first reply that arrives.
+``replica_status()`` tells each replica's state and failures (a server's ``/health`` and ``/metrics`` read it).
 """
 
 from __future__ import annotations
@@ -40,6 +41,28 @@ CLOSE_TIMEOUT_S = 10.0  # a replica that has not exited this long after being to
 # a hung device): killed, restarted, its work retried elsewhere. Off by default: a replica sends nothing while a
 # call runs, and one call may take minutes (thousands of long documents on a large model).
 REPLICA_TIMEOUT_S: float | None = None
+# Why a replica failed, as ``ReplicaStatus.failures`` counts it: its process ended while it was ready; it was killed
+# after ``replica_timeout_s`` of silence; it did not get ready (its model failed to load, or its process ended first).
+FAILURE_CAUSES = ("died", "timed_out", "failed_to_start")
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """One replica as ``DataParallelBackend.replica_status()`` found it.
+
+    ``state``: "ready" (takes work), "starting" (loading its model, at start or after a restart) or "down" (for
+    good: its model failed to load, or it failed more than ``MAX_RESTARTS`` times). ``pid``: its process's id while
+    that process runs, else None. ``failures``: how often it failed, by cause (``FAILURE_CAUSES``); every failure but
+    a failed load restarts it, up to ``MAX_RESTARTS`` times.
+    """
+
+    index: int
+    device: str
+    state: str
+    pid: int | None
+    restarts: int
+    failures: dict[str, int]
+    startup_seconds: float | None
 
 
 @dataclass
@@ -72,6 +95,15 @@ class _Replica:
     failure: Exception | None = None  # why it failed to load
     tasks: dict[int, _Task] = field(default_factory=dict)
     last_progress: float = 0.0  # time.monotonic() of its latest reply, or of work sent to it while it held none
+    timed_out: bool = False  # killed by ``replica_timeout_s``: its death is counted as "timed_out"
+    failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_CAUSES, 0))
+
+    @property
+    def pid(self) -> int | None:
+        """Its process's id while that process runs (a down replica's, or one dead and not yet restarted: None)."""
+        if self.state == "down" or self.process is None or not self.process.is_alive():
+            return None
+        return self.process.pid
 
     @property
     def load(self) -> int:
@@ -154,7 +186,7 @@ class DataParallelBackend:
 
     @property
     def data_parallel_size(self) -> int:
-        """How many replicas there are (running or restarting)."""
+        """How many replicas there are (ready, starting or down)."""
         return len(self._replicas)
 
     @property
@@ -165,8 +197,17 @@ class DataParallelBackend:
 
     @property
     def replica_pids(self) -> list[int | None]:
-        """The process id of each replica (a restarted replica has a new one)."""
-        return [replica.process.pid if replica.process is not None else None for replica in self._replicas]
+        """The process id of each replica while its process runs (a restarted replica has a new one), else None:
+        a replica down for good, or one whose process has ended and is not restarted yet."""
+        with self._lock:
+            return [replica.pid for replica in self._replicas]
+
+    def replica_status(self) -> list[ReplicaStatus]:
+        """Each replica's state, process id, restarts and failures by cause, as they are now."""
+        with self._lock:
+            return [ReplicaStatus(replica.index, replica.device, replica.state, replica.pid,
+                                  min(replica.restarts, MAX_RESTARTS), dict(replica.failures),
+                                  replica.startup_seconds) for replica in self._replicas]
 
     @property
     def startup_seconds(self) -> list[float | None]:
@@ -237,12 +278,18 @@ class DataParallelBackend:
         return max(task.future.result() for task in tasks)
 
     def problem(self) -> str | None:
-        """None while a replica can take work; else why none can (a server's ``/health`` answers 503 with it)."""
+        """None while a replica is ready; else why none is (a server's ``/health`` answers 503 with it). While
+        every replica still running is restarting, work waits for the first of them to load."""
         with self._lock:
             if self._closing:
                 return "the backend is closed"
             if all(replica.state == "down" for replica in self._replicas):
                 return "no replica is running: every one failed to start or died too often"
+            if not any(replica.state == "ready" for replica in self._replicas):
+                starting = sum(replica.state == "starting" for replica in self._replicas)
+                down = len(self._replicas) - starting
+                return (f"no replica is ready: {starting} restarting (loading the model)"
+                        + (f", {down} down for good" if down else ""))
         return None
 
     def close(self) -> None:
@@ -396,6 +443,7 @@ class DataParallelBackend:
                     log.error("replica %d on %s sent no reply for %.0f s holding %d task(s): killing it as hung",
                               replica.index, replica.device, now - replica.last_progress, len(replica.tasks))
                     replica.last_progress = now  # once: its sentinel reports the death
+                    replica.timed_out = True
                     replica.process.kill()
 
     def _read(self, replica: _Replica) -> None:
@@ -427,6 +475,7 @@ class DataParallelBackend:
             self._ready.notify_all()
         elif kind == "load_failed":
             replica.failure = message[1]
+            replica.failures["failed_to_start"] += 1
             replica.state = "down"
             log.error("replica %d on %s failed to load: %s", replica.index, replica.device, replica.failure)
             self._retry_all(replica)
@@ -444,6 +493,11 @@ class DataParallelBackend:
     def _died(self, replica: _Replica, how: str) -> None:
         if replica.state == "down":
             return
+        cause = "timed_out" if replica.timed_out else "failed_to_start" if replica.state == "starting" else "died"
+        replica.failures[cause] += 1
+        if replica.timed_out:
+            how = f"killed after {self._replica_timeout_s:g} s without a reply, {how}"
+        replica.timed_out = False
         replica.restarts += 1
         held = len(replica.tasks)
         restart = replica.restarts <= MAX_RESTARTS

@@ -28,6 +28,7 @@ from rerankit.remote.dialects import get_dialect
 from rerankit.remote.dialects.common import openai_error
 from rerankit.server.batcher import Batcher
 from rerankit.server.limits import ServerConfig, check_api_key
+from rerankit.server.metrics import replica_counts
 from rerankit.server.request_ids import RequestIds
 from rerankit.server.routes import METHODS, ROUTES, default_dialect, error_headers, error_response, scoring_endpoint
 from rerankit.server.tracing import Traces
@@ -45,6 +46,7 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
     learn_name = None if fixed_name else getattr(backend, "aserved_model", None)
     far_problem = getattr(backend, "ahealth", None) if batcher.proxies else None
     engine_problem = None if batcher.proxies else getattr(backend, "problem", None)  # data-parallel replicas
+    replicas = None if batcher.proxies else getattr(backend, "replica_status", None)
 
     def model_name() -> str:
         return fixed_name or public_model_name(backend.model_name)
@@ -80,17 +82,21 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
                               summary=f"Score or rerank ({' | '.join(dialects)} wire format)")
 
     @app.get("/health", tags=["server"],
-             responses={503: {"description": "no engine replica runs, or a proxy's far server is unreachable"}})
+             responses={503: {"description": "no engine replica is ready, or a proxy's far server is unreachable"}})
     async def health() -> JSONResponse:
-        """200 while the server can score; 503 while no engine replica runs, or a proxy's far server is unreachable
-        (probed every few s)."""
+        """200 while the server can score (``"degraded"`` while some data-parallel replicas are not ready); 503 while
+        no engine replica is ready, or a proxy's far server is unreachable (probed every few s)."""
         problem = await far_problem() if far_problem is not None else None
         if problem is not None:
             return app_error_response(UpstreamError(503, problem, None), config)
         problem = engine_problem() if engine_problem is not None else None
         if problem is not None:
             return app_error_response(ReplicaDied(problem), config)
-        return JSONResponse({"status": "ok"})
+        if replicas is None:
+            return JSONResponse({"status": "ok"})
+        counts = replica_counts(replicas())
+        return JSONResponse({"status": "ok" if counts["ready"] == sum(counts.values()) else "degraded",
+                             "replicas": counts})
 
     @app.get("/v1/models", tags=["server"])
     async def models(request: Request) -> JSONResponse:

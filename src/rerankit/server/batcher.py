@@ -67,7 +67,8 @@ class Batcher:
         self.backend = backend
         self.config = config
         self._queue = FairQueue()
-        self.metrics = Metrics(queue_depth=lambda: len(self._queue), queue_chunks=lambda: self._queue.chunks)
+        self.metrics = Metrics(queue_depth=lambda: len(self._queue), queue_chunks=lambda: self._queue.chunks,
+                               replicas=getattr(backend, "replica_status", None))  # data-parallel replicas
         self._arrived = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()

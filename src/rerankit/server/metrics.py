@@ -1,18 +1,27 @@
 """Server metrics in the Prometheus text format (0.0.4), without a client library.
 
-All updates happen on the event loop's thread (routes and the batcher's dispatcher), so no lock is needed.
+All updates happen on the event loop's thread (routes and the batcher's dispatcher), so no lock is needed. The
+data-parallel replicas' figures are the backend's own (``DataParallelBackend.replica_status``), read at each scrape.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
 from collections import defaultdict
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 # up to minutes: a large request on a CPU, or one queued behind others under load, runs that long
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
                      300.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# A data-parallel replica's states (``ReplicaStatus.state``): every one is reported, at 0 too, so alerts find them.
+REPLICA_STATES = ("ready", "starting", "down")
+
+
+def replica_counts(replicas: Sequence[Any]) -> dict[str, int]:
+    """How many of ``replicas`` (``ReplicaStatus``) are in each state."""
+    states = [replica.state for replica in replicas]
+    return {state: states.count(state) for state in REPLICA_STATES}
 
 
 class Histogram:
@@ -43,11 +52,14 @@ class Histogram:
 
 
 class Metrics:
-    """Requests, items, tokens, latency per route; batches sent to the engine; queue depth."""
+    """Requests, items, tokens, latency per route; batches sent to the engine; queue depth; with ``replicas`` (a
+    data-parallel backend's ``replica_status``), its replicas by state and their failures."""
 
-    def __init__(self, queue_depth: Callable[[], int], queue_chunks: Callable[[], int]) -> None:
+    def __init__(self, queue_depth: Callable[[], int], queue_chunks: Callable[[], int],
+                 replicas: Callable[[], Sequence[Any]] | None = None) -> None:
         self.queue_depth = queue_depth
         self.queue_chunks = queue_chunks
+        self.replicas = replicas
         self.requests: dict[tuple[str, int], int] = defaultdict(int)
         self.items: dict[str, int] = defaultdict(int)
         self.prompt_tokens: dict[str, int] = defaultdict(int)
@@ -116,4 +128,21 @@ class Metrics:
         lines += self.batch_requests.lines("rerankit_batch_requests")
         lines += ["# HELP rerankit_batch_items Items in one batch.", "# TYPE rerankit_batch_items histogram"]
         lines += self.batch_items.lines("rerankit_batch_items")
+        if self.replicas is not None:
+            lines += self.replica_lines(self.replicas())
         return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def replica_lines(replicas: Sequence[Any]) -> list[str]:
+        """The data-parallel replicas' metrics: how many are in each state, and each one's failures by cause."""
+        lines = ["# HELP rerankit_replicas Data-parallel engine replicas by state: ready (taking work), starting "
+                 "(loading the model, at start or after a restart), down (for good, not restarted).",
+                 "# TYPE rerankit_replicas gauge"]
+        lines += [f'rerankit_replicas{{state="{state}"}} {count}' for state, count in replica_counts(replicas).items()]
+        lines += ["# HELP rerankit_replica_failures_total Data-parallel replica failures by replica and cause: died "
+                  "(its process ended), timed_out (killed after replica_timeout_s without a reply), failed_to_start "
+                  "(ended or failed to load before it was ready).",
+                  "# TYPE rerankit_replica_failures_total counter"]
+        lines += [f'rerankit_replica_failures_total{{replica="{replica.index}",cause="{cause}"}} {count}'
+                  for replica in replicas for cause, count in replica.failures.items()]
+        return lines
