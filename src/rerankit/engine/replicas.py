@@ -502,8 +502,8 @@ class DataParallelBackend:
         held = len(replica.tasks)
         restart = replica.restarts <= MAX_RESTARTS
         log.error("%s", ReplicaDied(f"replica {replica.index} on {replica.device} died ({how}) holding {held} "
-                                    f"task(s); {'restarting it' if restart else 'it stays down'} "
-                                    f"(restart {replica.restarts} of {MAX_RESTARTS})"))
+                                    f"task(s); " + (f"restarting it (restart {replica.restarts} of {MAX_RESTARTS})"
+                                                    if restart else f"it stays down ({MAX_RESTARTS} restarts used)")))
         replica.replies.close()
         replica.inbox.close()
         replica.inbox.cancel_join_thread()
