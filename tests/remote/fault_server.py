@@ -6,6 +6,8 @@ counted in ``abandoned``), bytes dripped one at a time, a wrong or oversized bod
 an HTTP status with a vLLM error body (and ``Retry-After``). "ok" answers ``/generative_scoring`` with
 score = item number / 1000 ("drip-ok": the same answer, a byte at a time). ``GET /health`` answers ``health``
 (a status, or "hang": no answer), counted in ``health_hits``. Each POST's headers and body are kept in ``posts``.
+Other GETs (discovery probes, their paths kept in ``gets``) answer 404, or, once ``probes`` is set, its statuses
+first, one a GET ("503:2": with ``Retry-After: 2``; "hang": no answer), then what vLLM publishes (``VLLM_PROBES``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ HUGE_BYTES = 64 * 2**20
 COMPRESSED_OK = ("gzip-ok", "deflate-ok", "raw-deflate-ok")
 # How long a hanging handler waits at most (the server's stop ends it sooner).
 HANG_SECONDS = 30.0
+# What a vLLM server serving "fault-model" answers to the discovery probes.
+VLLM_PROBES = {
+    "/openapi.json": {"openapi": "3.1.0", "paths": {path: {} for path in ("/generative_scoring", "/score", "/health")}},
+    "/v1/models": {"object": "list", "data": [{"id": "fault-model", "object": "model", "owned_by": "vllm"}]},
+}
 
 
 def items(count: int) -> list[str]:
@@ -60,6 +67,8 @@ class FaultServer(ThreadingHTTPServer):
         self.abandoned = 0  # "hold" requests whose client closed the connection
         self.health = "200"
         self.health_hits = 0
+        self.probes: deque[str] | None = None  # see the module's docstring
+        self.gets: list[str] = []
         self.posts: list[tuple[dict[str, str], dict]] = []  # each POST's headers (names lowercased) and body
         self.lock = threading.Lock()
         self.stopping = threading.Event()
@@ -103,7 +112,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         if self.path != "/health":
-            self._send_json(404, {"error": {"message": "not found", "type": "NotFound", "param": None, "code": 404}})
+            self._probe()
             return
         with self.server.lock:
             self.server.health_hits += 1
@@ -112,6 +121,23 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         self._send_json(int(self.server.health), {})
+
+    def _probe(self) -> None:
+        with self.server.lock:
+            self.server.gets.append(self.path)
+            script = self.server.probes
+            fault = script.popleft() if script else None
+        if fault == "hang":
+            self.server.stopping.wait(HANG_SECONDS)
+            self.close_connection = True
+        elif fault is not None:
+            status, _, retry_after = fault.partition(":")
+            error = {"error": {"message": f"fault {status}", "type": "Fault", "param": None, "code": int(status)}}
+            self._send_json(int(status), error, {"Retry-After": retry_after} if retry_after else {})
+        elif script is not None and self.path in VLLM_PROBES:
+            self._send_json(200, VLLM_PROBES[self.path])
+        else:
+            self._send_json(404, {"error": {"message": "not found", "type": "NotFound", "param": None, "code": 404}})
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))

@@ -214,12 +214,21 @@ def test_discovery_goes_on_to_the_next_url_when_one_answers_nothing_useful(statu
 @pytest.mark.parametrize(("status", "advice"), [(401, "check api_key"), (503, "still starting"),
                                                 (404, "pass dialect=")])
 def test_every_probe_refused_with_one_status_names_it(status, advice):
-    transport = httpx.MockTransport(lambda request: httpx.Response(status, json={"error": {"message": "no"}}))
-    with RemoteBackend(["http://a:8000", "http://b:8000"], transport=transport) as remote:
+    """A starting server's 503 is asked again (max_retries=3: 4 rounds of probes), a 401 or 404 is not."""
+    asked = []
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.path)
+        return httpx.Response(status, json={"error": {"message": "no"}})
+
+    transport = httpx.MockTransport(refuse)
+    with RemoteBackend(["http://a:8000", "http://b:8000"], transport=transport, backoff_base=0) as remote:
         with pytest.raises(RemoteError) as error:
             remote.score(ScoreRequest(query="q", items=DOCS[:2]))
-    assert f"http://a:8000, http://b:8000 answered {status} to every discovery probe" in str(error.value)
+    assert str(error.value).startswith(f"HTTP {status} from http://a:8000, http://b:8000: every discovery probe "
+                                       "(/openapi.json, /v1/models, /info) got ")
     assert advice in str(error.value) and error.value.status_code == status
+    assert len(asked) == 2 * 3 * (4 if status == 503 else 1)
 
 
 def test_no_discovered_route_accepting_the_request_gives_the_first_refusal():

@@ -6,6 +6,7 @@ hang, fail until the end of time; every item comes back exactly once or the call
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -218,28 +219,19 @@ async def test_waiting_for_a_request_slot_does_not_count_against_a_try(servers, 
     assert server.hits == 10
 
 
-@pytest.mark.parametrize("side", ["sync", "async"])
-def test_a_probe_that_outlasts_the_deadline_names_the_deadline(servers, side):
-    """A discovery GET to a server that never answers ends with the deadline's error, naming its URL (the probe
-    path's own error; it does not retry)."""
-    import asyncio
-
-    from rerankit.remote.client import ClientConfig, Transport
-    from rerankit.remote.deadline import Deadline
+@pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+async def test_a_probe_that_outlasts_the_deadline_names_the_deadline(servers, use_async):
+    """A discovery GET to a server that never answers ends at the deadline, with discovery's error naming the URL,
+    what went wrong and the deadline (the GET itself does not retry)."""
+    from collections import deque
 
     far = servers()
-    far.health = "hang"
-    transport = Transport([far.url], ClientConfig(timeout=Timeout(read=5.0)))
-    deadline = Deadline(0.3)
-    try:
-        expected = r"deadline of 0.3 s passed after 1 tries \(http://127\.0\.0\.1:\d+/health\)"
-        with pytest.raises(RemoteError, match=expected):
-            if side == "sync":
-                transport.get(far.url, "/health", deadline)
-            else:
-                asyncio.run(transport.aget(far.url, "/health", deadline))
-    finally:
-        transport.close()
+    far.probes = deque(["hang"])
+    error, took = await timed_score(far.url, use_async, deadline=0.3, timeout=Timeout(read=5.0), dialect=None)
+    assert isinstance(error, RemoteError), error
+    assert re.fullmatch(rf"cannot reach {far.url} to discover its dialect \(no complete answer within 0\.3 s\), "
+                        r"1 try in 0\.\d s \(deadline 0\.3 s\): is the server up\?", str(error)), str(error)
+    assert took < 0.3 + SLACK and far.gets == ["/openapi.json"]
 
 
 @pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])

@@ -6,7 +6,6 @@ error that ends the call). The transport's sync and async paths share every one 
 from __future__ import annotations
 
 import asyncio
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -17,7 +16,7 @@ from rerankit.remote.deadline import Deadline, Window
 from rerankit.remote.dialects import read_error
 from rerankit.remote.dialects.common import param_first
 from rerankit.remote.endpoints import Endpoints
-from rerankit.remote.reply import Answer
+from rerankit.remote.reply import Answer, retry_after_of
 
 if TYPE_CHECKING:
     from rerankit.remote.client import ClientConfig
@@ -69,15 +68,6 @@ def failure_of_answer(answer: Answer) -> Failure | None:
     status = answer.status
     return Failure(message=message, retryable=status == 429 or status >= 500, status=status,
                     retry_after=retry_after_of(answer.headers), body=text, param=param)
-
-
-def retry_after_of(headers: httpx.Headers) -> float | None:
-    """``Retry-After`` in seconds (the HTTP-date form is left to the backoff)."""
-    try:
-        seconds = float(headers.get("retry-after", ""))
-    except ValueError:
-        return None
-    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 def expired_error(deadline: Deadline, tries: int, tried: Sequence[str], last: str | None) -> RemoteError:

@@ -81,7 +81,8 @@ class RemoteBackend:
         deadline = self.transport.deadline()
         if self._discovery is None and (self._dialect is None or self._model_unknown(request)):
             self._learn(discover(partial(self.transport.get, deadline=deadline), self.transport.endpoints.order(),
-                                 model_only=self._dialect is not None))
+                                 model_only=self._dialect is not None, config=self.transport.config,
+                                 deadline=deadline))
         dialect, path, chunks, bodies = self._encode(request)
         return self._decode(dialect, chunks, self.transport.post_all(path, bodies, deadline))
 
@@ -90,13 +91,15 @@ class RemoteBackend:
         deadline = self.transport.deadline()
         if self._discovery is None and (self._dialect is None or self._model_unknown(request)):
             get = partial(self.transport.aget, deadline=deadline)
-            self._learn(await adiscover(get, self.transport.endpoints.order(), model_only=self._dialect is not None))
+            self._learn(await adiscover(get, self.transport.endpoints.order(), model_only=self._dialect is not None,
+                                        config=self.transport.config, deadline=deadline))
         dialect, path, chunks, bodies = self._encode(request)
         return self._decode(dialect, chunks, await self.transport.apost_all(path, bodies, deadline))
 
     async def aserved_model(self, seconds: float = 2.0) -> str | None:
         """The server's model: the one given or learnt, else the first of its ``/v1/models``, asked now within
-        ``seconds`` (a server that lists none is not asked again); None when nothing names it."""
+        ``seconds``, once, without waiting for a starting server (a server that lists none is not asked again; one
+        that could not answer is, next time); None when nothing names it."""
         if self._model is None and self._served_model is None:
             get = partial(self.transport.aget, deadline=Deadline(seconds))
             try:

@@ -76,7 +76,8 @@ class ClientConfig:
     """How the transport retries, waits and limits itself.
 
     ``deadline`` bounds a whole call (every try, wait and endpoint; None: only each try's ``timeout``).
-    Retries go to connect errors, timeouts, broken responses, 429 and 5xx, never to other 4xx.
+    Retries go to connect errors, timeouts, broken responses, 429 and 5xx, never to other 4xx; so do the rounds of
+    discovery probes made while a server starts (``rerankit.remote.discover``).
     The n-th retry waits ``backoff_base * 2**(n-1)`` seconds with jitter (or the server's ``Retry-After``),
     at most ``backoff_max``; a retry that fails over to a live endpoint not yet tried does not wait, and a retry
     whose wait would outlast the deadline is not made.
@@ -364,13 +365,14 @@ class Transport:
         return [task.result() for task in tasks]
 
     def get(self, base_url: str, path: str, deadline: Deadline | None = None) -> Reply:
-        """One GET (no retries), for discovery: ``Reply(None)`` when unreachable, ``RemoteError`` past the deadline."""
+        """One GET (no retries: discovery makes them), for discovery: ``Reply(None, error=...)`` when unreachable
+        or past the deadline (``expired``)."""
         deadline = deadline or self.deadline()
         window = Window.open(deadline, self.config.timeout.read)
         try:
             return probe_reply(self._exchange("GET", base_url + path, None, window))
         except httpx.RequestError as exc:
-            return self._unreachable(exc, deadline, window, base_url + path)
+            return self._unreachable(exc, window)
 
     async def aget(self, base_url: str, path: str, deadline: Deadline | None = None) -> Reply:
         """Async twin of ``get``."""
@@ -379,14 +381,12 @@ class Transport:
         try:
             return probe_reply(await self._aexchange("GET", base_url + path, None, window))
         except (httpx.RequestError, asyncio.TimeoutError) as exc:
-            return self._unreachable(exc, deadline, window, base_url + path)
+            return self._unreachable(exc, window)
 
     @staticmethod
-    def _unreachable(exc: Exception, deadline: Deadline, window: Window, url: str) -> Reply:
+    def _unreachable(exc: Exception, window: Window) -> Reply:
         failure = failure_of_exception(exc, window)
-        if failure.expired:
-            raise expired_error(deadline, 1, [url], failure.message)
-        return Reply(None)
+        return Reply(None, error=failure.message, transient=failure.retryable, expired=failure.expired)
 
     def close(self) -> None:
         """Close the connection pools and the worker threads."""

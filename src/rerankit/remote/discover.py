@@ -1,23 +1,36 @@
 """Which dialects a server speaks, read from what it publishes: the paths of ``/openapi.json`` (NVIDIA NIM's
 ``/v1/ranking`` among them), the owner in ``/v1/models``, TEI's ``/info``; and, for a client told its dialect, only
 the served model from ``/v1/models``.
-Results are cached per base URL for the life of the process.
 
-The probing is written once, as a generator that yields the path to GET and is sent back the ``Reply``;
-``discover`` and ``adiscover`` only drive it with sync or async I/O.
+A server that answers as one still starting does (no connection, 429 or 5xx) is asked again as a scoring call's
+tries are: after the config's backoff or its ``Retry-After``, up to ``max_retries`` times, within the call's
+deadline; a definite answer (401, 403, 404, paths no dialect has) is not waited for. Results are cached per base
+URL for the life of the process, but never one read while a probe got a starting server's answer.
+
+The search is written once, as generators: a probe yields the path to GET and is sent back the ``Reply``; the
+search yields (base URL, path) to GET, or the seconds to wait before the next round. ``discover`` and ``adiscover``
+only drive it with sync or async I/O.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Generator, Iterable, Sequence
+from typing import TYPE_CHECKING, Awaitable, Callable, Generator, Iterable, Optional, Sequence, Union
 
 from rerankit.errors import RemoteError
+from rerankit.remote.deadline import Deadline
 from rerankit.remote.reply import Reply
+
+if TYPE_CHECKING:
+    from rerankit.remote.client import ClientConfig
 
 Route = tuple[str, str]  # (dialect name, path)
 Probe = Generator[str, Reply, "Discovery"]
+Step = Union[tuple[str, str], float]  # what the search asks for: a (base URL, path) to GET, or seconds to wait
+Search = Generator[Step, Optional[Reply], "Discovery"]
 
 _SGLANG_PATHS = {"/get_model_info", "/get_server_info", "/server_info", "/flush_cache"}
 _TEI_PATHS = {"/embed", "/embed_all", "/predict"}
@@ -29,7 +42,6 @@ _OWNER_ROUTES: dict[str, tuple[Route, ...]] = {
 # Routes a family offers beyond what its paths tell: ``rerankit serve`` speaks SGLang's /v1/score too (its path is
 # vLLM's as well), the one route that answers every label's probability and pooled hidden states.
 _OWNER_EXTRA_ROUTES: dict[str, tuple[Route, ...]] = {"rerankit": (("sglang-score", "/v1/score"),)}
-PROBED = ("/openapi.json", "/v1/models", "/info")
 
 
 @dataclass(frozen=True)
@@ -106,89 +118,141 @@ def _found_model(base_url: str, discovery: Discovery) -> Discovery:
     return discovery
 
 
-def _unreachable(base_urls: Sequence[str]) -> RemoteError:
-    return RemoteError(f"cannot reach {', '.join(base_urls)} to discover its dialect; is the server up?")
+def _search(base_urls: Sequence[str], model_only: bool, config: ClientConfig | None, deadline: Deadline) -> Search:
+    """Rounds of probes over ``base_urls``, URL after URL: a URL that answers nothing useful (an error status to
+    every probe, or paths no dialect has) hands over to the next; the first that shows its routes (its model, for a
+    model-only search) is the answer. A round without one is followed by another while a URL answered as a starting
+    server does and ``config`` allows (``_next_wait``); else, or once the deadline passes during a probe, the error
+    says why (``_gave_up``)."""
+    cache, probe_of, found = _MODEL_ONLY if model_only else _FULL
+    started, tries, replies = time.monotonic(), 0, {}
+    while True:
+        tries += 1
+        previous, replies = replies, {}  # each URL's (path, reply) in the last round and in this one
+        fallback: tuple[str, Discovery] | None = None  # model-only: the first URL sure to name no model
+        for base_url in base_urls:
+            if base_url in cache:
+                return cache[base_url]
+            seen = replies[base_url] = []
+            discovery = yield from _ask(base_url, probe_of(), seen)
+            if discovery is None and seen[-1][1].expired:  # what the last round saw, and this one so far
+                report = {url: previous.get(url, []) + replies.get(url, []) for url in {**previous, **replies}}
+                raise _gave_up(base_urls, report, tries, time.monotonic() - started,
+                               f"deadline {deadline.seconds:g} s", model_only)
+            if discovery is None:  # unreachable
+                continue
+            sure = not any(reply.retryable for _, reply in seen)  # kept only when no probe got a starting answer
+            if model_only:
+                if discovery.model is not None:
+                    return found(base_url, discovery)
+                fallback = fallback or ((base_url, discovery) if sure else None)
+            elif discovery.routes:
+                return found(base_url, discovery) if sure else discovery
+        if fallback is not None:
+            return found(*fallback)
+        wait, limit = _next_wait(config, deadline, tries, replies)
+        if wait is None:
+            raise _gave_up(base_urls, replies, tries, time.monotonic() - started, limit, model_only)
+        yield wait
 
 
-class _Search:
-    """One discovery over ``base_urls``, URL after URL: a URL that answers nothing useful (an error status to every
-    probe, or paths no dialect has) hands over to the next; the first that shows its routes (its model, for a
-    model-only discovery) is the answer. ``discover`` and ``adiscover`` drive each URL's probe and hand its end to
-    ``done``."""
-
-    def __init__(self, base_urls: Sequence[str], model_only: bool) -> None:
-        self.base_urls = list(base_urls)
-        self.model_only = model_only
-        self.cache, self.probe_of, self.found = _MODEL_ONLY if model_only else _FULL
-        self.statuses: dict[str, list[int]] = {}  # each reachable URL's probe statuses
-        self.fallback: tuple[str, Discovery] | None = None  # model-only: the first reachable URL's answer
-
-    def done(self, base_url: str, discovery: Discovery, statuses: list[int]) -> Discovery | None:
-        """The answer, once ``base_url``'s probe has ended with ``discovery``; None to go on to the next URL."""
-        self.statuses[base_url] = statuses
-        if self.model_only:
-            if discovery.model is not None:
-                return self.found(base_url, discovery)
-            self.fallback = self.fallback or (base_url, discovery)
-            return None
-        return self.found(base_url, discovery) if discovery.routes else None
-
-    def failed(self) -> Discovery:
-        """What is left when no URL answered: the first reachable URL's for a model-only discovery, else an error
-        saying why (every probe refused with one status, or no dialect found)."""
-        if self.fallback is not None:
-            return self.found(*self.fallback)
-        if not self.statuses:
-            raise _unreachable(self.base_urls)
-        seen = {status for statuses in self.statuses.values() for status in statuses}
-        urls = ", ".join(self.statuses)
-        if len(seen) == 1 and (status := seen.pop()) >= 400:
-            why = ("check api_key" if status in (401, 403) else
-                   "is it still starting? retry later, or pass dialect=" if status in (429, 500, 502, 503, 504) else
-                   "pass dialect=")
-            raise RemoteError(f"{urls} answered {status} to every discovery probe ({', '.join(PROBED)}): {why}",
-                              status)
-        raise RemoteError(f"could not tell which dialect {urls} speaks (probed {', '.join(PROBED)}); pass dialect=")
+def _ask(base_url: str, probe: Probe, seen: list[tuple[str, Reply]]) -> Generator[Step, Reply, Discovery | None]:
+    """``probe`` run against ``base_url``, each (path, reply) added to ``seen``: what it found, None when
+    unreachable."""
+    try:
+        path = next(probe)
+        while True:
+            reply = yield base_url, path
+            seen.append((path, reply))
+            if reply.status is None:
+                return None
+            path = probe.send(reply)
+    except StopIteration as ended:
+        return ended.value
 
 
-def discover(get: Callable[[str, str], Reply], base_urls: Sequence[str], *, model_only: bool = False) -> Discovery:
+def _next_wait(config: ClientConfig | None, deadline: Deadline, tries: int,
+               replies: dict[str, list[tuple[str, Reply]]]) -> tuple[float | None, str]:
+    """Seconds to wait before the next round, as a scoring call waits before its next try; else None, with the
+    limit reached (none where no URL answered as a starting server does)."""
+    starting = [reply for seen in replies.values() for _, reply in seen if reply.retryable]
+    if config is None or not starting:
+        return None, ""
+    if tries > config.max_retries:
+        return None, f"max_retries={config.max_retries}"
+    retry_after = min((reply.retry_after for reply in starting if reply.retry_after is not None), default=None)
+    wait = config.backoff(tries, retry_after)
+    if wait >= deadline.left():
+        return None, f"deadline {deadline.seconds:g} s" + (f", Retry-After {retry_after:g} s" if retry_after else "")
+    return wait, ""
+
+
+def _gave_up(base_urls: Sequence[str], replies: dict[str, list[tuple[str, Reply]]], tries: int, waited: float,
+             limit: str, model_only: bool) -> RemoteError:
+    """Why no URL showed its routes (its model): none reached, one status to every probe, or no dialect found; with
+    the tries made and the time waited where the server was waited for."""
+    what, skip = ("its served model", "served_model=") if model_only else ("its dialect", "dialect=")
+    tried = f", {tries} {'try' if tries == 1 else 'tries'} in {waited:.1f} s ({limit})" if limit else ""
+    reached = {url: [(path, reply) for path, reply in seen if reply.status is not None]
+               for url, seen in replies.items()}
+    reached = {url: seen for url, seen in reached.items() if seen}
+    if not reached:
+        unreached = [reply for seen in replies.values() for _, reply in seen if reply.error]
+        errors = [reply.error for reply in unreached if not reply.expired] or [reply.error for reply in unreached]
+        why = f" ({errors[-1]})" if errors else ""
+        return RemoteError(f"cannot reach {', '.join(base_urls)} to discover {what}{why}{tried}: is the server "
+                           "up?", url=", ".join(base_urls))
+    urls = ", ".join(reached)
+    paths = ", ".join(dict.fromkeys(path for seen in reached.values() for path, _ in seen))
+    answers = [reply for seen in reached.values() for _, reply in seen]
+    statuses = sorted({reply.status for reply in answers if reply.status is not None})
+    if len(statuses) == 1 and (status := statuses[0]) >= 400:
+        why = ("check api_key" if status in (401, 403) else
+               f"is the server still starting? Give it longer (deadline=, max_retries=) or pass {skip}"
+               if answers[-1].retryable else f"pass {skip}")
+        retry_after = min((reply.retry_after for reply in answers if reply.retry_after is not None), default=None)
+        return RemoteError(f"every discovery probe ({paths}) got {status}{tried}: {why}", status, urls,
+                           retry_after=retry_after)
+    got = ", ".join(str(status) for status in statuses)
+    return RemoteError(f"could not tell which dialect {urls} speaks (probed {paths}: got {got}){tried}; pass {skip}")
+
+
+def discover(get: Callable[[str, str], Reply], base_urls: Sequence[str], *, model_only: bool = False,
+             config: ClientConfig | None = None, deadline: Deadline | None = None) -> Discovery:
     """The routes and model (cached) of the first server that shows them; ``get(base_url, path)`` does the I/O.
 
     ``model_only``: ask ``/v1/models`` only, for a client that was told its dialect (no routes are then found).
+    ``config``: wait for a starting server per its ``max_retries`` and backoff, within ``deadline`` (None: one
+    round of probes).
     """
-    search = _Search(base_urls, model_only)
-    for base_url in base_urls:
-        if base_url in search.cache:
-            return search.cache[base_url]
-        probe, statuses = search.probe_of(), []
-        path = next(probe)
+    search, sent = _search(list(base_urls), model_only, config, deadline or Deadline(None)), None
+    while True:
         try:
-            while (reply := get(base_url, path)).status is not None:
-                statuses.append(reply.status)
-                path = probe.send(reply)
+            step = search.send(sent)
         except StopIteration as ended:
-            if (answer := search.done(base_url, ended.value, statuses)) is not None:
-                return answer
-    return search.failed()
+            return ended.value
+        if isinstance(step, tuple):
+            sent = get(*step)
+        else:
+            time.sleep(step)
+            sent = None
 
 
 async def adiscover(aget: Callable[[str, str], Awaitable[Reply]], base_urls: Sequence[str], *,
-                    model_only: bool = False) -> Discovery:
+                    model_only: bool = False, config: ClientConfig | None = None,
+                    deadline: Deadline | None = None) -> Discovery:
     """Async twin of ``discover``."""
-    search = _Search(base_urls, model_only)
-    for base_url in base_urls:
-        if base_url in search.cache:
-            return search.cache[base_url]
-        probe, statuses = search.probe_of(), []
-        path = next(probe)
+    search, sent = _search(list(base_urls), model_only, config, deadline or Deadline(None)), None
+    while True:
         try:
-            while (reply := await aget(base_url, path)).status is not None:
-                statuses.append(reply.status)
-                path = probe.send(reply)
+            step = search.send(sent)
         except StopIteration as ended:
-            if (answer := search.done(base_url, ended.value, statuses)) is not None:
-                return answer
-    return search.failed()
+            return ended.value
+        if isinstance(step, tuple):
+            sent = await aget(*step)
+        else:
+            await asyncio.sleep(step)
+            sent = None
 
 
 # (cache, probe, what records a result) of a full discovery and of a served-model one.

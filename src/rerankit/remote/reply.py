@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -110,17 +111,40 @@ def parse_json(answer: Answer) -> Any:
         raise RemoteError("response is not JSON", answer.status, answer.url, answer.text[:2000]) from None
 
 
+def retry_after_of(headers: httpx.Headers) -> float | None:
+    """``Retry-After`` in seconds (the HTTP-date form is left to the backoff)."""
+    try:
+        seconds = float(headers.get("retry-after", ""))
+    except ValueError:
+        return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
+
+
 @dataclass(frozen=True)
 class Reply:
-    """A discovery probe's answer: HTTP status (None when unreachable) and JSON body (None when not JSON)."""
+    """A discovery probe's answer: HTTP status (None when unreachable), JSON body (None when not JSON), and its
+    ``Retry-After`` in seconds; when unreachable, why (``error``), whether another try may fare better
+    (``transient``: a refused connection or a timeout, as a scoring call's tries have it) and whether the call's
+    deadline passed while it was waited for (``expired``)."""
 
     status: int | None
     body: Any = None
+    retry_after: float | None = None
+    error: str | None = None
+    transient: bool = False
+    expired: bool = False
+
+    @property
+    def retryable(self) -> bool:
+        """What a starting or busy server answers, asked again as a scoring call's try would be: no connection,
+        429 or 5xx."""
+        return self.transient if self.status is None else self.status == 429 or self.status >= 500
 
 
 def probe_reply(answer: Answer) -> Reply:
     """The ``Reply`` of a discovery probe's answer."""
     try:
-        return Reply(answer.status, answer.json())
+        body = answer.json()
     except (ValueError, RecursionError):
-        return Reply(answer.status)
+        body = None
+    return Reply(answer.status, body, retry_after_of(answer.headers))
