@@ -187,6 +187,29 @@ def test_discovery_is_cached_per_base_url():
     assert [r.url.path for r in server.requests if r.method == "GET"] == ["/openapi.json", "/v1/models"]
 
 
+def test_a_model_hidden_from_a_wrong_key_is_read_again_with_the_right_one():
+    """/v1/models refused a wrong key (401): that says nothing about the model, so it is not cached as "none"."""
+    def cohere(request: httpx.Request) -> httpx.Response:
+        if request.headers.get("authorization") != "Bearer right":
+            return httpx.Response(401, json={"message": "invalid api token"})
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "rerank-v3.5"}]})
+        body = json.loads(request.content)
+        if "model" not in body:
+            return httpx.Response(400, json={"message": "model is required"})
+        return httpx.Response(200, json={"results": [{"index": i, "relevance_score": 0.5}
+                                                     for i in range(len(body["documents"]))]})
+
+    def keyed(key: str) -> RemoteBackend:
+        return RemoteBackend("http://keyed:8000", dialect="cohere", api_key=key, transport=httpx.MockTransport(cohere))
+
+    with keyed("wrong") as remote, pytest.raises(RemoteError) as refused:
+        remote.score(ScoreRequest(query="q", items=DOCS[:2]))
+    assert refused.value.status_code == 401
+    with keyed("right") as remote:
+        assert remote.score(ScoreRequest(query="q", items=DOCS[:2])).scores == [0.5, 0.5]
+
+
 def test_unknown_server_asks_for_a_dialect():
     with backend(FakeServer()) as remote:
         with pytest.raises(RemoteError, match="pass dialect="):

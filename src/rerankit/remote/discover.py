@@ -5,7 +5,7 @@ the served model from ``/v1/models``.
 A server that answers as one still starting does (no connection, 429 or 5xx) is asked again as a scoring call's
 tries are: after the config's backoff or its ``Retry-After``, up to ``max_retries`` times, within the call's
 deadline; a definite answer (401, 403, 404, paths no dialect has) is not waited for. Results are cached per base
-URL for the life of the process, but never one read while a probe got a starting server's answer.
+URL for the life of the process, but never one read while a probe got a starting server's answer or a 401 or 403.
 
 The search is written once, as generators: a probe yields the path to GET and is sent back the ``Reply``; the
 search yields (base URL, path) to GET, or the seconds to wait before the next round. ``discover`` and ``adiscover``
@@ -141,7 +141,9 @@ def _search(base_urls: Sequence[str], model_only: bool, config: ClientConfig | N
                                f"deadline {deadline.seconds:g} s", model_only)
             if discovery is None:  # unreachable
                 continue
-            sure = not any(reply.retryable for _, reply in seen)  # kept only when no probe got a starting answer
+            # Kept only when every probe got an answer about the server, not one of a server still starting (429,
+            # 5xx) or a refusal of the credentials (401, 403: another key may read more).
+            sure = not any(reply.retryable or reply.status in (401, 403) for _, reply in seen)
             if model_only:
                 if discovery.model is not None:
                     return found(base_url, discovery)
