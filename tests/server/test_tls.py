@@ -1,12 +1,14 @@
 """``rerankit serve --ssl-certfile``: HTTPS with a certificate of a CA made for the test, the remote client trusting
-that CA through $SSL_CERT_FILE, mutual TLS with ``--ssl-ca-certs``, and files that do not load refused before the
-model loads."""
+that CA through $SSL_CERT_FILE, mutual TLS with ``--ssl-ca-certs``, files that do not load refused before the
+model loads, and sockets in their handshake counted against the connection limit (on the server of ``serve``, run
+in a thread)."""
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
 import json
+import selectors
 import signal
 import socket
 import subprocess
@@ -22,7 +24,14 @@ from cryptography import x509  # noqa: E402
 from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
 from cryptography.x509.oid import NameOID  # noqa: E402
+from live_server import loopback_listener, serving  # noqa: E402
+from server_fakes import RecordingBackend  # noqa: E402
 from test_cli import CHILD_ENV, DOCUMENTS, QUERY, rerankit_cli  # noqa: E402
+
+from rerankit.server.app import create_app  # noqa: E402
+from rerankit.server.connections import uvicorn_config  # noqa: E402
+from rerankit.server.limits import ServerConfig  # noqa: E402
+from rerankit.server.shutdown import DrainingServer  # noqa: E402
 
 
 def _name(common: str) -> x509.Name:
@@ -166,3 +175,49 @@ def test_a_certificate_with_the_wrong_key_is_refused(pki):
     completed = rerankit_cli("serve", "--model", "/no/such/model", "--ssl-certfile", str(pki / "server.pem"),
                              "--ssl-keyfile", str(pki / "client.key"))
     assert completed.returncode == 2 and "--ssl-certfile and --ssl-keyfile: cannot load" in completed.stderr
+
+
+def _closed_by_server(sockets: list[socket.socket], within_s: float) -> int:
+    """How many of ``sockets`` the server closed (EOF or reset) within ``within_s`` seconds."""
+    with selectors.DefaultSelector() as selector:
+        for sock in sockets:
+            selector.register(sock, selectors.EVENT_READ)
+        closed, deadline = 0, time.monotonic() + within_s
+        while closed < len(sockets) and time.monotonic() < deadline:
+            for key, _ in selector.select(timeout=max(0.0, deadline - time.monotonic())):
+                try:
+                    data = key.fileobj.recv(1)
+                except ConnectionError:
+                    data = b""
+                if not data:
+                    selector.unregister(key.fileobj)
+                    closed += 1
+    return closed
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_sockets_that_never_start_their_handshake_count_against_max_connections(pki, loop):
+    """Over the limit, the socket that has waited longest in its handshake makes room, as an idle plain-HTTP
+    connection does (the header timeout is far off); a client that does its handshake is then answered."""
+    if loop == "uvloop":
+        pytest.importorskip("uvloop")
+    config = ServerConfig(max_connections=4, header_timeout_s=60, warm_up=False)
+    app = create_app(RecordingBackend(), config)
+    listener = loopback_listener()
+    port = listener.getsockname()[1]
+    server = DrainingServer(uvicorn_config(app, config, log_level="warning", loop=loop,
+                                           ssl_certfile=str(pki / "server.pem"), ssl_keyfile=str(pki / "server.key")),
+                            app.state.batcher, config.drain_seconds, config.header_timeout_s)
+    with serving(server, listener):
+        silent = []
+        try:
+            for _ in range(40):
+                silent.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+            assert _closed_by_server(silent[:-4], within_s=5) == 36, "sockets in their handshake were not counted"
+            answer = httpx.get(f"https://127.0.0.1:{port}/health", verify=str(pki / "ca.pem"), timeout=10)
+            assert answer.status_code == 200
+            assert _closed_by_server(silent[-4:-3], within_s=5) == 1, "the client made no room"
+            assert _closed_by_server(silent[-3:], within_s=0.2) == 0, "more than one made room"
+        finally:
+            for sock in silent:
+                sock.close()

@@ -4,7 +4,7 @@ uvicorn's own ``limit_concurrency`` answers a plain-text 503, counts a connectio
 open keep-alive connection can be refused later) and lets idle sockets lock clients out; uvicorn has a keep-alive
 timeout but no deadline for a request's headers: a client that connects and sends nothing, or drips a header byte
 a second (slowloris), keeps its socket for ever. ``guarded_protocol`` adds both to uvicorn's HTTP protocol
-(httptools or h11).
+(httptools or h11). Over HTTPS, a socket still in its TLS handshake is counted too (``handshakes.py``).
 """
 
 from __future__ import annotations
@@ -32,8 +32,10 @@ class _ConnectionGuard:
     header_timeout_s: float
     over_capacity: Any  # the ASGI app that answers a connection over the limit
     # The server's connections by when they began to wait for a request, oldest first (a dict as an ordered set);
-    # one that has a request running may still be in it, and is dropped when met at the front.
+    # one that has a request running may still be in it, and is dropped when met at the front. Each has
+    # ``make_room()``: this class's connections, and the ``handshakes``.
     waiting: dict[Any, None]
+    handshakes: set[Any]  # HTTPS sockets whose TLS handshake is under way (``handshakes.Handshake``): counted too
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
@@ -42,7 +44,8 @@ class _ConnectionGuard:
         # Counted as the connection opens: a connection let in is never refused later. Over the limit, the
         # connection that has waited longest for a request makes room (idle sockets cannot lock clients out); the
         # new one is refused only when every other connection has a request running.
-        if len(self.connections) > self.max_connections and not self._close_longest_waiting():  # type: ignore
+        open_now = len(self.connections) + len(self.handshakes)  # type: ignore[attr-defined]
+        if open_now > self.max_connections and not close_longest_waiting(self.waiting, self):
             self.app = self.over_capacity
 
     def on_response_complete(self) -> None:
@@ -104,20 +107,29 @@ class _ConnectionGuard:
         elif not self.transport.is_closing():  # type: ignore[attr-defined]
             self.transport.close()  # type: ignore[attr-defined]
 
-    def _close_longest_waiting(self) -> bool:
-        """Close the other connection that has waited longest for a request; False when none is waiting."""
-        while self.waiting:
-            connection = next(iter(self.waiting))
-            if connection is self:  # the newest: every other one has a request running
-                return False
-            del self.waiting[connection]  # waiting or not: one that waits again is put back at the end
-            if connection._waiting_for_headers():
-                connection.transport.close()
-                return True
-            if connection._idle_since_armed() and connection.transport.is_closing():
-                connection.transport.abort()  # answered and closing, its client not reading the rest: nothing runs
-                return True
+    def make_room(self) -> bool:
+        """Close this connection if it waits for a request (``close_longest_waiting``); False if it has one running."""
+        if self._waiting_for_headers():
+            self.transport.close()  # type: ignore[attr-defined]
+            return True
+        if self._idle_since_armed() and self.transport.is_closing():  # type: ignore[attr-defined]
+            # answered and closing, its client not reading the rest: nothing runs
+            self.transport.abort()  # type: ignore[attr-defined]
+            return True
         return False
+
+
+def close_longest_waiting(waiting: dict[Any, None], newest: Any) -> bool:
+    """Close the connection of ``waiting`` that has waited longest for a request, other than ``newest`` (the last
+    one in); False when none is waiting."""
+    while waiting:
+        connection = next(iter(waiting))
+        if connection is newest:  # every other one has a request running
+            return False
+        del waiting[connection]  # waiting or not: one that waits again is put back at the end
+        if connection.make_room():
+            return True
+    return False
 
 
 def guarded_protocol(config: ServerConfig, base: type[asyncio.Protocol] = AutoHTTPProtocol,
@@ -125,7 +137,8 @@ def guarded_protocol(config: ServerConfig, base: type[asyncio.Protocol] = AutoHT
     """uvicorn's HTTP protocol ``base`` with ``config``'s connection limit and request-header deadline; ``metrics``
     (the server's ``Metrics``) counts the 503s of connections over the limit."""
     attributes = {"max_connections": config.max_connections, "header_timeout_s": config.header_timeout_s,
-                  "over_capacity": staticmethod(over_capacity_app(config, metrics)), "waiting": {}}
+                  "over_capacity": staticmethod(over_capacity_app(config, metrics)), "waiting": {},
+                  "handshakes": set()}
     return type(f"Guarded{base.__name__}", (_ConnectionGuard, base), attributes)
 
 

@@ -15,6 +15,7 @@ import uvicorn
 
 from rerankit.server.batcher import Batcher
 from rerankit.server.connections import address
+from rerankit.server.handshakes import Handshake, TlsListener
 
 log = logging.getLogger("rerankit.server")
 
@@ -76,22 +77,29 @@ class DrainingServer(uvicorn.Server):
             log.info("ready on %s://%s", scheme, address(self.config.host, listener.getsockname()[1]))
 
     async def _start_tls(self, sockets: list[socket.socket], tls: ssl.SSLContext) -> None:
-        """uvicorn's start with no socket to listen on, then ``sockets`` served over TLS by this process, with the
-        handshake bounded by ``handshake_timeout_s``: a socket that never finishes it is closed then, not after
-        asyncio's default of 60 s (uvicorn passes no bound, and the connection guard sees a TLS connection only
-        once its handshake is done)."""
+        """uvicorn's start with no socket to listen on, then ``sockets`` served over TLS by this process: each
+        connection counted against the limit from its accept, its handshake bounded by ``handshake_timeout_s``
+        (``handshakes.py``; uvicorn passes no bound, asyncio's default is 60 s). ``config``'s protocol is the
+        connection guard's (``connections.uvicorn_config``)."""
         await super().startup([])
         if not self.started:
             return
-        config, loop = self.config, asyncio.get_running_loop()
+        config, loop, guard = self.config, asyncio.get_running_loop(), self.config.http_protocol_class
 
-        def create_protocol(_loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Protocol:
-            return config.http_protocol_class(config=config, server_state=self.server_state,  # as uvicorn's own
-                                              app_state=self.lifespan.state, _loop=_loop)
+        def http_protocol() -> asyncio.Protocol:
+            return guard(config=config, server_state=self.server_state,  # as uvicorn's own
+                         app_state=self.lifespan.state, _loop=loop)
 
-        for sock in sockets:
-            self.servers.append(await loop.create_server(create_protocol, sock=sock, ssl=tls, backlog=config.backlog,
-                                                         ssl_handshake_timeout=self.handshake_timeout_s))
+        def handshake(connection: socket.socket) -> None:
+            Handshake(connection, guard, self.server_state.connections, http_protocol, tls, self.handshake_timeout_s)
+
+        self.servers.extend(TlsListener(sock, config.backlog, handshake) for sock in sockets)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # A handshake done after uvicorn told the connections to close would open one that it then waits for.
+        for handshake in list(getattr(self.config.http_protocol_class, "handshakes", ())):
+            handshake.make_room()
+        await super().shutdown(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._loop is not None and self._drain is None:
