@@ -53,6 +53,19 @@ class _ConnectionGuard:
         self._arm_header_deadline()
         super().on_response_complete()  # type: ignore[misc]
 
+    def eof_received(self) -> bool | None:
+        """The client has closed its side (``shutdown(SHUT_WR)``: ``nc -N``, some health checkers). uvicorn closes
+        the connection at once, dropping the answer: a request whose body is whole is now answered, then the
+        connection closes. Not on a scoring route: there the end of the stream is how a client that left (a timeout,
+        close()) is told from one that waits, and its work is cancelled (``disconnect.py``); the two cannot be told
+        apart before an answer is written. Nor over TLS, whose layer closes in any case."""
+        cycle = self.cycle  # type: ignore[attr-defined]  # httptools: the newest request, behind any pipelined
+        if (cycle is None or cycle.response_complete or cycle.more_body or cycle.scope.get("path") in ROUTES
+                or self.scheme == "https"):  # type: ignore[attr-defined]
+            return None  # the transport closes
+        cycle.keep_alive = False  # closed once answered
+        return True
+
     def connection_lost(self, exc: Exception | None) -> None:
         if self._header_deadline is not None:
             self._header_deadline.cancel()
