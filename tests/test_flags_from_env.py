@@ -62,3 +62,45 @@ def test_every_flag_but_the_repeatable_key_and_help_has_a_variable():
     assert {"RERANKIT_MODEL", "RERANKIT_OTLP_SERVICE_NAME", "RERANKIT_SSL_CERTFILE", "RERANKIT_NO_BATCHING",
             "RERANKIT_DATA_PARALLEL_SIZE", "RERANKIT_TEMPLATE"} <= names
     assert "RERANKIT_API_KEY" not in names and "RERANKIT_HELP" not in names
+
+
+ENGINE_PLACEMENT = {"RERANKIT_DEVICE": "cuda", "RERANKIT_DTYPE": "bfloat16", "RERANKIT_PREFIX_CACHE_MIB": "64",
+                    "RERANKIT_DATA_PARALLEL_SIZE": "2", "RERANKIT_REPLICA_TIMEOUT": "30"}
+
+
+@pytest.mark.parametrize("model_from", ["command line", "environment"])
+def test_where_the_engine_runs_set_in_the_environment_is_ignored_for_a_server_url(served, monkeypatch, capsys,
+                                                                                   model_from):
+    """An image may set them for every server it starts; a proxy has no engine of its own."""
+    for name, value in ENGINE_PLACEMENT.items():
+        monkeypatch.setenv(name, value)
+    model = ["--model", "http://far:8000"]
+    if model_from == "environment":
+        monkeypatch.setenv("RERANKIT_MODEL", model.pop())
+        model.pop()
+    assert cli.main(["serve", *model]) == 0, capsys.readouterr().err
+    assert served["model"] == "http://far:8000"
+    assert [served[key] for key in ("device", "dtype", "prefix_cache_bytes", "data_parallel_size")] == [None] * 4
+    assert "replica_timeout_s" not in served["engine_options"]
+    assert cli.main(["serve", "--model", "http://far:8000", "--dtype", "float16"]) == 2  # given: still refused
+    assert capsys.readouterr().err == "error: --dtype: only applies to a local model as --model\n"
+
+
+def test_a_prompt_default_set_in_the_environment_for_a_server_url_is_refused_by_its_variable(served, monkeypatch,
+                                                                                            capsys):
+    """It would change the scores, which a proxy cannot do; the error names what the user set."""
+    monkeypatch.setenv("RERANKIT_INSTRUCTION", "Judge relevance")
+    assert cli.main(["serve", "--model", "http://far:8000"]) == 2
+    assert capsys.readouterr().err == "error: $RERANKIT_INSTRUCTION: only applies to a local model as --model\n"
+    assert served == {}
+
+
+def test_a_replica_timeout_set_in_the_environment_applies_only_to_replicas(served, monkeypatch, capsys):
+    monkeypatch.setenv("RERANKIT_REPLICA_TIMEOUT", "30")
+    assert cli.main(["serve"]) == 0, capsys.readouterr().err  # one engine in process: nothing to time out
+    assert "replica_timeout_s" not in served["engine_options"]
+    assert cli.main(["serve", "--data-parallel-size", "2"]) == 0
+    assert served["engine_options"]["replica_timeout_s"] == 30.0
+    monkeypatch.delenv("RERANKIT_REPLICA_TIMEOUT")
+    assert cli.main(["serve", "--replica-timeout", "30"]) == 2  # given: still refused
+    assert "error: --replica-timeout: applies to engine replicas" in capsys.readouterr().err

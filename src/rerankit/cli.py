@@ -16,7 +16,7 @@ from rerankit import __version__
 from rerankit.errors import InvalidRequest, RerankitError
 from rerankit.flag_types import (id_list, non_negative_float, non_negative_int, port, positive_float,
                                  positive_int, replica_count, word_list)
-from rerankit.flags_from_env import FromEnvironment, defaults_from_environment, environment_problem
+from rerankit.flags_from_env import defaults_from_environment, from_environment
 from rerankit.reranker import is_url, make_backend
 from rerankit.schema import MODES, ScoreRequest, ScoreResponse
 from rerankit.server.limits import RERANK_DIALECTS
@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--otlp-service-name",
                        help="with --otlp-traces-endpoint: the service name of the spans (default: "
                             "$OTEL_SERVICE_NAME, else rerankit)")
-    defaults_from_environment(serve)  # a bad value becomes the flag's default problem (flags_from_env)
+    defaults_from_environment(serve)  # unwrapped, and a bad value reported, by from_environment in run_serve
     serve.set_defaults(run=run_serve)
     add_score_command(commands)
     return parser
@@ -292,12 +292,14 @@ def backend_options(args: argparse.Namespace) -> dict[str, Any]:
     return {name: value for name, value in options.items() if value is not None}
 
 
-def refuse_misplaced(args: argparse.Namespace, names: Sequence[str]) -> None:
-    """``InvalidRequest`` for a flag among ``names`` that is set although ``--model`` is of the other kind."""
+def refuse_misplaced(args: argparse.Namespace, names: Sequence[str], variables: dict[str, str] | None = None) -> None:
+    """``InvalidRequest`` for a flag among ``names`` that is set although ``--model`` is of the other kind, named as
+    its environment variable where ``variables`` (``from_environment``) has it."""
     where = "a local model" if is_url(args.model) else "a server URL"
     for name in names:
         if getattr(args, name) is not None:
-            raise InvalidRequest(f"--{name.replace('_', '-')}", f"only applies to {where} as --model")
+            flag = f"${variables[name]}" if variables and name in variables else f"--{name.replace('_', '-')}"
+            raise InvalidRequest(flag, f"only applies to {where} as --model")
 
 
 def run_templates(args: argparse.Namespace) -> int:
@@ -361,25 +363,31 @@ def _print_sequence(title: str, sequence: Any, out: TextIO) -> None:
     print(f"ids: {sequence.token_ids}", file=out)
 
 
+# serve's flags that place and size a local engine: set in the environment, they are ignored for a server URL
+ENGINE_PLACEMENT = ("device", "dtype", "prefix_cache_mib", "data_parallel_size", "replica_timeout")
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """``rerankit serve``: hand the flags to the server (a server URL as --model serves it as a proxy)."""
-    problem = environment_problem(args)
-    if problem is not None:
-        raise RerankitError(problem)
+    variables = from_environment(args)  # the flags the environment set: their variables
     if any(not key.strip() for key in args.api_key or ()):  # an unset secret ("$KEY") must not open the server
         raise InvalidRequest("--api-key", "is empty: give the key (or leave the flag out to serve without one)")
     # the command line wins: a template given there replaces the other kind set in the environment
-    if isinstance(args.template_file, FromEnvironment) and args.template is not None \
-            and not isinstance(args.template, FromEnvironment):
+    if "template_file" in variables and args.template is not None and "template" not in variables:
         args.template_file = None
-    if isinstance(args.template, FromEnvironment) and args.template_file is not None \
-            and not isinstance(args.template_file, FromEnvironment):
+    if "template" in variables and args.template_file is not None and "template_file" not in variables:
         args.template = None
     if is_url(args.model):
-        refuse_misplaced(args, ("device", "dtype", "prefix_cache_mib", "template", "template_file", "mode",
-                                "instruction", "data_parallel_size", "replica_timeout"))
+        # Where a local engine runs and how big it is: no concern of a proxy, and an image may set them for every
+        # server it starts. A prompt default would change the scores, which a proxy cannot do: refused.
+        for name in ENGINE_PLACEMENT:
+            if name in variables:
+                setattr(args, name, None)
+        refuse_misplaced(args, (*ENGINE_PLACEMENT, "template", "template_file", "mode", "instruction"), variables)
     if args.replica_timeout is not None and args.data_parallel_size in (None, 1):
-        raise InvalidRequest("--replica-timeout", "applies to engine replicas: give --data-parallel-size too")
+        if "replica_timeout" not in variables:  # set for replicas that this server does not run: ignored
+            raise InvalidRequest("--replica-timeout", "applies to engine replicas: give --data-parallel-size too")
+        args.replica_timeout = None
     kept_bytes = None if args.prefix_cache_mib is None else args.prefix_cache_mib << 20
     defaults = {"template": chosen_template(args), "mode": args.mode, "instruction": args.instruction,
                 "replica_timeout_s": args.replica_timeout}

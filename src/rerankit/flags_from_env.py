@@ -11,6 +11,9 @@ import argparse
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+from rerankit.errors import RerankitError
 
 PREFIX = "RERANKIT_"
 _TRUE = ("1", "true", "yes", "on")
@@ -18,16 +21,14 @@ _FALSE = ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
-class EnvironmentProblem:
-    """The default of a flag whose variable holds a value the flag refuses: raised only if the command line does
-    not give the flag (the command line wins), never converted by argparse (it is not a string)."""
+class FromVariable:
+    """A flag's default taken from its variable ``name``: the ``value`` the flag makes of it, or the ``problem`` it
+    refuses it with. Not a string, so argparse keeps it as is; ``from_environment`` unwraps it, telling the flags
+    that the environment set from those the command line gave."""
 
-    message: str
-
-
-class FromEnvironment(str):
-    """A text flag's value taken from its variable (argparse keeps the default's object), so that a command can
-    tell it from one given on the command line."""
+    name: str
+    value: Any = None
+    problem: str | None = None
 
 
 def variable_of(action: argparse.Action) -> str | None:
@@ -40,40 +41,44 @@ def variable_of(action: argparse.Action) -> str | None:
 
 def defaults_from_environment(parser: argparse.ArgumentParser,
                               environ: Mapping[str, str] | None = None) -> None:
-    """Make each flag of ``parser`` whose variable is set default to its value, converted and checked as the flag
-    would be. A variable that cannot be taken makes its flag's default an ``EnvironmentProblem``, raised when the
-    command runs only if the command line did not give the flag (``environment_problem``): a stray variable must
-    not break other commands, nor a flag given on the command line."""
+    """Make each flag of ``parser`` whose variable is set default to a ``FromVariable`` of its value, converted and
+    checked as the flag would be. A variable that cannot be taken is reported by ``from_environment`` only if the
+    command line did not give the flag: a stray variable must not break other commands, nor a flag given on the
+    command line."""
     environ = os.environ if environ is None else environ
     for action in parser._actions:
         name = variable_of(action)
         text = None if name is None else environ.get(name)
-        if text is None:
+        if name is None or text is None:
             continue
-        problem = None
+        value, problem = action.default, None
         if action.nargs == 0:  # a switch: store_true / store_false
             word = text.strip().lower()
             if word not in _TRUE + _FALSE:
                 problem = f"${name}={text!r}: give one of {', '.join(_TRUE + _FALSE)}"
             elif word in _TRUE:
-                action.default = action.const
+                value = action.const
         else:
             try:
-                value = action.type(text) if callable(action.type) else FromEnvironment(text)
+                value = action.type(text) if callable(action.type) else text
             except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
                 problem = f"${name}={text!r}: {exc}"
             else:
                 if action.choices is not None and value not in action.choices:
                     problem = f"${name}={text!r}: choose from {', '.join(map(str, action.choices))}"
-                else:
-                    action.default = value
-        if problem is not None:
-            if text.startswith("tcp://"):  # Kubernetes' service links: a Service named rerankit sets RERANKIT_PORT
-                problem += (" (Kubernetes sets it for a Service of that name: give the flag on the command line, "
-                            "or set enableServiceLinks: false)")
-            action.default = EnvironmentProblem(problem)
+        if problem is not None and text.startswith("tcp://"):  # Kubernetes' service links: a Service named rerankit
+            problem += (" (Kubernetes sets it for a Service of that name: give the flag on the command line, "
+                        "or set enableServiceLinks: false)")
+        action.default = FromVariable(name, value, problem)
 
 
-def environment_problem(args: argparse.Namespace) -> str | None:
-    """The first problem of a variable whose flag the command line did not give (it would have replaced it)."""
-    return next((value.message for value in vars(args).values() if isinstance(value, EnvironmentProblem)), None)
+def from_environment(args: argparse.Namespace) -> dict[str, str]:
+    """The variables of the flags that the environment set (the command line did not give them), by ``dest``; in
+    ``args``, their values replace the ``FromVariable``. ``RerankitError`` for the first that the flag refuses."""
+    taken = {dest: value for dest, value in vars(args).items() if isinstance(value, FromVariable)}
+    problem = next((value.problem for value in taken.values() if value.problem is not None), None)
+    if problem is not None:
+        raise RerankitError(problem)
+    for dest, value in taken.items():
+        setattr(args, dest, value.value)
+    return {dest: value.name for dest, value in taken.items()}
