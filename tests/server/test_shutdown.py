@@ -65,3 +65,19 @@ def test_exit_signal_drains_then_answers_what_is_left_with_a_json_503():
     for reply in replies:
         assert len(reply.json()["results"]) == DOCS if reply.status_code == 200 else (
             "shutting down" in reply.json()["error"]["message"] and reply.headers["retry-after"])
+
+
+def test_an_exit_signal_during_the_warm_up_is_not_followed_by_ready(caplog, monkeypatch):
+    """SIGTERM while the app starts (the warm-up): "draining" is logged, then no "ready on" for a server that stops."""
+    async def warm_up_interrupted(self, sockets=None):
+        self.handle_exit(signal.SIGTERM, None)  # the signal arrives during the app's start
+        self.started = True
+
+    monkeypatch.setattr(uvicorn.Server, "startup", warm_up_interrupted)
+    app = create_app(RecordingBackend(), ServerConfig(drain_seconds=DRAIN_S))
+    config = uvicorn.Config(app)
+    config.load()  # as uvicorn's serve() does before startup()
+    server = DrainingServer(config, app.state.batcher, DRAIN_S)
+    with caplog.at_level("INFO", logger="rerankit.server"):
+        asyncio.run(server.startup([loopback_listener()]))
+    assert server.should_exit and "ready on" not in caplog.text

@@ -71,7 +71,7 @@ class DrainingServer(uvicorn.Server):
             await super().startup(sockets)  # the app's start (the warm-up), then listening on ``sockets``
         else:
             await self._start_tls(sockets, tls)
-        if self.started:
+        if self.started and not self.should_exit:  # an exit signal during the warm-up: stopping, not ready
             listener = (sockets or [server.sockets[0] for server in self.servers])[0]
             scheme = "https" if self.config.is_ssl else "http"
             log.info("ready on %s://%s", scheme, address(self.config.host, listener.getsockname()[1]))
