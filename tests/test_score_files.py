@@ -221,3 +221,14 @@ def test_jsonl_numbers_come_back_as_written(tmp_path, backends):
     assert main(["score", "--input", str(source), "--output", str(tmp_path / "out.parquet"), "--no-progress"]) == 0
     table = parquet.read_table(tmp_path / "out.parquet")
     assert table.schema.field("n").type == pyarrow.float64() and table.column("n").to_pylist()[:2] == [1000.0, 2.5]
+
+
+def test_a_run_leaves_the_temporary_file_of_an_output_named_as_its_own_and_more(tmp_path, backends):
+    source, target = tmp_path / "pairs.jsonl", tmp_path / "scored.jsonl"
+    source.write_text(_jsonl(ROWS))
+    live = tmp_path / ".scored.jsonl.gz.4242.0123456789ab.tmp"  # a run writing scored.jsonl.gz beside it
+    stale = tmp_path / ".scored.jsonl.4242.0123456789ab.tmp"  # a run of this output, killed while writing
+    live.write_bytes(b"being written")
+    stale.write_bytes(b"left behind")
+    assert main(["score", "--input", str(source), "--output", str(target), "--no-progress"]) == 0
+    assert live.read_bytes() == b"being written" and not stale.exists()

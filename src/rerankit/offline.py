@@ -8,6 +8,7 @@ pyarrow); their files (Parquet, JSON Lines or CSV, gzipped, or stdin and stdout)
 from __future__ import annotations
 
 import glob
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -163,8 +164,12 @@ def score_file(input_path: str | Path, output_path: str | Path, *, model: str | 
         backend.close()
     if not target.stdio:
         output = Path(output_path)
-        for stale in output.parent.glob(f".{glob.escape(output.name)}.*.tmp"):  # of runs killed while writing:
-            stale.unlink(missing_ok=True)  # the journal's lock, held here, keeps any live run of this output away
+        # temporary files of runs of this output killed while writing (the journal's lock, held here, keeps any
+        # live run of it away); only write_table's names: out.jsonl.gz's, beside out.jsonl, may be a live run's
+        ours = re.compile(rf"\.{re.escape(output.name)}\.[0-9]+\.[0-9a-f]{{12}}\.tmp")
+        for stale in output.parent.glob(f".{glob.escape(output.name)}.*.tmp"):
+            if ours.fullmatch(stale.name):
+                stale.unlink(missing_ok=True)
     write_table(with_scores(table, scores, score_column), output_path, target.format)
     if journal is not None:
         journal.remove()
