@@ -232,3 +232,22 @@ def test_a_run_leaves_the_temporary_file_of_an_output_named_as_its_own_and_more(
     stale.write_bytes(b"left behind")
     assert main(["score", "--input", str(source), "--output", str(target), "--no-progress"]) == 0
     assert live.read_bytes() == b"being written" and not stale.exists()
+
+
+@pytest.mark.parametrize("stream, flags", [("stdout", ["--output", "-"]), ("stdin", ["--input", "-"])])
+def test_a_closed_stdin_or_stdout_is_refused_before_scoring(tmp_path, backends, monkeypatch, capsys, stream, flags):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pairs.jsonl").write_text(_jsonl(ROWS))
+    monkeypatch.setattr(sys, stream, None)  # started with it closed (>&- or <&-)
+    command = {"--input": "pairs.jsonl", "--output": "out.jsonl", **dict([flags])}
+    assert main(["score", *[part for pair in command.items() for part in pair], "--format", "jsonl"]) == 2
+    assert f"{flags[0]}: {stream} is closed" in capsys.readouterr().err and backends.made == []
+
+
+@pytest.mark.parametrize("progress", [[], ["--no-progress"]])
+def test_with_stderr_closed_only_the_table_goes_to_stdout(tmp_path, backends, monkeypatch, capsys, progress):
+    source = tmp_path / "pairs.jsonl"
+    source.write_text(_jsonl(ROWS))
+    monkeypatch.setattr(sys, "stderr", None)  # started with it closed (2>&-)
+    assert main(["score", "--input", str(source), "--output", "-", *progress]) == 0
+    assert [json.loads(line)["id"] for line in capsys.readouterr().out.splitlines()] == [row["id"] for row in ROWS]

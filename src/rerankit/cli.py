@@ -28,6 +28,7 @@ USAGE_ERROR = 2
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0, or 2 with one ``error:`` line on a rerankit error)."""
+    sys.stderr = sys.stderr or open(os.devnull, "w")  # closed (2>&-): a message would go to stdout, print's fallback
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
@@ -414,7 +415,8 @@ def run_score(args: argparse.Namespace) -> int:
     names) and write them with their scores."""
     if is_url(args.model):
         refuse_misplaced(args, ("device", "dtype", "data_parallel_size"))
-    engine = {name: value for name, value in (("device", args.device), ("dtype", args.dtype)) if value is not None}
+    engine = {name: value for name, value in (("device", args.device), ("dtype", args.dtype),
+                                              ("data_parallel_size", args.data_parallel_size)) if value is not None}
     columns = {"model": args.model, "query_column": args.query_column, "document_column": args.document_column,
                "score_column": args.score_column,
                "request_fields": {} if args.instruction is None else {"instruction": args.instruction}}
@@ -436,8 +438,6 @@ def run_score(args: argparse.Namespace) -> int:
             raise InvalidRequest(f"--{name.replace('_', '-')}", "only applies with --ray")
     from rerankit.offline import score_file
 
-    if args.data_parallel_size is not None:
-        engine["data_parallel_size"] = args.data_parallel_size
     rows = score_file(args.input, args.output, show_progress=args.progress, file_format=args.format, **columns,
                       **engine)
     print(f"scored {rows} pairs into {'stdout' if args.output == '-' else args.output}", file=sys.stderr)

@@ -112,6 +112,8 @@ def _opener(source: TableFile) -> Callable[[], Any]:
     raises ``OSError`` as it is read); stdin is read whole once, each stream reads it again from memory."""
     import pyarrow
 
+    if source.stdio and sys.stdin is None:
+        raise InvalidRequest("--input", "stdin is closed: name a file, or pipe the pairs in")
     if source.stdio:
         data = pyarrow.py_buffer(sys.stdin.buffer.read())
         return lambda: pyarrow.BufferReader(data)
@@ -225,6 +227,8 @@ def check_output(path: str | Path, file_format: str | None = None) -> TableFile:
     (stdout, ``-``, needs only a format); ``InvalidRequest`` naming ``--output`` otherwise (checked before any row
     is scored)."""
     target = table_file(path, "--output", file_format)
+    if target.stdio and sys.stdout is None:
+        raise InvalidRequest("--output", "stdout is closed: name a file, or give the command a stdout")
     if target.stdio:
         return target
     path = Path(path)
