@@ -104,7 +104,7 @@ def test_a_stopped_run_into_a_gzipped_output_goes_on_where_it_stopped(tmp_path, 
 
 @pytest.mark.parametrize("damage, why", [(lambda packed: packed[:len(packed) // 2], "cut short or damaged"),
                                          (lambda packed: packed[:-8], "cut short or damaged"),
-                                         (lambda packed: gzip.decompress(packed), "cut short or damaged")],
+                                         (lambda packed: gzip.decompress(packed), "it is not gzip")],
                          ids=["cut in half", "no trailer", "not gzipped"])
 @pytest.mark.parametrize("suffix", [".jsonl.gz", ".csv.gz"])
 def test_a_damaged_gzip_input_is_a_one_line_error_naming_it(tmp_path, backends, capsys, damage, why, suffix):
@@ -251,3 +251,34 @@ def test_with_stderr_closed_only_the_table_goes_to_stdout(tmp_path, backends, mo
     monkeypatch.setattr(sys, "stderr", None)  # started with it closed (2>&-)
     assert main(["score", "--input", str(source), "--output", "-", *progress]) == 0
     assert [json.loads(line)["id"] for line in capsys.readouterr().out.splitlines()] == [row["id"] for row in ROWS]
+
+
+def _score_jsonl(tmp_path, text, output="out.jsonl"):
+    """``rerankit score`` of a JSONL file holding ``text``: the exit status and the output's rows (JSONL)."""
+    source, target = tmp_path / "pairs.jsonl", tmp_path / output
+    source.write_bytes(text if isinstance(text, bytes) else text.encode())
+    code = main(["score", "--input", str(source), "--output", str(target), "--no-progress"])
+    if code or output != "out.jsonl":
+        return code, None
+    return code, [json.loads(line) for line in target.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("row, column", [(b'{"query": "q", "document": "caf\xe9"}', "document"),
+                                         (b'{"query": "q", "document": "d", "m": {"k": "caf\xe9"}}', "m")])
+def test_text_that_is_not_utf8_is_a_one_line_error_before_scoring(tmp_path, backends, capsys, row, column):
+    assert _score_jsonl(tmp_path, row + b"\n")[0] == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and f"column {column!r} holds text that is not UTF-8" in error
+    assert backends.made == []
+
+
+@pytest.mark.parametrize("file_format", ["jsonl", "csv"])
+def test_gzipped_stdin_is_read(tmp_path, backends, monkeypatch, capsys, file_format):
+    monkeypatch.chdir(tmp_path)
+    packed = gzip.compress((_jsonl if file_format == "jsonl" else _csv)(ROWS).encode())
+    _stdin(monkeypatch, packed)
+    assert main(["score", "--input", "-", "--output", "-", "--format", file_format, "--no-progress"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == len(ROWS) + (file_format == "csv")
+    _stdin(monkeypatch, packed[:-8])
+    assert main(["score", "--input", "-", "--output", "-", "--format", file_format, "--no-progress"]) == 2
+    assert "the gzip data on stdin is cut short or damaged" in capsys.readouterr().err

@@ -80,20 +80,28 @@ def read_table(path: str | Path, columns: Sequence[str], file_format: str | None
     ``InvalidRequest`` naming ``--input`` if it cannot be read or lacks one of ``columns``."""
     pyarrow = require_pyarrow()
     source = table_file(path, "--input", file_format)
+    gzipped = source.gzipped
     try:
-        open_stream = _opener(source)
+        open_stream, gzipped = _opener(source)
         if source.format == "parquet":
             import pyarrow.parquet as parquet
 
             with open_stream() as stream:
                 table = parquet.read_table(stream)
         elif source.format == "jsonl":
-            table = _json_numbers(_read_jsonl(open_stream, source), open_stream)
+            table = _read_jsonl(open_stream, source)
         else:
             table = _read_csv(open_stream, columns)
+        _check_text(table, source)
+        if source.format == "jsonl":
+            table = _json_numbers(table, open_stream)
     except (OSError, pyarrow.ArrowInvalid) as exc:
-        damaged = source.gzipped and any(word in str(exc).lower() for word in ("compress", "zlib", "gzip"))
-        why = " (the gzip file is cut short or damaged)" if damaged else ""
+        damaged = gzipped and any(word in str(exc).lower() for word in ("compress", "zlib", "gzip"))
+        why = ""
+        if damaged and "header" in str(exc) and not source.stdio:
+            why = " (it is not gzip, though its name ends in .gz)"
+        elif damaged:
+            why = f" (the gzip {'data on stdin' if source.stdio else 'file'} is cut short or damaged)"
         raise InvalidRequest("--input", f"cannot read {source.name}: {exc}{why}") from None
     missing = [name for name in columns if name not in table.column_names]
     if missing:
@@ -107,17 +115,33 @@ def read_table(path: str | Path, columns: Sequence[str], file_format: str | None
     return table
 
 
-def _opener(source: TableFile) -> Callable[[], Any]:
+def _opener(source: TableFile) -> tuple[Callable[[], Any], bool]:
     """A function giving a new pyarrow stream of ``source``'s bytes, decompressed (a truncated or corrupt gzip
-    raises ``OSError`` as it is read); stdin is read whole once, each stream reads it again from memory."""
+    raises ``OSError`` as it is read), and whether they are gzipped; stdin is read whole once, each stream reads it
+    again from memory (decompressed as it is read where it is gzip: no ``gzip -dc`` is needed in the pipe)."""
     import pyarrow
 
     if source.stdio and sys.stdin is None:
         raise InvalidRequest("--input", "stdin is closed: name a file, or pipe the pairs in")
     if source.stdio:
         data = pyarrow.py_buffer(sys.stdin.buffer.read())
-        return lambda: pyarrow.BufferReader(data)
-    return lambda: pyarrow.input_stream(source.path, compression="gzip" if source.gzipped else None)
+        if source.format != "parquet" and data[:2] == b"\x1f\x8b":  # JSON and CSV text never begin so
+            return lambda: pyarrow.CompressedInputStream(pyarrow.BufferReader(data), "gzip"), True
+        return lambda: pyarrow.BufferReader(data), False
+    return lambda: pyarrow.input_stream(source.path, compression="gzip" if source.gzipped else None), source.gzipped
+
+
+def _check_text(table: Any, source: TableFile) -> None:
+    """``InvalidRequest`` naming ``--input`` and the column where a text of ``table`` is not UTF-8 (pyarrow reads
+    JSON text as it is; it would fail when the rows are scored or written)."""
+    import pyarrow
+
+    for name, column in zip(table.column_names, table.columns):
+        try:
+            column.validate(full=True)
+        except pyarrow.ArrowInvalid:
+            raise InvalidRequest("--input", f"cannot read {source.name}: column {name!r} holds text that is not "
+                                            "UTF-8 (save the file as UTF-8)") from None
 
 
 def _read_jsonl(open_stream: Callable[[], Any], source: TableFile) -> Any:
