@@ -282,3 +282,37 @@ def test_gzipped_stdin_is_read(tmp_path, backends, monkeypatch, capsys, file_for
     _stdin(monkeypatch, packed[:-8])
     assert main(["score", "--input", "-", "--output", "-", "--format", file_format, "--no-progress"]) == 2
     assert "the gzip data on stdin is cut short or damaged" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rows", [
+    ['{"query": "q", "document": "a", "n": 1}', '{"query": "q", "document": "b", "n": NaN}'],
+    ['{"query": "q", "document": "a", "\\u006E" :\t1 }', '{"query": "q", "document": "b", "n": 2.5}'],
+], ids=["beside NaN", "under an escaped key"])
+def test_an_int_stays_an_int(tmp_path, backends, rows):
+    code, out = _score_jsonl(tmp_path, "\n".join(rows) + "\n")
+    assert code == 0 and out[0]["n"] == 1 and type(out[0]["n"]) is int
+
+
+def test_nested_numbers_come_back_as_written(tmp_path, backends, capsys):
+    text = ('{"query": "q", "document": "a", "m": {"w": 1, "l": [2, 0.5]}, "s": [{"z": 3}], "k": {"r": 1}}\n'
+            '{"query": "q", "document": "b", "m": {"w": 2.5}, "s": [{"z": 0.25}, {}], "k": {"r": 2}}\n'
+            '{"query": "q", "document": "c", "m": null, "s": null, "k": null}\n')
+    code, out = _score_jsonl(tmp_path, text)
+    assert code == 0 and [(row["m"], row["s"]) for row in out] == [
+        ({"w": 1, "l": [2, 0.5]}, [{"z": 3}]), ({"w": 2.5}, [{"z": 0.25}, {}]), (None, None)]
+    assert [type(number) for number in (out[0]["m"]["w"], out[0]["m"]["l"][0], out[0]["s"][0]["z"])] == [int] * 3
+
+    assert _score_jsonl(tmp_path, text, "out.parquet")[0] == 0  # Parquet: the types pyarrow reads
+    table = parquet.read_table(tmp_path / "out.parquet")
+    assert table.schema.field("m").type.field("w").type == pyarrow.float64()
+    assert table.column("m").to_pylist()[:2] == [{"w": 1.0, "l": [2.0, 0.5]}, {"w": 2.5, "l": None}]
+    assert _score_jsonl(tmp_path, text, "out.csv")[0] == 2 and "CSV cannot hold" in capsys.readouterr().err
+
+
+def test_floats_written_as_floats_are_not_read_again_line_by_line(tmp_path, backends, monkeypatch):
+    from rerankit import json_numbers
+
+    monkeypatch.setattr(json_numbers, "_written", lambda *args: pytest.fail("read line by line"))
+    code, out = _score_jsonl(tmp_path, _jsonl({**row, "w": row["id"] / 2} for row in ROWS))  # 1.0 beside 0.5
+    assert code == 0 and [row["w"] for row in out] == [row["id"] / 2 for row in ROWS]
+    assert {type(row["w"]) for row in out} == {float}

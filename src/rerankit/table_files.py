@@ -2,8 +2,8 @@
 gzipped, .jsonl.gz and .csv.gz), or stdin and stdout as ``-`` in a format named apart (``--format``).
 
 Cells come back as written: a CSV cell keeps its text, a JSONL number written as an int stays an int where pyarrow
-would make a column of ints and floats all floats. A file is written whole or not at all (a temporary file renamed
-over the target); stdout is written once every row is scored.
+would make a column of ints and floats all floats (``json_numbers``). A file is written whole or not at all (a
+temporary file renamed over the target); stdout is written once every row is scored.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from rerankit.errors import InvalidRequest, RerankitError
+from rerankit.json_numbers import JSON_NUMBERS, JSON_VALUES, keep_written, marked, pyarrow_typed
 
 STDIO = "-"
 FORMATS = ("parquet", "jsonl", "csv")
 SUFFIXES = (".parquet", ".jsonl", ".csv", ".jsonl.gz", ".csv.gz")
-JSON_NUMBERS = {b"rerankit": b"json-numbers"}  # a string column holding JSON number literals as written
 BATCH_ROWS = 4096  # JSONL rows turned into Python objects at a time while writing
 
 
@@ -94,7 +94,7 @@ def read_table(path: str | Path, columns: Sequence[str], file_format: str | None
             table = _read_csv(open_stream, columns)
         _check_text(table, source)
         if source.format == "jsonl":
-            table = _json_numbers(table, open_stream)
+            table = keep_written(table, open_stream, columns)
     except (OSError, pyarrow.ArrowInvalid) as exc:
         damaged = gzipped and any(word in str(exc).lower() for word in ("compress", "zlib", "gzip"))
         why = ""
@@ -168,53 +168,6 @@ def _read_jsonl(open_stream: Callable[[], Any], source: TableFile) -> Any:
         return json_reader.read_json(stream, read_options=json_reader.ReadOptions(block_size=block))
 
 
-def _json_numbers(table: Any, open_stream: Callable[[], Any]) -> Any:
-    """``table`` (as pyarrow read it) with each float column where some row wrote an int (``1000`` beside
-    ``2.5``, or an int too large for int64) as the numbers' JSON text, marked ``JSON_NUMBERS``: written back
-    to JSONL each as the int or float it was, to CSV and Parquet as floats, scored as written. Read again line by line, only
-    where there is a float column; rows that do not line up with the table's leave it as it is."""
-    import pyarrow
-
-    names = [field.name for field in table.schema if pyarrow.types.is_floating(field.type)]
-    if not names or len(set(table.column_names)) != len(table.column_names):
-        return table
-    decoder = json.JSONDecoder(parse_int=str, parse_float=str)
-    texts: dict[str, list[str | None]] = {name: [] for name in names}
-    with open_stream() as stream:
-        for number, line in enumerate(io.BufferedReader(stream, 1 << 20)):
-            try:
-                text = line.decode("utf-8-sig" if number == 0 else "utf-8")
-            except ValueError:
-                return table
-            position = 0
-            while (position := _skip_space(text, position)) < len(text):  # pyarrow takes several objects a line
-                try:
-                    record, position = decoder.raw_decode(text, position)
-                except ValueError:
-                    return table
-                if not isinstance(record, dict):
-                    return table
-                for name in names:
-                    value = record.get(name)
-                    if value is not None and (not isinstance(value, str) or len(value) > 4000):  # Python reads
-                        return table  # an int of at most 4300 digits
-                    texts[name].append(value)
-    if len(texts[names[0]]) != table.num_rows:
-        return table
-    for name in names:
-        if any(text is not None and not any(mark in text for mark in ".eE") for text in texts[name]):
-            position = table.column_names.index(name)
-            table = table.set_column(position, pyarrow.field(name, pyarrow.string(), metadata=JSON_NUMBERS),
-                                     pyarrow.array(texts[name], type=pyarrow.string()))
-    return table
-
-
-def _skip_space(text: str, position: int) -> int:
-    while position < len(text) and text[position] in " \t\r\n":
-        position += 1
-    return position
-
-
 def _read_csv(open_stream: Callable[[], Any], text_columns: Sequence[str]) -> Any:
     """A CSV file, its cells kept as written: the text columns as strings (a column of numbers, "2024", is text
     to score), quoted values may hold newlines, and any other column is typed (int, float, bool, date) only where
@@ -279,7 +232,7 @@ def check_writable(table: Any, path: str | Path, file_format: str | None = None)
     import pyarrow.csv as csv
 
     try:
-        csv.write_csv(_typed(table.slice(0, 0)), io.BytesIO())
+        csv.write_csv(pyarrow_typed(table.slice(0, 0)), io.BytesIO())
     except (pyarrow.ArrowInvalid, pyarrow.ArrowNotImplementedError) as exc:
         raise InvalidRequest("--output", f"{target.name}: CSV cannot hold these columns ({exc}); write .jsonl or "
                                          ".parquet") from None
@@ -327,11 +280,11 @@ def _write(table: Any, file_format: str, sink: Any) -> None:
     if file_format == "parquet":
         import pyarrow.parquet as parquet
 
-        parquet.write_table(_typed(table), sink)
+        parquet.write_table(pyarrow_typed(table), sink)
     elif file_format == "csv":
         import pyarrow.csv as csv
 
-        csv.write_csv(_typed(table), sink)
+        csv.write_csv(pyarrow_typed(table), sink)
     else:
         for lines in _json_lines(table):
             sink.write(lines.encode("utf-8"))
@@ -339,8 +292,8 @@ def _write(table: Any, file_format: str, sink: Any) -> None:
 
 def _json_lines(table: Any) -> Iterator[str]:
     """The rows of ``table`` as JSON lines, some thousands a piece: NaN and infinities as null, each number of a
-    ``JSON_NUMBERS`` column as written."""
-    numbers = [field.name for field in table.schema if field.metadata == JSON_NUMBERS]
+    ``JSON_NUMBERS`` column and each value of a ``JSON_VALUES`` one as written."""
+    numbers = [field.name for field in table.schema if marked(field, JSON_NUMBERS, JSON_VALUES)]
     for batch in table.to_batches(max_chunksize=BATCH_ROWS):
         lines = []
         for row in batch.to_pylist():
@@ -349,16 +302,6 @@ def _json_lines(table: Any) -> Iterator[str]:
                     row[name] = json.loads(row[name])
             lines.append(json.dumps(_json_safe(row), ensure_ascii=False, default=str, allow_nan=False) + "\n")
         yield "".join(lines)
-
-
-def _typed(table: Any) -> Any:
-    """``table`` with its ``JSON_NUMBERS`` columns as float64, the type pyarrow reads them in (CSV, Parquet)."""
-    import pyarrow
-
-    for position, field in enumerate(table.schema):
-        if field.metadata == JSON_NUMBERS:
-            table = table.set_column(position, field.name, table.column(position).cast(pyarrow.float64()))
-    return table
 
 
 def _json_safe(value: Any) -> Any:
