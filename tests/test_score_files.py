@@ -316,3 +316,13 @@ def test_floats_written_as_floats_are_not_read_again_line_by_line(tmp_path, back
     code, out = _score_jsonl(tmp_path, _jsonl({**row, "w": row["id"] / 2} for row in ROWS))  # 1.0 beside 0.5
     assert code == 0 and [row["w"] for row in out] == [row["id"] / 2 for row in ROWS]
     assert {type(row["w"]) for row in out} == {float}
+
+
+def test_texts_that_look_like_dates_stay_texts(tmp_path, backends):
+    text = ('{"query": "2024-01-01", "document": "2024-01-02T10:00:00Z", "day": "2024-01-03", "n": 1,'
+            ' "m": {"at": "2024-01-04 10:00:00", "l": ["2024-01-05"]}}\n'
+            '{"query": "2024-01-01", "document": "d", "day": null, "n": 2.5, "m": null}\n')
+    code, out = _score_jsonl(tmp_path, text)
+    assert code == 0 and out[0] == {"query": "2024-01-01", "document": "2024-01-02T10:00:00Z", "day": "2024-01-03",
+                                    "n": 1, "m": {"at": "2024-01-04 10:00:00", "l": ["2024-01-05"]}, "score": 20.0}
+    assert list(out[1]) == ["query", "document", "day", "n", "m", "score"] and type(out[0]["n"]) is int

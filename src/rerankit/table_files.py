@@ -146,26 +146,51 @@ def _check_text(table: Any, source: TableFile) -> None:
 
 def _read_jsonl(open_stream: Callable[[], Any], source: TableFile) -> Any:
     """A JSON Lines file; a line longer than pyarrow's 1 MiB block (a multi-megabyte document) is read with one
-    block for the whole file instead of being refused as a "straddling object"."""
+    block for the whole file instead of being refused as a "straddling object". A text stays a text: pyarrow reads
+    one that looks like a date or time as a timestamp ("2024-01-01T10:00:00Z" would be written back "2024-01-01
+    10:00:00"), so such columns are read again, given as text."""
     import pyarrow
     import pyarrow.json as json_reader
 
+    options = None
     try:
         with open_stream() as stream:
-            return json_reader.read_json(stream)
+            table = json_reader.read_json(stream)
     except pyarrow.ArrowInvalid as exc:
         if "straddl" not in str(exc):
             raise
-    if source.stdio or source.gzipped:
-        size = 0
+        if source.stdio or source.gzipped:
+            size = 0
+            with open_stream() as stream:
+                while chunk := stream.read(1 << 24):
+                    size += len(chunk)
+        else:
+            size = os.stat(source.path).st_size
+        options = json_reader.ReadOptions(block_size=min(max(size + 1, 1 << 20), (1 << 31) - 1))
         with open_stream() as stream:
-            while chunk := stream.read(1 << 24):
-                size += len(chunk)
-    else:
-        size = os.stat(source.path).st_size
-    block = min(max(size + 1, 1 << 20), (1 << 31) - 1)
-    with open_stream() as stream:
-        return json_reader.read_json(stream, read_options=json_reader.ReadOptions(block_size=block))
+            table = json_reader.read_json(stream, read_options=options)
+    texts = [pyarrow.field(field.name, _as_text(field.type)) for field in table.schema
+             if not _as_text(field.type).equals(field.type)]
+    if not texts:
+        return table
+    with open_stream() as stream:  # the columns given come first: back in the file's order
+        return json_reader.read_json(stream, read_options=options, parse_options=json_reader.ParseOptions(
+            explicit_schema=pyarrow.schema(texts))).select(table.column_names)
+
+
+def _as_text(kind: Any) -> Any:
+    """The pyarrow type ``kind`` with each date or time (within structs and lists too) as a string."""
+    import pyarrow
+
+    if pyarrow.types.is_temporal(kind):
+        return pyarrow.string()
+    if pyarrow.types.is_struct(kind):
+        return pyarrow.struct([field.with_type(_as_text(field.type)) for field in kind])
+    if pyarrow.types.is_list(kind):
+        return pyarrow.list_(kind.value_field.with_type(_as_text(kind.value_type)))
+    if pyarrow.types.is_large_list(kind):
+        return pyarrow.large_list(kind.value_field.with_type(_as_text(kind.value_type)))
+    return kind
 
 
 def _read_csv(open_stream: Callable[[], Any], text_columns: Sequence[str]) -> Any:
