@@ -326,3 +326,14 @@ def test_texts_that_look_like_dates_stay_texts(tmp_path, backends):
     assert code == 0 and out[0] == {"query": "2024-01-01", "document": "2024-01-02T10:00:00Z", "day": "2024-01-03",
                                     "n": 1, "m": {"at": "2024-01-04 10:00:00", "l": ["2024-01-05"]}, "score": 20.0}
     assert list(out[1]) == ["query", "document", "day", "n", "m", "score"] and type(out[0]["n"]) is int
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".csv.gz"])
+def test_a_csv_cell_longer_than_a_read_block_is_read(tmp_path, backends, suffix):
+    document = "clause, " * 300000  # 2.4 MB: a row across more than two of pyarrow's 1 MiB read blocks
+    text = f'query,document\nq,"{document}"\nq,short\n'.encode()
+    source = tmp_path / f"pairs{suffix}"
+    source.write_bytes(gzip.compress(text) if suffix.endswith(".gz") else text)
+    assert main(["score", "--input", str(source), "--output", str(tmp_path / "out.jsonl"), "--no-progress"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [row["score"] for row in rows] == [len(document), 5.0] and rows[0]["document"] == document

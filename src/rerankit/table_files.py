@@ -91,7 +91,7 @@ def read_table(path: str | Path, columns: Sequence[str], file_format: str | None
         elif source.format == "jsonl":
             table = _read_jsonl(open_stream, source)
         else:
-            table = _read_csv(open_stream, columns)
+            table = _read_csv(open_stream, columns, source)
         _check_text(table, source)
         if source.format == "jsonl":
             table = keep_written(table, open_stream, columns)
@@ -159,14 +159,7 @@ def _read_jsonl(open_stream: Callable[[], Any], source: TableFile) -> Any:
     except pyarrow.ArrowInvalid as exc:
         if "straddl" not in str(exc):
             raise
-        if source.stdio or source.gzipped:
-            size = 0
-            with open_stream() as stream:
-                while chunk := stream.read(1 << 24):
-                    size += len(chunk)
-        else:
-            size = os.stat(source.path).st_size
-        options = json_reader.ReadOptions(block_size=min(max(size + 1, 1 << 20), (1 << 31) - 1))
+        options = json_reader.ReadOptions(block_size=_whole_block(open_stream, source))
         with open_stream() as stream:
             table = json_reader.read_json(stream, read_options=options)
     texts = [pyarrow.field(field.name, _as_text(field.type)) for field in table.schema
@@ -176,6 +169,18 @@ def _read_jsonl(open_stream: Callable[[], Any], source: TableFile) -> Any:
     with open_stream() as stream:  # the columns given come first: back in the file's order
         return json_reader.read_json(stream, read_options=options, parse_options=json_reader.ParseOptions(
             explicit_schema=pyarrow.schema(texts))).select(table.column_names)
+
+
+def _whole_block(open_stream: Callable[[], Any], source: TableFile) -> int:
+    """A pyarrow read block that holds the whole of ``source`` (decompressed), for a row longer than a block."""
+    if source.stdio or source.gzipped:
+        size = 0
+        with open_stream() as stream:
+            while chunk := stream.read(1 << 24):
+                size += len(chunk)
+    else:
+        size = os.stat(source.path).st_size
+    return min(max(size + 1, 1 << 20), (1 << 31) - 1)
 
 
 def _as_text(kind: Any) -> Any:
@@ -193,23 +198,36 @@ def _as_text(kind: Any) -> Any:
     return kind
 
 
-def _read_csv(open_stream: Callable[[], Any], text_columns: Sequence[str]) -> Any:
+def _read_csv(open_stream: Callable[[], Any], text_columns: Sequence[str], source: TableFile) -> Any:
     """A CSV file, its cells kept as written: the text columns as strings (a column of numbers, "2024", is text
     to score), quoted values may hold newlines, and any other column is typed (int, float, bool, date) only where
     every cell reads back as the same text -- an id "00123", "1e5" or "N/A" stays as written. CSV has no null: an
-    empty cell of a text column is an empty text, quoted or not."""
+    empty cell of a text column is an empty text, quoted or not. A row longer than pyarrow's 1 MiB block (a
+    multi-megabyte document) is read with one block for the whole file."""
+    import pyarrow
+    import pyarrow.csv as csv
+
+    try:
+        return _read_csv_cells(open_stream, text_columns, csv.ReadOptions())
+    except pyarrow.ArrowInvalid as exc:
+        if "straddl" not in str(exc):
+            raise
+    return _read_csv_cells(open_stream, text_columns, csv.ReadOptions(block_size=_whole_block(open_stream, source)))
+
+
+def _read_csv_cells(open_stream: Callable[[], Any], text_columns: Sequence[str], options: Any) -> Any:
     import pyarrow
     import pyarrow.compute as compute
     import pyarrow.csv as csv
 
     parse = csv.ParseOptions(newlines_in_values=True)
     with open_stream() as stream:
-        names = csv.open_csv(stream, parse_options=parse).schema.names
+        names = csv.open_csv(stream, read_options=options, parse_options=parse).schema.names
     with open_stream() as stream:
-        as_text = csv.read_csv(stream, parse_options=parse, convert_options=csv.ConvertOptions(
+        as_text = csv.read_csv(stream, read_options=options, parse_options=parse, convert_options=csv.ConvertOptions(
             column_types={name: pyarrow.string() for name in names}))
     with open_stream() as stream:
-        typed = csv.read_csv(stream, parse_options=parse, convert_options=csv.ConvertOptions(
+        typed = csv.read_csv(stream, read_options=options, parse_options=parse, convert_options=csv.ConvertOptions(
             column_types={name: pyarrow.string() for name in text_columns}))
     if len(set(names)) != len(names):
         return as_text  # columns are matched by name below
