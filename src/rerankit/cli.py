@@ -16,7 +16,7 @@ from rerankit import __version__
 from rerankit.errors import InvalidRequest, RerankitError
 from rerankit.flag_types import (id_list, non_negative_float, non_negative_int, port, positive_float,
                                  positive_int, replica_count, word_list)
-from rerankit.flags_from_env import defaults_from_environment, from_environment
+from rerankit.flags_from_env import ENGINE_PLACEMENT, defaults_from_environment, settle_serve_environment
 from rerankit.reranker import is_url, make_backend
 from rerankit.schema import MODES, ScoreRequest, ScoreResponse
 from rerankit.server.limits import RERANK_DIALECTS
@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--otlp-service-name",
                        help="with --otlp-traces-endpoint: the service name of the spans (default: "
                             "$OTEL_SERVICE_NAME, else rerankit)")
-    defaults_from_environment(serve)  # unwrapped, and a bad value reported, by from_environment in run_serve
+    defaults_from_environment(serve)  # unwrapped, and a bad value reported, in run_serve (settle_serve_environment)
     serve.set_defaults(run=run_serve)
     add_score_command(commands)
     return parser
@@ -364,31 +364,15 @@ def _print_sequence(title: str, sequence: Any, out: TextIO) -> None:
     print(f"ids: {sequence.token_ids}", file=out)
 
 
-# serve's flags that place and size a local engine: set in the environment, they are ignored for a server URL
-ENGINE_PLACEMENT = ("device", "dtype", "prefix_cache_mib", "data_parallel_size", "replica_timeout")
-
-
 def run_serve(args: argparse.Namespace) -> int:
     """``rerankit serve``: hand the flags to the server (a server URL as --model serves it as a proxy)."""
-    variables = from_environment(args)  # the flags the environment set: their variables
+    variables = settle_serve_environment(args, is_url)  # the flags the environment set: their variables
     if any(not key.strip() for key in args.api_key or ()):  # an unset secret ("$KEY") must not open the server
         raise InvalidRequest("--api-key", "is empty: give the key (or leave the flag out to serve without one)")
-    # the command line wins: a template given there replaces the other kind set in the environment
-    if "template_file" in variables and args.template is not None and "template" not in variables:
-        args.template_file = None
-    if "template" in variables and args.template_file is not None and "template_file" not in variables:
-        args.template = None
-    if is_url(args.model):
-        # Where a local engine runs and how big it is: no concern of a proxy, and an image may set them for every
-        # server it starts. A prompt default would change the scores, which a proxy cannot do: refused.
-        for name in ENGINE_PLACEMENT:
-            if name in variables:
-                setattr(args, name, None)
+    if is_url(args.model):  # a prompt default would change the scores, which a proxy cannot do: refused
         refuse_misplaced(args, (*ENGINE_PLACEMENT, "template", "template_file", "mode", "instruction"), variables)
     if args.replica_timeout is not None and args.data_parallel_size in (None, 1):
-        if "replica_timeout" not in variables:  # set for replicas that this server does not run: ignored
-            raise InvalidRequest("--replica-timeout", "applies to engine replicas: give --data-parallel-size too")
-        args.replica_timeout = None
+        raise InvalidRequest("--replica-timeout", "applies to engine replicas: give --data-parallel-size too")
     kept_bytes = None if args.prefix_cache_mib is None else args.prefix_cache_mib << 20
     defaults = {"template": chosen_template(args), "mode": args.mode, "instruction": args.instruction,
                 "replica_timeout_s": args.replica_timeout}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,3 +82,26 @@ def from_environment(args: argparse.Namespace) -> dict[str, str]:
     for dest, value in taken.items():
         setattr(args, dest, value.value)
     return {dest: value.name for dest, value in taken.items()}
+
+
+# serve's flags that place and size a local engine: set in the environment, they are ignored for a server URL
+ENGINE_PLACEMENT = ("device", "dtype", "prefix_cache_mib", "data_parallel_size", "replica_timeout")
+
+
+def settle_serve_environment(args: argparse.Namespace, is_url: Callable[[Any], bool]) -> dict[str, str]:
+    """``from_environment`` for ``rerankit serve``, then what the environment set and does not apply is dropped:
+    a template of one kind where the command line gave the other kind (the command line wins); the engine's
+    placement and size (``ENGINE_PLACEMENT``) for a server URL as the model (``is_url``; an image may set them for
+    every server it starts); a replica timeout without replicas. Returns the variables of the flags the environment
+    set."""
+    variables = from_environment(args)
+    if "template_file" in variables and args.template is not None and "template" not in variables:
+        args.template_file = None
+    if "template" in variables and args.template_file is not None and "template_file" not in variables:
+        args.template = None
+    for name in ENGINE_PLACEMENT if is_url(args.model) else ():
+        if name in variables:
+            setattr(args, name, None)
+    if "replica_timeout" in variables and args.data_parallel_size in (None, 1):
+        args.replica_timeout = None
+    return variables
