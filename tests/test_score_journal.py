@@ -76,6 +76,23 @@ def test_a_stopped_run_goes_on_where_it_stopped(pairs, capsys, failure, code):
     assert target.read_text() == expected and not journal.exists()
 
 
+def test_a_run_whose_rows_were_all_scored_before_loads_no_model(pairs, capsys, monkeypatch):
+    source, target, run, used = pairs
+    assert run() == 0
+    expected = target.read_text()
+    target.unlink()
+    write = offline.write_table
+    monkeypatch.setattr(offline, "write_table", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    assert run() == 130  # stopped while writing: every row is in the journal
+    monkeypatch.setattr(offline, "write_table", write)
+    loaded = len(used)
+
+    assert run() == 0
+    assert len(used) == loaded  # no model loaded to score nothing
+    assert f"all of {len(ROWS)} rows were scored by an earlier run" in capsys.readouterr().err
+    assert target.read_text() == expected and not journal_path(target).exists()
+
+
 def test_a_journal_of_another_input_is_not_taken(pairs):
     source, target, run, used = pairs
     assert run(lambda backend: Counting(backend, calls=2, failure=KeyboardInterrupt())) == 130

@@ -143,13 +143,15 @@ def score_file(input_path: str | Path, output_path: str | Path, *, model: str | 
         except OSError as exc:
             raise InvalidRequest("--output", f"cannot keep scores beside {output_path}: {exc}") from None
     scored = journal.scored if journal is not None else {}
-    backend = offline_backend(model, **engine_options)
+    left = table.num_rows - len(scored)
+    backend = offline_backend(model, **engine_options) if left else None  # every row journaled: no model to load
     try:
         with tqdm(total=table.num_rows, unit="pair", desc="rerankit score", disable=not show_progress,
                   initial=len(scored), file=sys.stderr) as bar:
             if scored:
-                bar.write(f"rerankit score: {len(scored)} of {table.num_rows} rows were scored by an "
-                          f"earlier run ({journal.path}); scoring the rest", file=sys.stderr)
+                bar.write(f"rerankit score: {len(scored) if left else 'all'} of {table.num_rows} rows were scored by "
+                          f"an earlier run ({journal.path}); " + ("scoring the rest" if left else "writing them"),
+                          file=sys.stderr)
             scores = score_pairs(backend, queries, documents, bar.update, scored=scored,
                                  record=journal.record if journal is not None else None, **(request_fields or {}))
     except BaseException:
@@ -161,7 +163,8 @@ def score_file(input_path: str | Path, output_path: str | Path, *, model: str | 
             journal.remove()
         raise
     finally:
-        backend.close()
+        if backend is not None:
+            backend.close()
     if not target.stdio:
         output = Path(output_path)
         # temporary files of runs of this output killed while writing (the journal's lock, held here, keeps any
