@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import selectors
 import socket
 import subprocess
 import threading
@@ -101,3 +102,21 @@ def wait_until_healthy(process: subprocess.Popen, url: str, seconds: float = 60)
                 return
         except httpx.HTTPError:
             time.sleep(0.05)
+
+
+def closed_by_server(sockets: list[socket.socket], within_s: float) -> int:
+    """How many of ``sockets`` the server closed (EOF or reset) within ``within_s`` seconds."""
+    with selectors.DefaultSelector() as selector:
+        for sock in sockets:
+            selector.register(sock, selectors.EVENT_READ)
+        closed, deadline = 0, time.monotonic() + within_s
+        while closed < len(sockets) and time.monotonic() < deadline:
+            for key, _ in selector.select(timeout=max(0.0, deadline - time.monotonic())):
+                try:
+                    data = key.fileobj.recv(4096)
+                except ConnectionError:
+                    data = b""
+                if not data:
+                    selector.unregister(key.fileobj)
+                    closed += 1
+    return closed

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import selectors
 import socket
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from live_server import live_server
+from live_server import closed_by_server, live_server
 from server_fakes import RecordingBackend
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -61,24 +60,6 @@ def protocol(request):
 def connect(url: str) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
     return socket.create_connection((host, int(port)), timeout=10)
-
-
-def closed_by_server(sockets: list[socket.socket], within_s: float) -> int:
-    """How many of ``sockets`` the server closed (EOF or reset) within ``within_s`` seconds."""
-    with selectors.DefaultSelector() as selector:
-        for sock in sockets:
-            selector.register(sock, selectors.EVENT_READ)
-        closed, deadline = 0, time.monotonic() + within_s
-        while closed < len(sockets) and time.monotonic() < deadline:
-            for key, _ in selector.select(timeout=max(0.0, deadline - time.monotonic())):
-                try:
-                    data = key.fileobj.recv(4096)
-                except ConnectionError:
-                    data = b""
-                if not data:
-                    selector.unregister(key.fileobj)
-                    closed += 1
-    return closed
 
 
 # --- schema fuzzing ----------------------------------------------------------------------------------------------

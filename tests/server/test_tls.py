@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import json
-import selectors
 import signal
 import socket
 import subprocess
@@ -24,7 +23,7 @@ from cryptography import x509  # noqa: E402
 from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
 from cryptography.x509.oid import NameOID  # noqa: E402
-from live_server import loopback_listener, serving  # noqa: E402
+from live_server import closed_by_server, loopback_listener, serving  # noqa: E402
 from server_fakes import RecordingBackend  # noqa: E402
 from test_cli import CHILD_ENV, DOCUMENTS, QUERY, rerankit_cli  # noqa: E402
 
@@ -177,24 +176,6 @@ def test_a_certificate_with_the_wrong_key_is_refused(pki):
     assert completed.returncode == 2 and "--ssl-certfile and --ssl-keyfile: cannot load" in completed.stderr
 
 
-def _closed_by_server(sockets: list[socket.socket], within_s: float) -> int:
-    """How many of ``sockets`` the server closed (EOF or reset) within ``within_s`` seconds."""
-    with selectors.DefaultSelector() as selector:
-        for sock in sockets:
-            selector.register(sock, selectors.EVENT_READ)
-        closed, deadline = 0, time.monotonic() + within_s
-        while closed < len(sockets) and time.monotonic() < deadline:
-            for key, _ in selector.select(timeout=max(0.0, deadline - time.monotonic())):
-                try:
-                    data = key.fileobj.recv(1)
-                except ConnectionError:
-                    data = b""
-                if not data:
-                    selector.unregister(key.fileobj)
-                    closed += 1
-    return closed
-
-
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_sockets_that_never_start_their_handshake_count_against_max_connections(pki, loop):
     """Over the limit, the socket that has waited longest in its handshake makes room, as an idle plain-HTTP
@@ -213,11 +194,11 @@ def test_sockets_that_never_start_their_handshake_count_against_max_connections(
         try:
             for _ in range(40):
                 silent.append(socket.create_connection(("127.0.0.1", port), timeout=10))
-            assert _closed_by_server(silent[:-4], within_s=5) == 36, "sockets in their handshake were not counted"
+            assert closed_by_server(silent[:-4], within_s=5) == 36, "sockets in their handshake were not counted"
             answer = httpx.get(f"https://127.0.0.1:{port}/health", verify=str(pki / "ca.pem"), timeout=10)
             assert answer.status_code == 200
-            assert _closed_by_server(silent[-4:-3], within_s=5) == 1, "the client made no room"
-            assert _closed_by_server(silent[-3:], within_s=0.2) == 0, "more than one made room"
+            assert closed_by_server(silent[-4:-3], within_s=5) == 1, "the client made no room"
+            assert closed_by_server(silent[-3:], within_s=0.2) == 0, "more than one made room"
         finally:
             for sock in silent:
                 sock.close()
