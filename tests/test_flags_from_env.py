@@ -104,3 +104,18 @@ def test_a_replica_timeout_set_in_the_environment_applies_only_to_replicas(serve
     monkeypatch.delenv("RERANKIT_REPLICA_TIMEOUT")
     assert cli.main(["serve", "--replica-timeout", "30"]) == 2  # given: still refused
     assert "error: --replica-timeout: applies to engine replicas" in capsys.readouterr().err
+
+
+def test_a_variable_that_is_ignored_is_ignored_whatever_its_value(served, monkeypatch, capsys):
+    """A value the flag would refuse does not end a server the flag does not apply to."""
+    monkeypatch.setenv("RERANKIT_DATA_PARALLEL_SIZE", "all")
+    monkeypatch.setenv("RERANKIT_PREFIX_CACHE_MIB", "-1")
+    assert cli.main(["serve", "--model", "http://far:8000"]) == 0, capsys.readouterr().err
+    assert (served["data_parallel_size"], served["prefix_cache_bytes"]) == (None, None)
+    monkeypatch.delenv("RERANKIT_DATA_PARALLEL_SIZE")
+    monkeypatch.delenv("RERANKIT_PREFIX_CACHE_MIB")
+    monkeypatch.setenv("RERANKIT_REPLICA_TIMEOUT", "-1")
+    assert cli.main(["serve"]) == 0, capsys.readouterr().err  # no replicas: nothing to time out
+    assert "replica_timeout_s" not in served["engine_options"]
+    assert cli.main(["serve", "--data-parallel-size", "2"]) == 2  # replicas: the value counts
+    assert capsys.readouterr().err.startswith("error: $RERANKIT_REPLICA_TIMEOUT='-1': ")

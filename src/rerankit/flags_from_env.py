@@ -92,16 +92,21 @@ def settle_serve_environment(args: argparse.Namespace, is_url: Callable[[Any], b
     """``from_environment`` for ``rerankit serve``, then what the environment set and does not apply is dropped:
     a template of one kind where the command line gave the other kind (the command line wins); the engine's
     placement and size (``ENGINE_PLACEMENT``) for a server URL as the model (``is_url``; an image may set them for
-    every server it starts); a replica timeout without replicas. Returns the variables of the flags the environment
-    set."""
+    every server it starts); a replica timeout without replicas. Such a variable is ignored whatever its value.
+    Returns the variables of the flags the environment set."""
+    def given(dest: str) -> Any:  # the value, whether the command line or the environment gave it
+        value = getattr(args, dest)
+        return value.value if isinstance(value, FromVariable) else value
+
+    ignored = ENGINE_PLACEMENT if is_url(given("model")) else ()
+    if given("data_parallel_size") in (None, 1):
+        ignored = (*ignored, "replica_timeout")
+    for name in ignored:  # dropped before from_environment: a value the flag would refuse does not matter either
+        if isinstance(getattr(args, name), FromVariable):
+            setattr(args, name, None)
     variables = from_environment(args)
     if "template_file" in variables and args.template is not None and "template" not in variables:
         args.template_file = None
     if "template" in variables and args.template_file is not None and "template_file" not in variables:
         args.template = None
-    for name in ENGINE_PLACEMENT if is_url(args.model) else ():
-        if name in variables:
-            setattr(args, name, None)
-    if "replica_timeout" in variables and args.data_parallel_size in (None, 1):
-        args.replica_timeout = None
     return variables
