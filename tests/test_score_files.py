@@ -272,6 +272,17 @@ def test_text_that_is_not_utf8_is_a_one_line_error_before_scoring(tmp_path, back
     assert backends.made == []
 
 
+@pytest.mark.parametrize("column", ["document", "note"])
+def test_csv_text_that_is_not_utf8_is_named_by_its_column(tmp_path, backends, capsys, column):
+    source = tmp_path / "pairs.csv"
+    cells = {"query": b"q", "document": b"d", "note": b"n", column: b"caf\xe9"}
+    source.write_bytes(b"query,document,note\n" + b",".join(cells.values()) + b"\n")
+    assert main(["score", "--input", str(source), "--output", str(tmp_path / "out.csv"), "--no-progress"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and f"column {column!r} holds text that is not UTF-8" in error
+    assert backends.made == []
+
+
 @pytest.mark.parametrize("file_format", ["jsonl", "csv"])
 def test_gzipped_stdin_is_read(tmp_path, backends, monkeypatch, capsys, file_format):
     monkeypatch.chdir(tmp_path)

@@ -13,6 +13,7 @@ import io
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 import uuid
@@ -208,11 +209,21 @@ def _read_csv(open_stream: Callable[[], Any], text_columns: Sequence[str], sourc
     import pyarrow.csv as csv
 
     try:
-        return _read_csv_cells(open_stream, text_columns, csv.ReadOptions())
-    except pyarrow.ArrowInvalid as exc:
-        if "straddl" not in str(exc):
+        try:
+            return _read_csv_cells(open_stream, text_columns, csv.ReadOptions())
+        except pyarrow.ArrowInvalid as exc:
+            if "straddl" not in str(exc):
+                raise
+        return _read_csv_cells(open_stream, text_columns,
+                               csv.ReadOptions(block_size=_whole_block(open_stream, source)))
+    except pyarrow.ArrowInvalid as exc:  # named by its column, as a JSONL file's (_check_text), not "#1"
+        found = re.search(r"CSV column #(\d+): CSV conversion error to string: invalid UTF8", str(exc))
+        if found is None:
             raise
-    return _read_csv_cells(open_stream, text_columns, csv.ReadOptions(block_size=_whole_block(open_stream, source)))
+        with open_stream() as stream:
+            names = csv.open_csv(stream, parse_options=csv.ParseOptions(newlines_in_values=True)).schema.names
+        raise InvalidRequest("--input", f"cannot read {source.name}: column {names[int(found.group(1))]!r} holds "
+                                        "text that is not UTF-8 (save the file as UTF-8)") from None
 
 
 def _read_csv_cells(open_stream: Callable[[], Any], text_columns: Sequence[str], options: Any) -> Any:
