@@ -149,3 +149,15 @@ def test_score_ray_names_a_bad_model_in_one_line(cluster, tmp_path, capsys) -> N
                  "--model", str(tmp_path / "no-such-model"), "--device", "cpu"]) == 2
     error = capsys.readouterr().err
     assert error.startswith("error: ") and "no model folder" in error and error.count("\n") == 1, error[-2000:]
+
+
+def test_score_ray_matches_the_input_suffix_in_any_case(tmp_path, capsys) -> None:
+    """As without --ray (docs/cli.md: suffixes match in any case); checked before Ray starts."""
+    from rerankit.cli import main
+
+    source, target = tmp_path / "PAIRS.JSONL", tmp_path / "out"
+    source.write_text('{"query": "q", "document": "d"}\n')
+    target.mkdir()
+    (target / "part-0.parquet").write_bytes(b"earlier run")
+    assert main(["score", "--ray", "--input", str(source), "--output", str(target)]) == 2
+    assert "is a folder that is not empty" in capsys.readouterr().err  # past the suffix

@@ -159,7 +159,7 @@ def score_file(input_path: str, output_path: str, **options: Any) -> None:
     import ray
 
     readers = {".parquet": ray.data.read_parquet, ".jsonl": ray.data.read_json, ".csv": ray.data.read_csv}
-    suffix = os.path.splitext(input_path)[1]
+    suffix = os.path.splitext(input_path)[1].lower()  # as without --ray: PAIRS.CSV is CSV
     if suffix not in readers:
         raise InvalidRequest("--input", f"{input_path} must end in one of {', '.join(readers)}")
     if os.path.exists(output_path) and not os.path.isdir(output_path):
