@@ -12,7 +12,8 @@ import pytest
 from rerankit.defaults import default_model_path
 from rerankit.engine import EmbeddedBackend
 from rerankit.engine.replica_worker import portable
-from rerankit.engine.replicas import DataParallelBackend, _Replica, replica_devices, spare_replicas
+from rerankit.engine.replica_process import Replica
+from rerankit.engine.replicas import DataParallelBackend, replica_devices, spare_replicas
 from rerankit.engine.shards import MIN_SHARD_TOKENS, Shard, cut, item_tokens, merge
 from rerankit.errors import (Cancelled, InvalidRequest, ModelLoadError, ReplicaDied, RequestTooLarge,
                              RerankitError)
@@ -89,8 +90,8 @@ def _response(items: int):
 
 
 def test_calls_are_cut_only_across_replicas_with_room_for_another_task() -> None:
-    def replica(index: int, tasks: int, state: str = "ready") -> _Replica:
-        made = _Replica(index, "cuda", state=state, pipelined_calls=2)
+    def replica(index: int, tasks: int, state: str = "ready") -> Replica:
+        made = Replica(index, "cuda", state=state, pipelined_calls=2)
         made.tasks = {number: None for number in range(tasks)}
         return made
 
@@ -110,7 +111,7 @@ class FakeProcess:
         return self.alive
 
 
-def backend_of(*replicas: _Replica) -> DataParallelBackend:
+def backend_of(*replicas: Replica) -> DataParallelBackend:
     """A backend over ``replicas`` (fakes: no process is started), for what it tells of them."""
     backend = DataParallelBackend.__new__(DataParallelBackend)
     backend._lock = threading.Lock()
@@ -120,10 +121,10 @@ def backend_of(*replicas: _Replica) -> DataParallelBackend:
 
 
 def test_replica_pids_and_status_report_a_replica_not_running_as_none() -> None:
-    ready = _Replica(0, "cpu", process=FakeProcess(11), state="ready")
-    ended = _Replica(1, "cpu", process=FakeProcess(12, alive=False), state="ready")  # its death not handled yet
-    down = _Replica(2, "cpu", process=FakeProcess(13), state="down")  # its process object outlives it
-    starting = _Replica(3, "cpu", process=FakeProcess(14), state="starting")  # a restart: its new process
+    ready = Replica(0, "cpu", process=FakeProcess(11), state="ready")
+    ended = Replica(1, "cpu", process=FakeProcess(12, alive=False), state="ready")  # its death not handled yet
+    down = Replica(2, "cpu", process=FakeProcess(13), state="down")  # its process object outlives it
+    starting = Replica(3, "cpu", process=FakeProcess(14), state="starting")  # a restart: its new process
     backend = backend_of(ready, ended, down, starting)
     assert backend.replica_pids == [11, None, None, 14]
     status = backend.replica_status()
@@ -133,8 +134,8 @@ def test_replica_pids_and_status_report_a_replica_not_running_as_none() -> None:
 
 
 def test_problem_says_why_while_no_replica_is_ready_and_a_failed_load_is_counted() -> None:
-    first = _Replica(0, "cpu", process=FakeProcess(11), state="starting")
-    second = _Replica(1, "cpu", process=FakeProcess(12), state="ready")
+    first = Replica(0, "cpu", process=FakeProcess(11), state="starting")
+    second = Replica(1, "cpu", process=FakeProcess(12), state="ready")
     backend = backend_of(first, second)
     assert backend.problem() is None  # one ready: degraded, still serving
     with backend._lock:

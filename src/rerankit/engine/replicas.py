@@ -20,13 +20,12 @@ import os
 import threading
 import time
 import weakref
-from concurrent.futures import FIRST_EXCEPTION, Future, wait
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from concurrent.futures import FIRST_EXCEPTION, wait
 from multiprocessing.connection import wait as wait_ready
 from typing import Any, Callable
 
 from rerankit.engine.process_safety import score_cancellably
+from rerankit.engine.replica_process import FAILURE_CAUSES, Replica, ReplicaStatus, Task
 from rerankit.engine.replica_worker import replica_main
 from rerankit.engine.shards import cut, merge
 from rerankit.errors import Cancelled, InvalidRequest, ModelLoadError, RerankitError, ReplicaDied
@@ -41,74 +40,7 @@ CLOSE_TIMEOUT_S = 10.0  # a replica that has not exited this long after being to
 # a hung device): killed, restarted, its work retried elsewhere. Off by default: a replica sends nothing while a
 # call runs, and one call may take minutes (thousands of long documents on a large model).
 REPLICA_TIMEOUT_S: float | None = None
-# Why a replica failed, as ``ReplicaStatus.failures`` counts it: its process ended while it was ready; it was killed
-# after ``replica_timeout_s`` of silence; it did not get ready (its model failed to load, or its process ended first).
-FAILURE_CAUSES = ("died", "timed_out", "failed_to_start")
-
-
-@dataclass(frozen=True)
-class ReplicaStatus:
-    """One replica as ``DataParallelBackend.replica_status()`` found it.
-
-    ``state``: "ready" (takes work), "starting" (loading its model, at start or after a restart) or "down" (for
-    good: its model failed to load, or it failed more than ``MAX_RESTARTS`` times). ``pid``: its process's id while
-    that process runs, else None. ``failures``: how often it failed, by cause (``FAILURE_CAUSES``); every failure but
-    a failed load restarts it, up to ``MAX_RESTARTS`` times.
-    """
-
-    index: int
-    device: str
-    state: str
-    pid: int | None
-    restarts: int
-    failures: dict[str, int]
-    startup_seconds: float | None
-
-
-@dataclass
-class _Task:
-    """Work for one replica: a list of requests to score, or a warm-up and its shapes (None: the defaults),
-    answered through ``future``."""
-
-    id: int
-    kind: str
-    payload: list[ScoreRequest] | list[tuple[int, int]] | None
-    tokens: int
-    future: Future = field(default_factory=Future)
-    retried: bool = False
-
-
-@dataclass
-class _Replica:
-    """One replica process, its inbox queue and its reply pipe, and the tasks it holds."""
-
-    index: int
-    device: str
-    process: Any = None
-    inbox: Any = None
-    replies: Connection | None = None
-    state: str = "starting"  # "starting" -> "ready"; "down" for good after a failed load or too many restarts
-    restarts: int = 0
-    started_at: float = 0.0  # time.monotonic() of the latest spawn
-    startup_seconds: float | None = None  # spawn to ready: interpreter, imports, model load
-    pipelined_calls: int = 1  # tasks it runs at once, as it reports when ready
-    failure: Exception | None = None  # why it failed to load
-    tasks: dict[int, _Task] = field(default_factory=dict)
-    last_progress: float = 0.0  # time.monotonic() of its latest reply, or of work sent to it while it held none
-    timed_out: bool = False  # killed by ``replica_timeout_s``: its death is counted as "timed_out"
-    failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_CAUSES, 0))
-
-    @property
-    def pid(self) -> int | None:
-        """Its process's id while that process runs (a down replica's, or one dead and not yet restarted: None)."""
-        if self.state == "down" or self.process is None or not self.process.is_alive():
-            return None
-        return self.process.pid
-
-    @property
-    def load(self) -> int:
-        """Estimated tokens of the work sent and not answered."""
-        return sum(task.tokens for task in self.tasks.values())
+__all__ = ["FAILURE_CAUSES", "DataParallelBackend", "ReplicaStatus", "replica_devices", "spare_replicas"]
 
 
 def replica_devices(device: str | None, data_parallel_size: int | str) -> list[str]:
@@ -132,7 +64,7 @@ def replica_devices(device: str | None, data_parallel_size: int | str) -> list[s
     return ["cpu"] * size
 
 
-def spare_replicas(replicas: list[_Replica]) -> int:
+def spare_replicas(replicas: list[Replica]) -> int:
     """How many replicas a call's requests are cut across: those running with room for another task (fewer tasks in
     flight than they run at once), at least 1. A replica busy to the full takes whole requests: a cut would not
     start its part any sooner, and each part pays a call's fixed cost (tokenizing, launches, the prefix again)."""
@@ -163,7 +95,7 @@ class DataParallelBackend:
         self._closing = False
         self._model_name = model
         self._max_length = 0  # set by the first replica ready, before the constructor returns
-        self._replicas = [_Replica(index, device) for index, device in enumerate(devices)]
+        self._replicas = [Replica(index, device) for index, device in enumerate(devices)]
         with self._lock:
             for replica in self._replicas:
                 self._start(replica)
@@ -205,9 +137,7 @@ class DataParallelBackend:
     def replica_status(self) -> list[ReplicaStatus]:
         """Each replica's state, process id, restarts and failures by cause, as they are now."""
         with self._lock:
-            return [ReplicaStatus(replica.index, replica.device, replica.state, replica.pid,
-                                  min(replica.restarts, MAX_RESTARTS), dict(replica.failures),
-                                  replica.startup_seconds) for replica in self._replicas]
+            return [replica.status(MAX_RESTARTS) for replica in self._replicas]
 
     @property
     def startup_seconds(self) -> list[float | None]:
@@ -231,7 +161,7 @@ class DataParallelBackend:
         of a whole replica call raises for the call. ``should_stop`` is asked before each dispatch and while the
         call waits; once it says True the call raises ``Cancelled`` (work already sent finishes and is dropped).
         """
-        tasks: list[tuple[_Task, list[int]]] = []  # each task and the positions in ``shards`` of its requests
+        tasks: list[tuple[Task, list[int]]] = []  # each task and the positions in ``shards`` of its requests
         with self._lock:
             shards = cut(requests, spare_replicas(self._replicas))
             planned = {replica.index: replica.load for replica in self._replicas}
@@ -244,7 +174,7 @@ class DataParallelBackend:
             if should_stop is not None and should_stop():
                 raise Cancelled("the caller stopped waiting before every part of the call was sent")
             numbers.sort()
-            task = _Task(next(self._task_ids), "score", [shards[n].request_of(requests) for n in numbers],
+            task = Task(next(self._task_ids), "score", [shards[n].request_of(requests) for n in numbers],
                          sum(shards[n].tokens for n in numbers))
             with self._lock:  # a replica that went down for good since the plan: the least loaded instead
                 replica = self._replicas[index]
@@ -271,7 +201,7 @@ class DataParallelBackend:
             running = [replica for replica in self._replicas if replica.state != "down"]
             if not running:
                 raise ReplicaDied("no replica is running: every one failed to start or died too often")
-            tasks = [_Task(next(self._task_ids), "warm_up", shapes, 0) for _ in running]
+            tasks = [Task(next(self._task_ids), "warm_up", shapes, 0) for _ in running]
             for task, replica in zip(tasks, running):
                 self._send(task, replica)
         self._wait_for(tasks, None)
@@ -315,12 +245,7 @@ class DataParallelBackend:
         with self._lock:
             for replica in self._replicas:
                 self._fail_all(replica, ModelLoadError("this DataParallelBackend is closed"))
-                if replica.replies is not None:
-                    replica.replies.close()
-                if replica.inbox is not None:
-                    replica.inbox.close()
-                    replica.inbox.cancel_join_thread()  # messages no process will read must not block exit
-                replica.inbox = replica.replies = None  # its semaphores go back now, not at interpreter exit
+                replica.close_channels()
 
     def __enter__(self) -> "DataParallelBackend":
         return self
@@ -330,7 +255,7 @@ class DataParallelBackend:
 
     # Everything below runs with ``self._lock`` held unless it says otherwise.
 
-    def _start(self, replica: _Replica) -> None:
+    def _start(self, replica: Replica) -> None:
         """Spawn ``replica``'s process with a fresh inbox and pipe (a killed process may have left them broken)."""
         receiver, sender = self._context.Pipe(duplex=False)
         replica.inbox = self._context.Queue()
@@ -344,7 +269,7 @@ class DataParallelBackend:
         replica.process.start()
         sender.close()  # the child holds the only writing end: its death reads as end-of-file here
 
-    def _least_loaded(self, planned: dict[int, int] | None = None, avoid: int | None = None) -> _Replica:
+    def _least_loaded(self, planned: dict[int, int] | None = None, avoid: int | None = None) -> Replica:
         """The running replica with the least work (``planned``: its tasks as a plan counts them so far; None: its
         load now), ``avoid``'s only where it is the one left."""
         if planned is None:
@@ -359,7 +284,7 @@ class DataParallelBackend:
             raise ReplicaDied("no replica is running: every one failed to start or died too often")
         return min(candidates, key=lambda replica: (planned[replica.index], replica.index))
 
-    def _send(self, task: _Task, replica: _Replica) -> None:
+    def _send(self, task: Task, replica: Replica) -> None:
         if self._closing:
             task.future.set_exception(ModelLoadError("this DataParallelBackend is closed"))
             return
@@ -368,7 +293,7 @@ class DataParallelBackend:
         replica.tasks[task.id] = task
         replica.inbox.put((task.kind, task.id, task.payload))
 
-    def _wait_for(self, tasks: list[_Task], should_stop: Callable[[], bool] | None) -> None:
+    def _wait_for(self, tasks: list[Task], should_stop: Callable[[], bool] | None) -> None:
         """Block (without the lock) until every task is answered; raise the first task's error as soon as it comes,
         and ``Cancelled`` once ``should_stop`` says so."""
         futures = [task.future for task in tasks]
@@ -446,7 +371,7 @@ class DataParallelBackend:
                     replica.timed_out = True
                     replica.process.kill()
 
-    def _read(self, replica: _Replica) -> None:
+    def _read(self, replica: Replica) -> None:
         try:
             message = replica.replies.recv()
         except (EOFError, OSError):
@@ -455,7 +380,7 @@ class DataParallelBackend:
             return
         self._handle(replica, message)
 
-    def _drain(self, replica: _Replica) -> None:
+    def _drain(self, replica: Replica) -> None:
         """Handle the replies a dead replica sent before it died: work it finished is not done twice."""
         try:
             while replica.replies.poll():
@@ -463,7 +388,7 @@ class DataParallelBackend:
         except (EOFError, OSError):
             pass
 
-    def _handle(self, replica: _Replica, message: tuple) -> None:
+    def _handle(self, replica: Replica, message: tuple) -> None:
         kind = message[0]
         replica.last_progress = time.monotonic()
         if kind == "ready":
@@ -490,7 +415,7 @@ class DataParallelBackend:
             else:
                 task.future.set_exception(payload)
 
-    def _died(self, replica: _Replica, how: str) -> None:
+    def _died(self, replica: Replica, how: str) -> None:
         if replica.state == "down":
             return
         cause = "timed_out" if replica.timed_out else "failed_to_start" if replica.state == "starting" else "died"
@@ -504,16 +429,13 @@ class DataParallelBackend:
         log.error("%s", ReplicaDied(f"replica {replica.index} on {replica.device} died ({how}) holding {held} "
                                     f"task(s); " + (f"restarting it (restart {replica.restarts} of {MAX_RESTARTS})"
                                                     if restart else f"it stays down ({MAX_RESTARTS} restarts used)")))
-        replica.replies.close()
-        replica.inbox.close()
-        replica.inbox.cancel_join_thread()
-        replica.inbox = replica.replies = None  # closed: nothing may write to them again (``close`` skips it)
+        replica.close_channels()  # nothing may write to them again (``close`` skips it)
         replica.state = "down"
         if restart:  # first, so that a lone replica can take its own work back
             self._start(replica)
         self._retry_all(replica)
 
-    def _retry_all(self, replica: _Replica) -> None:
+    def _retry_all(self, replica: Replica) -> None:
         """Send the tasks ``replica`` held to another replica (itself restarted if it is the only one), once;
         a task already retried fails."""
         held, replica.tasks = list(replica.tasks.values()), {}
@@ -531,7 +453,7 @@ class DataParallelBackend:
                 continue
             self._send(task, target)
 
-    def _fail_all(self, replica: _Replica, error: RerankitError) -> None:
+    def _fail_all(self, replica: Replica, error: RerankitError) -> None:
         held, replica.tasks = list(replica.tasks.values()), {}
         for task in held:
             if not task.future.done():
