@@ -116,7 +116,7 @@ def backend_of(*replicas: Replica) -> DataParallelBackend:
     backend = DataParallelBackend.__new__(DataParallelBackend)
     backend._lock = threading.Lock()
     backend._ready = threading.Condition(backend._lock)
-    backend._closing, backend._replicas = False, list(replicas)
+    backend._closing, backend._started, backend._replicas = False, False, list(replicas)
     return backend
 
 
@@ -139,7 +139,7 @@ def test_problem_says_why_while_no_replica_is_ready_and_a_failed_load_is_counted
     backend = backend_of(first, second)
     assert backend.problem() is None  # one ready: degraded, still serving
     with backend._lock:
-        backend._handle(second, ("load_failed", ModelLoadError("out of memory")))  # as a restart's load fails
+        backend._handle(second, ("load_failed", ModelLoadError("out of memory")))  # as the backend starts
     assert second.state == "down" and second.failures["failed_to_start"] == 1
     assert backend.problem() == "no replica is ready: 1 restarting (loading the model), 1 down for good"
     first.state = "down"
@@ -346,9 +346,9 @@ def test_gpu_replicas_on_two_devices_score_like_one_with_calls_in_flight(tiny_qw
 
 
 def test_close_stops_the_live_replicas_when_one_stays_down(monkeypatch) -> None:
-    import rerankit.engine.replicas as replicas_module
+    import rerankit.engine.restart_policy as restart_policy
 
-    monkeypatch.setattr(replicas_module, "MAX_RESTARTS", 0)  # the first death keeps a replica down
+    monkeypatch.setattr(restart_policy, "MAX_RESTARTS", 0)  # the first death keeps a replica down
     backend = make_backend(None, device="cpu", data_parallel_size=2, startup_timeout_s=120)
     down, live = backend._replicas
     os.kill(down.process.pid, signal.SIGKILL)

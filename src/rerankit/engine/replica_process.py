@@ -1,28 +1,26 @@
 """One data-parallel replica as its parent sees it: its process, inbox and reply pipe, the tasks it holds, its state
-and its failures; and ``ReplicaStatus``, what ``DataParallelBackend.replica_status()`` tells of it."""
+and its restart history; and ``ReplicaStatus``, what ``DataParallelBackend.replica_status()`` tells of it."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from rerankit.engine.restart_policy import RestartHistory
 from rerankit.schema import ScoreRequest
-
-# Why a replica failed, as ``ReplicaStatus.failures`` counts it: its process ended while it was ready; it was killed
-# after ``replica_timeout_s`` of silence; it did not get ready (its model failed to load, or its process ended first).
-FAILURE_CAUSES = ("died", "timed_out", "failed_to_start")
 
 
 @dataclass(frozen=True)
 class ReplicaStatus:
     """One replica as ``DataParallelBackend.replica_status()`` found it.
 
-    ``state``: "ready" (takes work), "starting" (loading its model, at start or after a restart) or "down" (for
-    good: its model failed to load, or it failed more than ``MAX_RESTARTS`` times). ``pid``: its process's id while
-    that process runs, else None. ``failures``: how often it failed, by cause (``FAILURE_CAUSES``); every failure but
-    a failed load restarts it, up to ``MAX_RESTARTS`` times.
+    ``state``: "ready" (takes work), "starting" (loading its model, at start or after a failure, or waiting out the
+    pause before a restart) or "down" (for good: its model failed to load as the backend started, or it failed too
+    often, ``restart_policy.py``). ``pid``: its process's id while that process runs, else None. ``failures``: how
+    often it failed, by cause (``FAILURE_CAUSES``). ``restarts``: how often it was started again.
     """
 
     index: int
@@ -56,16 +54,27 @@ class Replica:
     process: Any = None
     inbox: Any = None
     replies: Connection | None = None
-    state: str = "starting"  # "starting" -> "ready"; "down" for good after a failed load or too many restarts
-    restarts: int = 0
+    state: str = "starting"  # "starting" -> "ready"; "down" for good after a failed first load or too many failures
+    history: RestartHistory = field(default_factory=RestartHistory)
+    spawn_at: float | None = None  # time.monotonic() a restart's process is due to start (None: it has started)
+    sender: Connection | None = None  # the reply pipe's writing end, until the process it is for starts
     started_at: float = 0.0  # time.monotonic() of the latest spawn
     startup_seconds: float | None = None  # spawn to ready: interpreter, imports, model load
     pipelined_calls: int = 1  # tasks it runs at once, as it reports when ready
-    failure: Exception | None = None  # why it failed to load
+    failure: Exception | None = None  # why its latest load failed
     tasks: dict[int, Task] = field(default_factory=dict)
     last_progress: float = 0.0  # time.monotonic() of its latest reply, or of work sent to it while it held none
-    timed_out: bool = False  # killed by ``replica_timeout_s``: its death is counted as "timed_out"
-    failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_CAUSES, 0))
+    killed: str | None = None  # why the parent killed it: "timed_out" (``replica_timeout_s``) or "start_timed_out"
+
+    @property
+    def failures(self) -> dict[str, int]:
+        """How often it failed, by cause."""
+        return self.history.failures
+
+    @property
+    def restarts(self) -> int:
+        """How often it was started again after a failure."""
+        return self.history.restarts
 
     @property
     def pid(self) -> int | None:
@@ -79,15 +88,34 @@ class Replica:
         """Estimated tokens of the work sent and not answered."""
         return sum(task.tokens for task in self.tasks.values())
 
-    def status(self, max_restarts: int) -> ReplicaStatus:
-        return ReplicaStatus(self.index, self.device, self.state, self.pid, min(self.restarts, max_restarts),
-                             dict(self.failures), self.startup_seconds)
+    def status(self) -> ReplicaStatus:
+        return ReplicaStatus(self.index, self.device, self.state, self.pid, self.restarts, dict(self.failures),
+                             self.startup_seconds)
+
+    def renew(self, context: Any, delay_s: float) -> None:
+        """A fresh inbox and pipe (a killed process may have left its own broken), its process due ``delay_s``
+        from now; work sent meanwhile waits in the inbox."""
+        self.replies, self.sender = context.Pipe(duplex=False)
+        self.inbox = context.Queue()
+        self.state = "starting"
+        self.process = None
+        self.spawn_at = time.monotonic() + delay_s
+
+    def spawn(self, process: Any) -> None:
+        """Start ``process`` (not started yet; it writes to ``sender``) as this replica's."""
+        self.spawn_at = None
+        self.started_at = time.monotonic()
+        self.process = process
+        process.start()
+        self.sender.close()  # the child holds the only writing end: its death reads as end-of-file here
+        self.sender = None
 
     def close_channels(self) -> None:
         """Close its inbox and pipe: nothing may use them again (its semaphores go back now, not at exit)."""
-        if self.replies is not None:
-            self.replies.close()
+        for end in (self.replies, self.sender):
+            if end is not None:
+                end.close()
         if self.inbox is not None:
             self.inbox.close()
             self.inbox.cancel_join_thread()  # messages no process will read must not block exit
-        self.inbox = self.replies = None
+        self.inbox = self.replies = self.sender = None

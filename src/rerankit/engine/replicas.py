@@ -5,8 +5,9 @@ Host-side launch time bounds this engine, so replicas do not share an interprete
 The parent cuts a call into shards (``shards.py``: a large request is split by estimated tokens), hands each shard
 to the replica with the least estimated work outstanding (so concurrent calls spread by load), and puts the answers
 back in input order. One collector thread reads every replica's pipe and watches its process: a replica that dies
-is logged as a ``ReplicaDied`` error and restarted, and the tasks it held go once to another replica; a task whose
-retry dies too fails with ``ReplicaDied``. A task is answered once, by the first reply that arrives.
+is logged as a ``ReplicaDied`` error and restarted (``restart_policy.py`` says when, and when it stays down), and the
+tasks it held go once to another replica; a task whose retry dies too fails with ``ReplicaDied``. A task is answered
+once, by the first reply that arrives. A replica still loading ``startup_timeout_s`` after its start is killed.
 ``replica_status()`` tells each replica's state and failures (a server's ``/health`` and ``/metrics`` read it).
 """
 
@@ -25,15 +26,15 @@ from multiprocessing.connection import wait as wait_ready
 from typing import Any, Callable
 
 from rerankit.engine.process_safety import score_cancellably
-from rerankit.engine.replica_process import FAILURE_CAUSES, Replica, ReplicaStatus, Task
+from rerankit.engine.replica_process import Replica, ReplicaStatus, Task
 from rerankit.engine.replica_worker import replica_main
+from rerankit.engine.restart_policy import FAILURE_CAUSES
 from rerankit.engine.shards import cut, merge
 from rerankit.errors import Cancelled, InvalidRequest, ModelLoadError, RerankitError, ReplicaDied
 from rerankit.schema import ScoreRequest, ScoreResponse
 
 log = logging.getLogger("rerankit.replicas")
 
-MAX_RESTARTS = 3  # a replica that dies more often than this stays down (a model that cannot run there)
 STOP_POLL_S = 0.05  # how often a waiting call asks ``should_stop``
 CLOSE_TIMEOUT_S = 10.0  # a replica that has not exited this long after being told to stop is killed
 # ``replica_timeout_s``: a replica holding work that sends no reply this long is taken as hung (a stopped process,
@@ -77,7 +78,8 @@ class DataParallelBackend:
 
     ``device="cuda"`` puts replica i on ``cuda:i`` (``data_parallel_size="auto"``: every visible GPU);
     ``device="cpu"`` runs N CPU processes that share the cores. Other options go to each replica's
-    ``EmbeddedBackend``. Replicas load in parallel; the constructor returns once every one is ready.
+    ``EmbeddedBackend``. Replicas load in parallel; the constructor returns once every one is ready, and fails if
+    one is not within ``startup_timeout_s`` seconds. A later start (a restart) still loading that long is killed.
     """
 
     def __init__(self, model: str, *, data_parallel_size: int | str = "auto", device: str | None = None,
@@ -86,6 +88,8 @@ class DataParallelBackend:
         devices = replica_devices(device, data_parallel_size)
         self._model = model
         self._replica_timeout_s = replica_timeout_s
+        self._startup_timeout_s = startup_timeout_s
+        self._started = False  # the constructor returned: a failed load or a slow start is then a failure to restart
         self._options = {"show_progress": False, **engine_options}
         self._threads = max(1, (os.cpu_count() or 1) // len(devices)) if devices[0] == "cpu" else None
         self._context = multiprocessing.get_context("spawn")
@@ -137,7 +141,7 @@ class DataParallelBackend:
     def replica_status(self) -> list[ReplicaStatus]:
         """Each replica's state, process id, restarts and failures by cause, as they are now."""
         with self._lock:
-            return [replica.status(MAX_RESTARTS) for replica in self._replicas]
+            return [replica.status() for replica in self._replicas]
 
     @property
     def startup_seconds(self) -> list[float | None]:
@@ -232,7 +236,7 @@ class DataParallelBackend:
             for replica in self._replicas:
                 if replica.state == "starting" and replica.process is not None:
                     replica.process.kill()  # it holds no work: no need to wait for its model to load
-                elif replica.inbox is not None and replica.state != "down":
+                elif replica.state == "ready":  # (one waiting out the pause before its restart has no process)
                     replica.inbox.put(None)
         deadline = time.monotonic() + CLOSE_TIMEOUT_S
         for replica in self._replicas:
@@ -255,19 +259,17 @@ class DataParallelBackend:
 
     # Everything below runs with ``self._lock`` held unless it says otherwise.
 
-    def _start(self, replica: Replica) -> None:
-        """Spawn ``replica``'s process with a fresh inbox and pipe (a killed process may have left them broken)."""
-        receiver, sender = self._context.Pipe(duplex=False)
-        replica.inbox = self._context.Queue()
-        replica.replies = receiver
-        replica.state = "starting"
-        replica.started_at = time.monotonic()
+    def _start(self, replica: Replica, delay_s: float = 0.0) -> None:
+        """Start ``replica`` with a fresh inbox and pipe: its process now, or ``delay_s`` later (the collector)."""
+        replica.renew(self._context, delay_s)
+        if delay_s <= 0:
+            self._spawn(replica)
+
+    def _spawn(self, replica: Replica) -> None:
         options = {**self._options, "device": replica.device}
-        replica.process = self._context.Process(target=replica_main, name=f"rerankit-replica-{replica.index}",
-                                                args=(self._model, options, self._threads, replica.inbox, sender),
-                                                daemon=True)
-        replica.process.start()
-        sender.close()  # the child holds the only writing end: its death reads as end-of-file here
+        replica.spawn(self._context.Process(target=replica_main, name=f"rerankit-replica-{replica.index}",
+                                            args=(self._model, options, self._threads, replica.inbox,
+                                                  replica.sender), daemon=True))
 
     def _least_loaded(self, planned: dict[int, int] | None = None, avoid: int | None = None) -> Replica:
         """The running replica with the least work (``planned``: its tasks as a plan counts them so far; None: its
@@ -318,6 +320,7 @@ class DataParallelBackend:
                     break
                 self._ready.wait(left)
             failed = self._load_error if any(replica.state != "ready" for replica in self._replicas) else None
+            self._started = failed is None
         if failed is not None:
             self.close()
             raise failed
@@ -339,10 +342,12 @@ class DataParallelBackend:
                     return
                 watched = {}
                 for replica in self._replicas:
-                    if replica.state != "down":
+                    if replica.state != "down" and replica.process is not None:
                         watched[replica.replies] = replica
                         watched[replica.process.sentinel] = replica
-            for ready in wait_ready(list(watched), timeout=0.5):
+                due = [replica.spawn_at for replica in self._replicas if replica.spawn_at is not None]
+            timeout = min([0.5] + [max(0.0, at - time.monotonic()) for at in due])
+            for ready in wait_ready(list(watched), timeout=timeout):
                 replica = watched[ready]
                 with self._lock:
                     if self._closing or replica.replies not in watched:  # restarted meanwhile
@@ -353,22 +358,31 @@ class DataParallelBackend:
                         self._drain(replica)
                         replica.process.join(1.0)  # its sentinel is ready as it ends: let the exit code settle
                         self._died(replica, f"exit code {replica.process.exitcode}")
-            self._kill_hung()
+            self._watch_clocks()
 
-    def _kill_hung(self) -> None:
-        """Kill a ready replica that holds work and has sent no reply for ``replica_timeout_s`` (a hung device or
-        process): its death is then handled as any other, so it is restarted and its work goes to another replica."""
-        if self._replica_timeout_s is None:
-            return
+    def _watch_clocks(self) -> None:
+        """Spawn a restart whose pause is over; kill a ready replica that holds work and has sent no reply for
+        ``replica_timeout_s`` (a hung device or process), and a restart still loading ``startup_timeout_s`` after
+        its spawn (a stuck device, a hung file system). A killed replica's death is then handled as any other."""
         now = time.monotonic()
         with self._lock:
             for replica in self._replicas:
-                if (replica.state == "ready" and replica.tasks and not self._closing
+                if self._closing or replica.state == "down" or replica.killed is not None:
+                    continue
+                if replica.spawn_at is not None:
+                    if now >= replica.spawn_at:
+                        self._spawn(replica)
+                elif (replica.state == "ready" and replica.tasks and self._replica_timeout_s is not None
                         and now - replica.last_progress > self._replica_timeout_s):
                     log.error("replica %d on %s sent no reply for %.0f s holding %d task(s): killing it as hung",
                               replica.index, replica.device, now - replica.last_progress, len(replica.tasks))
-                    replica.last_progress = now  # once: its sentinel reports the death
-                    replica.timed_out = True
+                    replica.killed = "timed_out"  # once: its sentinel reports the death
+                    replica.process.kill()
+                elif (replica.state == "starting" and self._started
+                        and now - replica.started_at > self._startup_timeout_s):
+                    log.error("replica %d on %s is not ready %.1f s after its start: killing it", replica.index,
+                              replica.device, now - replica.started_at)
+                    replica.killed = "start_timed_out"
                     replica.process.kill()
 
     def _read(self, replica: Replica) -> None:
@@ -400,9 +414,11 @@ class DataParallelBackend:
             self._ready.notify_all()
         elif kind == "load_failed":
             replica.failure = message[1]
-            replica.failures["failed_to_start"] += 1
-            replica.state = "down"
+            if self._started:  # a restart's load: its process ends now, a failure handled (and logged) as any other
+                return
             log.error("replica %d on %s failed to load: %s", replica.index, replica.device, replica.failure)
+            replica.failures["failed_to_start"] += 1  # the backend's start: it fails with this error
+            replica.state = "down"
             self._retry_all(replica)
             self._ready.notify_all()
         else:
@@ -418,21 +434,23 @@ class DataParallelBackend:
     def _died(self, replica: Replica, how: str) -> None:
         if replica.state == "down":
             return
-        cause = "timed_out" if replica.timed_out else "failed_to_start" if replica.state == "starting" else "died"
-        replica.failures[cause] += 1
-        if replica.timed_out:
+        cause = ("timed_out" if replica.killed == "timed_out" else "failed_to_start"
+                 if replica.state == "starting" or replica.killed == "start_timed_out" else "died")
+        if replica.killed == "timed_out":
             how = f"killed after {self._replica_timeout_s:g} s without a reply, {how}"
-        replica.timed_out = False
-        replica.restarts += 1
-        held = len(replica.tasks)
-        restart = replica.restarts <= MAX_RESTARTS
-        log.error("%s", ReplicaDied(f"replica {replica.index} on {replica.device} died ({how}) holding {held} "
-                                    f"task(s); " + (f"restarting it (restart {replica.restarts} of {MAX_RESTARTS})"
-                                                    if restart else f"it stays down ({MAX_RESTARTS} restarts used)")))
-        replica.close_channels()  # nothing may write to them again (``close`` skips it)
-        replica.state = "down"
-        if restart:  # first, so that a lone replica can take its own work back
-            self._start(replica)
+        elif replica.killed == "start_timed_out":
+            how = f"killed still loading {self._startup_timeout_s:g} s after its start, {how}"
+        elif replica.state == "starting" and replica.failure is not None:
+            how = f"its model failed to load: {replica.failure}; {how}"
+        replica.killed = replica.failure = None
+        delay_s = replica.history.fail(cause, time.monotonic())
+        log.error("%s", ReplicaDied(f"replica {replica.index} on {replica.device} died ({how}) holding "
+                                    f"{len(replica.tasks)} task(s); {replica.history.verdict(delay_s)}"))
+        replica.close_channels()
+        if delay_s is None:
+            replica.state = "down"
+        else:  # first, so that a lone replica can take its own work back
+            self._start(replica, delay_s)
         self._retry_all(replica)
 
     def _retry_all(self, replica: Replica) -> None:

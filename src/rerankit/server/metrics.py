@@ -136,12 +136,13 @@ class Metrics:
     def replica_lines(replicas: Sequence[Any]) -> list[str]:
         """The data-parallel replicas' metrics: how many are in each state, and each one's failures by cause."""
         lines = ["# HELP rerankit_replicas Data-parallel engine replicas by state: ready (taking work), starting "
-                 "(loading the model, at start or after a restart), down (for good, not restarted).",
+                 "(loading the model, at start or after a failure, or pausing before a restart), down (for good: "
+                 "failed too often within a window, not restarted).",
                  "# TYPE rerankit_replicas gauge"]
         lines += [f'rerankit_replicas{{state="{state}"}} {count}' for state, count in replica_counts(replicas).items()]
         lines += ["# HELP rerankit_replica_failures_total Data-parallel replica failures by replica and cause: died "
                   "(its process ended), timed_out (killed after replica_timeout_s without a reply), failed_to_start "
-                  "(ended or failed to load before it was ready).",
+                  "(ended, failed to load, or was still loading startup_timeout_s after its start).",
                   "# TYPE rerankit_replica_failures_total counter"]
         lines += [f'rerankit_replica_failures_total{{replica="{replica.index}",cause="{cause}"}} {count}'
                   for replica in replicas for cause, count in replica.failures.items()]
