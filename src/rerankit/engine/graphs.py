@@ -224,7 +224,9 @@ class GraphedForward:
                 forward(inputs)
         torch.cuda.current_stream(self._device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: a planning thread (overlap=True) may pin host memory while this thread captures.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        # thread_local: a planning thread (overlap=True) may pin host memory while this thread captures. The capture
+        # runs on ``side``, a stream of this device: torch.cuda.graph's default stream is one for the process, made
+        # on the device of the first capture, so a model on cuda:1 captured after one on cuda:0 ran on cuda:0.
+        with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
             output = forward(inputs)
         return output, graph
