@@ -342,6 +342,10 @@ def test_serve_hands_the_replica_timeout_to_the_replicas_only(monkeypatch, capsy
     assert given["engine_options"]["replica_timeout_s"] == 90 and given["data_parallel_size"] == 2
     assert cli.main(["serve", "--model", "folder", "--replica-timeout", "90"]) == 2
     assert "--replica-timeout: applies to engine replicas" in capsys.readouterr().err
+    assert cli.main(["serve", "--model", "folder", "--data-parallel-size", "2", "--startup-timeout", "1800"]) == 0
+    assert given["engine_options"]["startup_timeout_s"] == 1800
+    assert cli.main(["serve", "--model", "folder", "--startup-timeout", "1800"]) == 2
+    assert "--startup-timeout: applies to engine replicas" in capsys.readouterr().err
     # where the replicas come to one (data_parallel_size "auto" on one device), the engine in process takes none
     backend = make_backend(None, device="cpu", data_parallel_size="auto", replica_timeout_s=90)
     try:

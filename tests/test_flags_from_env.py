@@ -97,11 +97,14 @@ def test_a_prompt_default_set_in_the_environment_for_a_server_url_is_refused_by_
 
 def test_a_replica_timeout_set_in_the_environment_applies_only_to_replicas(served, monkeypatch, capsys):
     monkeypatch.setenv("RERANKIT_REPLICA_TIMEOUT", "30")
+    monkeypatch.setenv("RERANKIT_STARTUP_TIMEOUT", "1800")
     assert cli.main(["serve"]) == 0, capsys.readouterr().err  # one engine in process: nothing to time out
-    assert "replica_timeout_s" not in served["engine_options"]
+    assert "replica_timeout_s" not in served["engine_options"] and "startup_timeout_s" not in served["engine_options"]
     assert cli.main(["serve", "--data-parallel-size", "2"]) == 0
     assert served["engine_options"]["replica_timeout_s"] == 30.0
+    assert served["engine_options"]["startup_timeout_s"] == 1800.0
     monkeypatch.delenv("RERANKIT_REPLICA_TIMEOUT")
+    monkeypatch.delenv("RERANKIT_STARTUP_TIMEOUT")
     assert cli.main(["serve", "--replica-timeout", "30"]) == 2  # given: still refused
     assert "error: --replica-timeout: applies to engine replicas" in capsys.readouterr().err
 

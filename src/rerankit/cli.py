@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --data-parallel-size: a replica that holds work and sends nothing for S seconds "
                             "(a hung process or device) is killed and restarted, its work retried on another "
                             "(default: off; one call may run for minutes)")
+    serve.add_argument("--startup-timeout", type=positive_float, metavar="S",
+                       help="with --data-parallel-size: seconds a replica may take to load its model, at start and "
+                            "after a restart, before it counts as failed (default: 600)")
     serve.add_argument("--max-tokens-per-item", type=positive_int,
                        help="cut items to this many tokens; refuse them where the request asks for no cut "
                             "(default: 8192)")
@@ -371,11 +374,13 @@ def run_serve(args: argparse.Namespace) -> int:
         raise InvalidRequest("--api-key", "is empty: give the key (or leave the flag out to serve without one)")
     if is_url(args.model):  # a prompt default would change the scores, which a proxy cannot do: refused
         refuse_misplaced(args, (*ENGINE_PLACEMENT, "template", "template_file", "mode", "instruction"), variables)
-    if args.replica_timeout is not None and args.data_parallel_size in (None, 1):
-        raise InvalidRequest("--replica-timeout", "applies to engine replicas: give --data-parallel-size too")
+    for flag in ("replica_timeout", "startup_timeout"):
+        if getattr(args, flag) is not None and args.data_parallel_size in (None, 1):
+            raise InvalidRequest(f"--{flag.replace('_', '-')}", "applies to engine replicas: give "
+                                                                 "--data-parallel-size too")
     kept_bytes = None if args.prefix_cache_mib is None else args.prefix_cache_mib << 20
     defaults = {"template": chosen_template(args), "mode": args.mode, "instruction": args.instruction,
-                "replica_timeout_s": args.replica_timeout}
+                "replica_timeout_s": args.replica_timeout, "startup_timeout_s": args.startup_timeout}
     serve(args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
           prefix_cache_bytes=kept_bytes, api_key=args.api_key, data_parallel_size=args.data_parallel_size,
           engine_options={name: value for name, value in defaults.items() if value is not None},

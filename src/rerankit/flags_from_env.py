@@ -85,14 +85,14 @@ def from_environment(args: argparse.Namespace) -> dict[str, str]:
 
 
 # serve's flags that place and size a local engine: set in the environment, they are ignored for a server URL
-ENGINE_PLACEMENT = ("device", "dtype", "prefix_cache_mib", "data_parallel_size", "replica_timeout")
+ENGINE_PLACEMENT = ("device", "dtype", "prefix_cache_mib", "data_parallel_size", "replica_timeout", "startup_timeout")
 
 
 def settle_serve_environment(args: argparse.Namespace, is_url: Callable[[Any], bool]) -> dict[str, str]:
     """``from_environment`` for ``rerankit serve``, then what the environment set and does not apply is dropped:
     a template of one kind where the command line gave the other kind (the command line wins); the engine's
     placement and size (``ENGINE_PLACEMENT``) for a server URL as the model (``is_url``; an image may set them for
-    every server it starts); a replica timeout without replicas. Such a variable is ignored whatever its value.
+    every server it starts); the replicas' timeouts without replicas. Such a variable is ignored whatever its value.
     Returns the variables of the flags the environment set."""
     def given(dest: str) -> Any:  # the value, whether the command line or the environment gave it
         value = getattr(args, dest)
@@ -100,7 +100,7 @@ def settle_serve_environment(args: argparse.Namespace, is_url: Callable[[Any], b
 
     ignored = ENGINE_PLACEMENT if is_url(given("model")) else ()
     if given("data_parallel_size") in (None, 1):
-        ignored = (*ignored, "replica_timeout")
+        ignored = (*ignored, "replica_timeout", "startup_timeout")
     for name in ignored:  # dropped before from_environment: a value the flag would refuse does not matter either
         if isinstance(getattr(args, name), FromVariable):
             setattr(args, name, None)

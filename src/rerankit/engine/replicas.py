@@ -327,10 +327,11 @@ class DataParallelBackend:
 
     @property
     def _load_error(self) -> RerankitError:
-        reasons = [replica.failure or "did not start in time" for replica in self._replicas
-                   if replica.state != "ready"]
-        return ModelLoadError(f"{len(reasons)} of {len(self._replicas)} replicas of {self._model!r} did not start: "
-                              + "; ".join(map(str, reasons)))
+        late = f"not loaded within startup_timeout_s={self._startup_timeout_s:g} s (rerankit serve --startup-timeout)"
+        reasons = dict.fromkeys(str(replica.failure or late) for replica in self._replicas if replica.state != "ready")
+        failed = sum(replica.state != "ready" for replica in self._replicas)
+        return ModelLoadError(f"{failed} of {len(self._replicas)} replicas of {self._model!r} did not start: "
+                              + "; ".join(reasons))
 
     # The collector thread.
 
