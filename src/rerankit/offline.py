@@ -7,8 +7,6 @@ pyarrow); their files (Parquet, JSON Lines or CSV, gzipped, or stdin and stdout)
 
 from __future__ import annotations
 
-import glob
-import re
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -16,8 +14,8 @@ from typing import Any, Callable, Sequence
 from rerankit.backend import Backend
 from rerankit.errors import InvalidRequest
 from rerankit.schema import ScoreRequest
-from rerankit.table_files import (STDIO, check_output, check_writable, read_table, require_pyarrow, table_file,
-                                  write_table)
+from rerankit.table_files import (STDIO, check_output, check_writable, read_table, remove_stale_temporaries,
+                                  require_pyarrow, table_file, write_table)
 
 CALL_ITEMS = 2048  # pairs a backend call: large enough that data-parallel replicas each get a fair share
 REQUEST_ITEMS = 1024  # one query with more rows is scored in runs of this many (a server's usual item limit)
@@ -166,13 +164,7 @@ def score_file(input_path: str | Path, output_path: str | Path, *, model: str | 
         if backend is not None:
             backend.close()
     if not target.stdio:
-        output = Path(output_path)
-        # temporary files of runs of this output killed while writing (the journal's lock, held here, keeps any
-        # live run of it away); only write_table's names: out.jsonl.gz's, beside out.jsonl, may be a live run's
-        ours = re.compile(rf"\.{re.escape(output.name)}\.[0-9]+\.[0-9a-f]{{12}}\.tmp")
-        for stale in output.parent.glob(f".{glob.escape(output.name)}.*.tmp"):
-            if ours.fullmatch(stale.name):
-                stale.unlink(missing_ok=True)
+        remove_stale_temporaries(output_path)  # the journal's lock, held here, keeps any live run of it away
     write_table(with_scores(table, scores, score_column), output_path, target.format)
     if journal is not None:
         journal.remove()

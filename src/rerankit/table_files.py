@@ -8,6 +8,7 @@ temporary file renamed over the target); stdout is written once every row is sco
 
 from __future__ import annotations
 
+import glob
 import gzip
 import io
 import json
@@ -153,16 +154,11 @@ def _read_jsonl(open_stream: Callable[[], Any], source: TableFile) -> Any:
     import pyarrow
     import pyarrow.json as json_reader
 
-    options = None
-    try:
+    def read(options: Any) -> tuple[Any, Any]:
         with open_stream() as stream:
-            table = json_reader.read_json(stream)
-    except pyarrow.ArrowInvalid as exc:
-        if "straddl" not in str(exc):
-            raise
-        options = json_reader.ReadOptions(block_size=_whole_block(open_stream, source))
-        with open_stream() as stream:
-            table = json_reader.read_json(stream, read_options=options)
+            return json_reader.read_json(stream, read_options=options), options
+
+    table, options = _whole_rows(read, json_reader.ReadOptions, open_stream, source)
     texts = [pyarrow.field(field.name, _as_text(field.type)) for field in table.schema
              if not _as_text(field.type).equals(field.type)]
     if not texts:
@@ -170,6 +166,20 @@ def _read_jsonl(open_stream: Callable[[], Any], source: TableFile) -> Any:
     with open_stream() as stream:  # the columns given come first: back in the file's order
         return json_reader.read_json(stream, read_options=options, parse_options=json_reader.ParseOptions(
             explicit_schema=pyarrow.schema(texts))).select(table.column_names)
+
+
+def _whole_rows(read: Callable[[Any], Any], read_options: Callable[..., Any], open_stream: Callable[[], Any],
+                source: TableFile) -> Any:
+    """``read(options)`` with pyarrow's default block (None), then, where a row is longer than a block (pyarrow's
+    "straddling object"), with ``read_options`` of one block for the whole file."""
+    import pyarrow
+
+    try:
+        return read(None)
+    except pyarrow.ArrowInvalid as exc:
+        if "straddl" not in str(exc):
+            raise
+    return read(read_options(block_size=_whole_block(open_stream, source)))
 
 
 def _whole_block(open_stream: Callable[[], Any], source: TableFile) -> int:
@@ -209,13 +219,8 @@ def _read_csv(open_stream: Callable[[], Any], text_columns: Sequence[str], sourc
     import pyarrow.csv as csv
 
     try:
-        try:
-            return _read_csv_cells(open_stream, text_columns, csv.ReadOptions())
-        except pyarrow.ArrowInvalid as exc:
-            if "straddl" not in str(exc):
-                raise
-        return _read_csv_cells(open_stream, text_columns,
-                               csv.ReadOptions(block_size=_whole_block(open_stream, source)))
+        return _whole_rows(lambda options: _read_csv_cells(open_stream, text_columns, options), csv.ReadOptions,
+                           open_stream, source)
     except pyarrow.ArrowInvalid as exc:  # named by its column, as a JSONL file's (_check_text), not "#1"
         found = re.search(r"CSV column #(\d+): CSV conversion error to string: invalid UTF8", str(exc))
         if found is None:
@@ -292,6 +297,20 @@ def check_writable(table: Any, path: str | Path, file_format: str | None = None)
                                          ".parquet") from None
 
 
+_TEMPORARY = r"\.{name}\.[0-9]+\.[0-9a-f]{{12}}\.tmp"  # write_table's temporary files of the output ``name``
+
+
+def remove_stale_temporaries(path: str | Path) -> None:
+    """Remove the temporary files ``write_table`` left beside ``path`` in runs killed while writing; only its own
+    names (``out.jsonl.gz``'s, beside ``out.jsonl``, may be a live run's). The caller keeps live runs of ``path``
+    away (``rerankit score`` holds its journal's lock)."""
+    path = Path(path)
+    ours = re.compile(_TEMPORARY.format(name=re.escape(path.name)))
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        if ours.fullmatch(stale.name):
+            stale.unlink(missing_ok=True)
+
+
 def write_table(table: Any, path: str | Path, file_format: str | None = None) -> None:
     """Write ``table`` as .parquet, .jsonl or .csv (gzipped where the name ends in .gz), by ``path``'s suffix, or to
     stdout as ``-`` in ``file_format``. A file goes into a temporary file beside it, renamed over ``path`` once
@@ -312,7 +331,7 @@ def write_table(table: Any, path: str | Path, file_format: str | None = None) ->
         return
     path = Path(path)
     # a name of its own beside the target, created as any new file is (the umask's mode), then renamed over it
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")  # _TEMPORARY matches it
     try:
         with temporary.open("xb") as raw:
             if target.gzipped:  # the header names the file within, as gzip does

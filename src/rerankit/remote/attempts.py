@@ -16,7 +16,7 @@ from rerankit.remote.deadline import Deadline, Window
 from rerankit.remote.dialects import read_error
 from rerankit.remote.dialects.common import param_first
 from rerankit.remote.endpoints import Endpoints
-from rerankit.remote.reply import Answer, retry_after_of
+from rerankit.remote.reply import Answer, retry_after_of, retryable_status
 
 if TYPE_CHECKING:
     from rerankit.remote.client import ClientConfig
@@ -66,7 +66,7 @@ def failure_of_answer(answer: Answer) -> Failure | None:
     reason = httpx.codes.get_reason_phrase(answer.status)
     message = param_first(message, param) if message is not None else text[:300] or reason
     status = answer.status
-    return Failure(message=message, retryable=status == 429 or status >= 500, status=status,
+    return Failure(message=message, retryable=retryable_status(status), status=status,
                     retry_after=retry_after_of(answer.headers), body=text, param=param)
 
 

@@ -120,6 +120,11 @@ def retry_after_of(headers: httpx.Headers) -> float | None:
     return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
+def retryable_status(status: int) -> bool:
+    """Whether an answer of this status is worth asking again (a starting or busy server): 429 and 5xx."""
+    return status == 429 or status >= 500
+
+
 @dataclass(frozen=True)
 class Reply:
     """A discovery probe's answer: HTTP status (None when unreachable), JSON body (None when not JSON), and its
@@ -138,7 +143,7 @@ class Reply:
     def retryable(self) -> bool:
         """What a starting or busy server answers, asked again as a scoring call's try would be: no connection,
         429 or 5xx."""
-        return self.transient if self.status is None else self.status == 429 or self.status >= 500
+        return self.transient if self.status is None else retryable_status(self.status)
 
 
 def probe_reply(answer: Answer) -> Reply:
