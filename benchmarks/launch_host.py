@@ -7,12 +7,13 @@ launches a call makes, and whether the two paths' outputs are the same bits.
 
 Part 2, a forward: one eager ``forward_read`` of the largest micro-batch of W1 (``pairs.py``'s workload: 1 query x
 100 docs) on a random-weight Qwen3 of the 0.6B shape with ``--layers`` layers, bf16 and FP8 engines, with
-RERANKIT_DIRECT_LAUNCH=0 and =1 in turn (read on each launch): host ms to launch it, GPU ms (the forward queued
-behind a GPU sleep longer than its launches, so the GPU runs it without waiting on the host) and wall ms (launch,
-then wait for the GPU); then whether the hidden states and a ``score_batch``'s scores are the same bits.
+RERANKIT_DIRECT_LAUNCH=0 and =1 in turn, or ``--toggle``'s variable (read on each launch): host ms to launch it,
+GPU ms (the forward queued behind a GPU sleep longer than its launches, so the GPU runs it without waiting on the
+host) and wall ms (launch, then wait for the GPU); then whether the hidden states and a ``score_batch``'s scores are
+the same bits.
 
     PYTHONPATH=src:tests python benchmarks/launch_host.py [--tokens 22528] [--calls 40] [--rounds 5] [--layers 4]
-        [--skip-kernels] [--skip-forward] [--dtypes bfloat16,fp8]
+        [--skip-kernels] [--skip-forward] [--dtypes bfloat16,fp8] [--toggle RERANKIT_LAUNCH_REPLAY]
 
 Prints one JSON object per measurement, then a table.
 """
@@ -42,8 +43,17 @@ EPS = 1e-6
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 1024, 16, 8, 128, 3072
 
 
+TOGGLED = [ENV]  # the variable part 2 turns off and on (--toggle)
+
+
 def set_direct(on: bool) -> None:
     os.environ[ENV] = "1" if on else "0"
+
+
+def set_toggle(on: bool) -> None:
+    """Part 2's variable (``--toggle``) set; the direct path on where another variable is toggled."""
+    os.environ[ENV] = "1"
+    os.environ[TOGGLED[0]] = "1" if on else "0"
 
 
 def triton_runs(call) -> int:
@@ -219,11 +229,11 @@ def forward_rows(args) -> list[dict]:
     rows = []
     for dtype in args.dtypes.split(","):
         try:
-            set_direct(False)
+            set_toggle(False)
             backend = EmbeddedBackend(str(folder), device="cuda", dtype=dtype)
             loaded = backend._model()
             for on in (False, True, True):
-                set_direct(on)
+                set_toggle(on)
                 backend.score_batch(requests)
             runner, model = backend._runner, backend._runner.model
             micro = max(backend._plan(_Call(requests), loaded, False), key=lambda m: m.batch.num_tokens)
@@ -233,21 +243,21 @@ def forward_rows(args) -> list[dict]:
             forward = lambda: model.forward_read(batch, cached_kv=kept)  # noqa: E731
             outputs, times = {}, {False: [], True: []}
             for on in (False, True):
-                set_direct(on)
+                set_toggle(on)
                 forward()
                 outputs[on] = forward()
             torch.cuda.synchronize()
             for _ in range(args.rounds):
                 for on in (False, True):
-                    set_direct(on)
+                    set_toggle(on)
                     times[on].append(time_forward(forward, cycles_a_ms))
             scores = {}
             for on in (False, True):
-                set_direct(on)
+                set_toggle(on)
                 scores[on] = [[r.score for r in response.results] for response in backend.score_batch(requests)]
             for on in (False, True):
                 host, gpu, wall = (statistics.median(t[i] for t in times[on]) for i in range(3))
-                row = {"forward": f"{args.layers} layers", "dtype": dtype, "direct": on,
+                row = {"forward": f"{args.layers} layers", "dtype": dtype, TOGGLED[0]: int(on),
                        "tokens": batch.num_tokens, "host_ms": round(host, 2), "gpu_ms": round(gpu, 2),
                        "wall_ms": round(wall, 2), "same_hidden_bits": same_bits(outputs[False], outputs[True]),
                        "same_scores": scores[False] == scores[True]}
@@ -290,7 +300,10 @@ def main() -> None:
     parser.add_argument("--dtypes", default="bfloat16,fp8", help="engine dtypes of the forward")
     parser.add_argument("--skip-kernels", action="store_true")
     parser.add_argument("--skip-forward", action="store_true")
+    parser.add_argument("--toggle", default=ENV, help="the variable part 2 sets to 0 and 1 in turn, e.g. "
+                        "RERANKIT_LAUNCH_REPLAY (the direct path then stays on)")
     args = parser.parse_args()
+    TOGGLED[0] = args.toggle
     if not torch.cuda.is_available():
         sys.exit("launch_host.py times CUDA launches: no CUDA device here")
     import triton
@@ -310,13 +323,13 @@ def main() -> None:
             continue
         print(f"{row['kernel']:34} {row['dtype']:5} {row['launches']:8} {row['stock_us']:9.1f} "
               f"{row['direct_us']:9.1f} {row['saved_us_a_launch']:12.1f} {'same' if row['same_bits'] else 'DIFFER'}")
-    print(f"\n{'forward':10} {'dtype':8} {'tokens':>6} {'direct':>6} {'host ms':>8} {'gpu ms':>7} {'wall ms':>8} "
+    print(f"\n{'forward':10} {'dtype':8} {'tokens':>6} {'on':>6} {'host ms':>8} {'gpu ms':>7} {'wall ms':>8} "
           f"hidden scores")
     for row in forwards:
         if "error" in row:
             print(f"{row['forward']:10} {row['dtype']:8} error: {row['error']}")
             continue
-        print(f"{row['forward']:10} {row['dtype']:8} {row['tokens']:6} {str(row['direct']):>6} {row['host_ms']:8.2f} "
+        print(f"{row['forward']:10} {row['dtype']:8} {row['tokens']:6} {row[TOGGLED[0]]:>6} {row['host_ms']:8.2f} "
               f"{row['gpu_ms']:7.2f} {row['wall_ms']:8.2f} {'same' if row['same_hidden_bits'] else 'DIFFER':6} "
               f"{'same' if row['same_scores'] else 'DIFFER'}")
 

@@ -94,6 +94,7 @@ AB_SETTINGS = {
     "ramp-up for long instructions too": Setting(ramp_long_prefixes=True),
     "kept heads uncut (no whole key tiles)": Setting(kept_multiple=1),
     "Triton's own launches (RERANKIT_DIRECT_LAUNCH=0)": Setting(env={"RERANKIT_DIRECT_LAUNCH": "0"}),
+    "later layers replay the first's launches (RERANKIT_LAUNCH_REPLAY=1)": Setting(env={"RERANKIT_LAUNCH_REPLAY": "1"}),
 }
 
 

@@ -64,6 +64,9 @@ def launch_tuned(kernel, key: tuple, grid, args: tuple, kwargs: dict, set_block_
         key = (*key, token_bucket(tokens))
     config = _TUNED.get((id(kernel), key))
     if config is None:
+        from rerankit.kernels.direct_launch import note_launch_elsewhere
+
+        note_launch_elsewhere()
         with _TUNING:
             kernel[grid](*args, **kwargs)
             _TUNED[(id(kernel), key)] = kernel.best_config

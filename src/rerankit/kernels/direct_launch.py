@@ -21,6 +21,7 @@ import functools
 import inspect
 import logging
 import os
+import threading
 from typing import Any, Callable
 
 import torch
@@ -248,23 +249,93 @@ def launch(kernel: Any, grid: Any, *args: Any, **kwargs: Any) -> Any:
     entry = _kernel_of(kernel)
     if entry is None or not entry.direct or kernel.pre_run_hooks or os.environ.get(ENV) == "0" \
             or not _hooks_quiet():
-        return kernel[grid](*args, **kwargs)
+        return _through_triton(kernel, grid, args, kwargs)
     current_device, current_stream = _getters()
     device = current_device()
     try:
         values, key = entry.bind(args, kwargs, device)
         kept = entry.entries.get(key)
     except (Unsupported, TypeError):  # TypeError: an unhashable option
-        return kernel[grid](*args, **kwargs)
+        return _through_triton(kernel, grid, args, kwargs)
     if kept is None:
-        compiled = kernel[grid](*args, **kwargs)
+        compiled = _through_triton(kernel, grid, args, kwargs)
         entry.keep(key, compiled)
         return compiled
     compiled, run, function, metadata = kept
     if callable(grid):
         grid = grid(dict(zip(entry.names, values)))
     size = len(grid)
-    run(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, current_stream(device), function,
-        metadata, None, None, None, *values)  # no launch metadata or hooks: none are set (_hooks_quiet)
+    grid = (grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1)
+    run(*grid, current_stream(device), function, metadata, None, None, None, *values)  # no launch metadata or
+    # hooks: none are set (_hooks_quiet)
+    recorder = getattr(_RECORDING, "recorder", None)
+    if recorder is not None:
+        recorder.append(Recorded(entry, run, function, metadata, grid, values, device))
     return compiled
+
+
+def _through_triton(kernel: Any, grid: Any, args: tuple, kwargs: dict) -> Any:
+    """Triton's own launch; a recording under way (``recording``) can then not replay the step it is in."""
+    recorder = getattr(_RECORDING, "recorder", None)
+    if recorder is not None:
+        recorder.append(None)
+    return kernel[grid](*args, **kwargs)
+
+
+# Replaying launches: a step whose launches all went the direct way can launch them again with some arguments
+# replaced (``Recorded.replay``), skipping its wrapper and the binder (``engine.launch_replay``).
+_RECORDING = threading.local()
+
+
+def note_launch_elsewhere() -> None:
+    """Tell a recording under way that a Triton kernel was launched other than by :func:`launch` (an autotuner's
+    first call): the step cannot be replayed."""
+    recorder = getattr(_RECORDING, "recorder", None)
+    if recorder is not None:
+        recorder.append(None)
+
+
+class recording:
+    """``with recording() as launches:`` collects this thread's :func:`launch` calls, a :class:`Recorded` each (None
+    for one that went through Triton's own path)."""
+
+    def __enter__(self) -> list:
+        self.previous = getattr(_RECORDING, "recorder", None)
+        _RECORDING.recorder = launches = []
+        return launches
+
+    def __exit__(self, *exc: Any) -> None:
+        _RECORDING.recorder = self.previous
+
+
+def replay_possible() -> bool:
+    """Whether recorded launches may be replayed now: the direct path is on and no launch hook (a profiler) is set."""
+    return available() and os.environ.get(ENV) != "0" and _hooks_quiet()
+
+
+class Recorded:
+    """One direct launch as it ran: its compiled kernel, grid and argument values (every parameter, in order)."""
+
+    __slots__ = ("entry", "run", "function", "metadata", "grid", "values", "device")
+
+    def __init__(self, entry: _Kernel, run: Callable, function: Any, metadata: Any, grid: tuple, values: tuple,
+                 device: int) -> None:
+        self.entry, self.run, self.function, self.metadata = entry, run, function, metadata
+        self.grid, self.values, self.device = grid, values, device
+
+    def specializes_alike(self, position: int, value: Any) -> bool:
+        """Whether ``value`` in parameter ``position`` keys as the recorded one (so the compiled kernel takes it)."""
+        mode = self.entry.modes[position]
+        try:
+            return mode != _CONSTEXPR and arg_key(value, mode) == arg_key(self.values[position], mode)
+        except Unsupported:
+            return False
+
+    def replay(self, changes: dict[int, Any]) -> None:
+        """Launch again on the current stream with the values at ``changes``' positions replaced; the caller checked
+        each with :meth:`specializes_alike`."""
+        values = list(self.values)
+        for position, value in changes.items():
+            values[position] = value
+        self.run(*self.grid, _getters()[1](self.device), self.function, self.metadata, None, None, None, *values)
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rerankit.engine import launch_replay
 from rerankit.engine.batch import PackedBatch
 from rerankit.engine.models.layers import (
     PackedBody,
@@ -239,6 +240,8 @@ class PackedDecoder(PackedBody):
         self.fused_qkv_rope_min_tokens = FUSED_QKV_ROPE_MIN_TOKENS
         self.last_layer_reads = True
         self.fp8 = None
+        self.replayed_steps = 0  # the last eager forward's steps replayed (engine.launch_replay)
+        self.last_refusals: tuple[dict, dict] = ({}, {})  # its steps not recorded, and later calls not replayed
         if fp8:
             from rerankit.engine.fp8 import per_channel, projections, reference_mode
             from rerankit.engine.models import fp8 as fp8_layers
@@ -290,14 +293,21 @@ class PackedDecoder(PackedBody):
         last = len(self.layers) - 1
         # In the last layer only the read rows go on past attention (1.5% of the W1 forward on an H100,
         # benchmarks/forward.py); the default attention then computes only their rows.
+        attention_reads = takes_reads(attention)
         last_reads = {"reads": read_positions} if read_positions is not None and self.last_layer_reads and \
-            takes_reads(attention) else {}
+            attention_reads else {}
         pending = None  # FP8: the down projection's output, added by the next layer's norm kernel
+        ops, replay = self.fp8, None
+        if ops is not None and ops.kernels and not graphed and launch_replay.enabled():
+            replay = launch_replay.LayerReplay()  # later layers launch what the first one launched
+            ops, attention = replay.wrap(ops), replay.step("attention", attention)
         for index, layer in enumerate(self.layers):
-            if self.fp8 is not None:
+            if replay is not None:
+                replay.next_layer()
+            if ops is not None:
                 q, k, v = fp8_layers.attention_inputs(hidden, pending, layer, rope, batch.position_ids,
                                                       self.inv_freq, self.num_heads, self.num_kv_heads,
-                                                      self.head_dim, self.eps, self.fp8)
+                                                      self.head_dim, self.eps, ops)
             elif fused_qk:
                 q, k, v = self._fused_attention_inputs(hidden, layer, batch.position_ids, rope)
             else:
@@ -309,8 +319,8 @@ class PackedDecoder(PackedBody):
             options = dict(last_reads) if index == last else {}  # the attention call's keywords
             # FP8 o projection: its input's bound; the Triton attention writes the codes itself (engine.models.fp8)
             kept = None if cached_kv is None else cached_kv.values[index]
-            bound = fp8_layers.o_input_bound(v, layer, self.fp8, kept) if self.fp8 is not None else None
-            if bound is not None and self.fp8.kernels and takes_reads(attention):
+            bound = fp8_layers.o_input_bound(v, layer, ops, kept) if ops is not None else None
+            if bound is not None and ops.kernels and attention_reads:
                 options["fp8_bound"] = bound
             if cached_kv is not None:
                 options["cached"] = (cached_kv.keys[index], kept)
@@ -320,13 +330,15 @@ class PackedDecoder(PackedBody):
                 if "reads" not in options:
                     attended = tuple(part[read_positions] for part in attended) if isinstance(attended, tuple) \
                         else attended[read_positions]
-            if self.fp8 is not None:
-                hidden, pending = fp8_layers.output_and_mlp(attended, hidden, layer, self.eps, self.fp8, bound)
+            if ops is not None:
+                hidden, pending = fp8_layers.output_and_mlp(attended, hidden, layer, self.eps, ops, bound)
             else:
                 hidden = finish(attended, hidden, layer.o_weight, layer.o_bias, layer.post_norm,
                                 layer.gate_up_weight, layer.gate_up_bias, layer.down_weight, layer.down_bias, self.eps)
         if pending is not None:
             hidden = hidden.add_(pending)
+        if replay is not None:
+            self.replayed_steps, self.last_refusals = replay.replayed, (replay.refused, replay.missed)
         return rms_norm(hidden, self.norm_weight, self.eps)
 
     def _attention_output_and_fused_mlp(self, attended: torch.Tensor, hidden: torch.Tensor, o_weight: torch.Tensor,

@@ -171,7 +171,6 @@ def attention_inputs(hidden: torch.Tensor, pending: torch.Tensor | None, layer: 
     16-bit)."""
     x, x_scale = _normed(hidden, pending, layer.input_norm, layer.qkv_weight, eps, ops)
     w_scale = getattr(layer, "qkv_scale", None) if x_scale is not None else None
-    widths = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
     if ops.kernels and not qkv_takes_tma(x, layer.qkv_weight, head_dim):  # no copy engine: cuBLAS, then q/k
         from rerankit.kernels.qk_norm_rope import qk_norm_rope
 
@@ -179,12 +178,11 @@ def attention_inputs(hidden: torch.Tensor, pending: torch.Tensor | None, layer: 
             F.linear(x, layer.qkv_weight, layer.qkv_bias)
         q, k = qk_norm_rope(qkv, num_heads, num_kv_heads, head_dim, position_ids, inv_freq, layer.q_norm,
                             layer.k_norm, eps)
-        return q, k, qkv[:, widths[0] + widths[1]:].unflatten(-1, (num_kv_heads, head_dim))
+        return q, k, qkv[:, (num_heads + num_kv_heads) * head_dim:].unflatten(-1, (num_kv_heads, head_dim))
     qkv = ops.qkv_rope(x, layer.qkv_weight, layer.qkv_bias, num_heads, num_kv_heads, head_dim, *rope, layer.q_norm,
                        layer.k_norm, eps, x_scale=x_scale, w_scale=w_scale)
-    q, k, v = qkv.split(widths, dim=-1)
-    return (q.unflatten(-1, (num_heads, head_dim)), k.unflatten(-1, (num_kv_heads, head_dim)),
-            v.unflatten(-1, (num_kv_heads, head_dim)))
+    heads = qkv.view(qkv.shape[0], -1, head_dim)  # [T, Hq + 2 Hkv, D]: plain slices (split/unflatten cost more host)
+    return heads[:, :num_heads], heads[:, num_heads:num_heads + num_kv_heads], heads[:, num_heads + num_kv_heads:]
 
 
 def o_input_bound(v: torch.Tensor, layer: nn.Module, ops: Fp8Ops,
