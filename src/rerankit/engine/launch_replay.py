@@ -25,9 +25,8 @@ tensors of the same dtype, shape, strides and device, each specializing the comp
 else it runs the step as usual. Never under graph capture (a graph records every launch once anyway) or where the
 direct path is off.
 
-Off unless ``RERANKIT_LAUNCH_REPLAY=1``: it cuts an eager forward's host time by a third, but the first layer's
-recording (a ``TorchDispatchMode``, the analysis) comes where the GPU waits for the host, and whole W1 calls on an
-H100 host ran 1-3 ms slower with it (docs/performance.md). It pays where the host is slower than the GPU throughout.
+Off unless ``RERANKIT_LAUNCH_REPLAY=1``: it cuts an eager forward's host time by a third, but whole W1 calls on an
+H100 host ran 1-3 ms slower with it, at equal GPU-bound times, for a reason not yet found (docs/performance.md).
 """
 
 from __future__ import annotations
