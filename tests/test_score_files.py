@@ -348,3 +348,36 @@ def test_a_csv_cell_longer_than_a_read_block_is_read(tmp_path, backends, suffix)
     assert main(["score", "--input", str(source), "--output", str(tmp_path / "out.jsonl"), "--no-progress"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [row["score"] for row in rows] == [len(document), 5.0] and rows[0]["document"] == document
+
+
+@pytest.mark.parametrize("name, data", [("pairs.jsonl", b""), ("pairs.jsonl", b"\n \r\n\t\n"),
+                                        ("pairs.jsonl.gz", gzip.compress(b"")), ("pairs.csv", b""),
+                                        ("-", b""), ("-", b"\n\n")],
+                         ids=["empty", "blank lines", "empty gzip", "empty csv", "empty stdin", "blank stdin"])
+@pytest.mark.parametrize("output", ["out.jsonl", "out.csv", "out.parquet"])
+def test_an_empty_shard_scores_no_rows_into_an_empty_output(tmp_path, backends, monkeypatch, capsys, name, data,
+                                                            output):
+    monkeypatch.chdir(tmp_path)
+    if name == "-":
+        _stdin(monkeypatch, data)
+    else:
+        (tmp_path / name).write_bytes(data)
+    stdin = ["--format", "jsonl"] if name == "-" else []
+
+    assert main(["score", "--input", name, "--output", output, *stdin, "--no-progress"]) == 0
+
+    assert "scored 0 pairs" in capsys.readouterr().err and backends.made == []  # no model to load for no rows
+    if output == "out.parquet":
+        table = parquet.read_table(tmp_path / output)
+        assert table.num_rows == 0 and table.column_names == ["query", "document", "score"]
+    else:
+        assert (tmp_path / output).read_text() == ('"query","document","score"\n' if output == "out.csv" else "")
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted({name, output} - {"-"})  # no journal left
+
+
+@pytest.mark.parametrize("data", [b'{"text": "a"}\n', b"{}\n\n", b"\n[]\n"])
+def test_jsonl_rows_without_the_columns_are_still_refused(tmp_path, backends, capsys, data):
+    source = tmp_path / "pairs.jsonl"
+    source.write_bytes(data)
+    assert main(["score", "--input", str(source), "--output", str(tmp_path / "out.jsonl"), "--no-progress"]) == 2
+    assert "--input: " in (error := capsys.readouterr().err) and error.count("\n") == 1 and backends.made == []

@@ -91,9 +91,9 @@ def read_table(path: str | Path, columns: Sequence[str], file_format: str | None
             with open_stream() as stream:
                 table = parquet.read_table(stream)
         elif source.format == "jsonl":
-            table = _read_jsonl(open_stream, source)
+            table = _unless_blank(lambda: _read_jsonl(open_stream, source), open_stream, columns)
         else:
-            table = _read_csv(open_stream, columns, source)
+            table = _unless_blank(lambda: _read_csv(open_stream, columns, source), open_stream, columns)
         _check_text(table, source)
         if source.format == "jsonl":
             table = keep_written(table, open_stream, columns)
@@ -131,6 +131,35 @@ def _opener(source: TableFile) -> tuple[Callable[[], Any], bool]:
             return lambda: pyarrow.CompressedInputStream(pyarrow.BufferReader(data), "gzip"), True
         return lambda: pyarrow.BufferReader(data), False
     return lambda: pyarrow.input_stream(source.path, compression="gzip" if source.gzipped else None), source.gzipped
+
+
+def _unless_blank(read: Callable[[], Any], open_stream: Callable[[], Any], columns: Sequence[str]) -> Any:
+    """``read()``'s table, or -- where the JSONL or CSV text is empty or only blank lines (an empty shard; pyarrow
+    finds no rows, or refuses an "Empty ... file") -- a table of no rows with ``columns`` as texts, as a CSV file of
+    only its header gives. A file with rows is ``read()``'s as it is, lacking a column or not."""
+    import pyarrow
+
+    try:
+        table = read()
+    except pyarrow.ArrowInvalid:
+        if not _blank(open_stream):
+            raise
+        table = None
+    if table is not None and (table.num_rows or table.num_columns or not _blank(open_stream)):
+        return table
+    return pyarrow.table({name: pyarrow.array([], pyarrow.string()) for name in dict.fromkeys(columns)})
+
+
+def _blank(open_stream: Callable[[], Any]) -> bool:
+    """Whether ``open_stream()`` gives only whitespace (or nothing); False where it cannot be read."""
+    try:
+        with open_stream() as stream:
+            while chunk := stream.read(1 << 20):
+                if chunk.strip():
+                    return False
+    except OSError:
+        return False
+    return True
 
 
 def _check_text(table: Any, source: TableFile) -> None:
