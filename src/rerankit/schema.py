@@ -6,9 +6,12 @@ bad request raises the same typed ``InvalidRequest`` wherever it is built.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+import functools
+import types
+from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from rerankit.errors import InvalidRequest
 from rerankit.templates import Template, template_from_dict
@@ -33,7 +36,76 @@ def invalid_from(exc: ValidationError, whole: str = "request") -> InvalidRequest
     return InvalidRequest(field, message)
 
 
-class _Strict(BaseModel):
+def bool_as_number(annotation: Any, value: Any) -> str | None:
+    """Why ``value`` cannot be a field typed ``annotation``, where it holds a bool in a place that asks for a number
+    (an int or float, alone, in a union or in a list: ``top_n``, token ids), or None. Pydantic's lax mode would
+    take ``true`` as 1 there -- ``top_n: true`` as one result -- which no client means."""
+    return _refusal(_plan(annotation), value)
+
+
+# Where a field's values may hold a number: (the refusal of a bool in its place, or None where a bool is taken or
+# no number is asked for; the same for the elements of each list type it may be). Worked out once a field.
+_Plan = tuple[Optional[str], tuple[Any, ...]]
+_NO_NUMBER: _Plan = (None, ())
+
+
+def _plan(annotation: Any) -> _Plan:
+    arms = _arms(annotation)
+    takes_bool = any(arm in (bool, Any) or (get_origin(arm) is Literal and any(isinstance(choice, bool)
+                                                                             for choice in get_args(arm)))
+                     for arm in arms)
+    kind = None if takes_bool else "integer" if int in arms else "number" if float in arms else None
+    elements = tuple(element for arm in arms if get_origin(arm) is list and get_args(arm)
+                     for element in [_plan(get_args(arm)[0])] if element != _NO_NUMBER)
+    return (None if kind is None else f"Input should be a valid {kind}, not a boolean"), elements
+
+
+def _refusal(plan: _Plan, value: Any) -> str | None:
+    why, elements = plan
+    if isinstance(value, bool):
+        return why
+    if not elements or not isinstance(value, list):
+        return None
+    kinds = set(map(type, value))  # a long list (token ids) is looked at once
+    for element_why, inner in elements:
+        if bool in kinds and element_why is not None:
+            return element_why
+        for item in value if list in kinds and inner else ():
+            if isinstance(item, list) and (why := _refusal((element_why, inner), item)):
+                return why
+    return None
+
+
+def _arms(annotation: Any) -> list[Any]:
+    """The types a field may take: a union's members, each ``Annotated`` type as its own."""
+    if get_origin(annotation) is Annotated:
+        return _arms(get_args(annotation)[0])
+    if get_origin(annotation) in (Union, types.UnionType):
+        return [arm for member in get_args(annotation) for arm in _arms(member)]
+    return [annotation]
+
+
+@functools.lru_cache(maxsize=None)
+def _field_plan(model: type[BaseModel], name: str) -> _Plan:
+    field = model.model_fields.get(name)
+    return _NO_NUMBER if field is None else _plan(field.annotation)
+
+
+class NoBoolNumbers(BaseModel):
+    """Base of every request model (``ScoreRequest``, the servers' wire bodies): a bool where a number belongs
+    (``top_n: true``, ``[true]`` as token ids) is refused, naming the field, as a text there is."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        plan = _field_plan(cls, info.field_name or "")
+        why = None if plan == _NO_NUMBER else _refusal(plan, value)
+        if why is not None:
+            raise ValueError(why)
+        return value
+
+
+class _Strict(NoBoolNumbers):
     """Base for request models: typed errors at construction, unknown fields refused."""
 
     model_config = ConfigDict(extra="forbid")

@@ -57,6 +57,17 @@ def test_cohere_v2_client(url, local):
     assert all(getattr(r, "document", None) is None for r in reply.results)
 
 
+@pytest.mark.parametrize("client_name", ["ClientV2", "Client"])
+def test_cohere_clients_top_n_true_is_refused_naming_it(url, client_name):
+    """The SDK sends ``top_n=True`` as JSON ``true`` (its type is int, not checked); Cohere's API schema says
+    ``integer``: refused as one, not taken as 1."""
+    cohere = pytest.importorskip("cohere")
+    client = getattr(cohere, client_name)(api_key="unused", base_url=url)
+    with pytest.raises(cohere.BadRequestError) as refused:
+        client.rerank(model=MODEL, query=QUERY, documents=DOCS, top_n=True)
+    assert refused.value.body == {"message": "top_n: Input should be a valid integer, not a boolean"}
+
+
 def test_cohere_v1_client_with_object_documents_and_rank_fields(url, local):
     cohere = pytest.importorskip("cohere")
     client = cohere.Client(api_key="unused", base_url=url)

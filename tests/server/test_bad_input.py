@@ -56,6 +56,10 @@ CASES = [
      "sglang-score", "top_n"),
     ("ce", "/v2/rerank", {"query": "q", "documents": ["d"], "top_n": 0}, 400, "cohere", "top_n"),
     ("ce", "/v2/rerank", {"query": {"text": "q"}, "documents": ["d"]}, 400, "cohere", "query"),
+    ("ce", "/v2/rerank", {"query": "q", "documents": ["d", "e"], "top_n": True}, 400, "cohere", "top_n"),
+    ("ce", "/rerank", {"query": "q", "documents": ["d", "e"], "top_n": True}, 400, "vllm-rerank", "top_n"),
+    ("lm", "/generative_scoring", {**GOOD_GENERATIVE, "label_token_ids": [True, 6]}, 400, "vllm-rerank",
+     "label_token_ids"),
     ("ce", "/generative_scoring", GOOD_GENERATIVE, 400, "vllm-rerank", "mode"),
 ]
 

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Annotated, Any, Callable, Iterable, Mapping, Union
 
-from pydantic import BaseModel, ConfigDict, ValidationError, WithJsonSchema
+from pydantic import ConfigDict, ValidationError, WithJsonSchema
 
 from rerankit.errors import InvalidRequest, RemoteError
-from rerankit.schema import ErrorDetail, ScoreRequest, ScoreResponse, ScoreResult, Usage, invalid_from
+from rerankit.schema import (ErrorDetail, NoBoolNumbers, ScoreRequest, ScoreResponse, ScoreResult, Usage,
+                             invalid_from)
 from rerankit.templates import RAW, get_template
 
 log = logging.getLogger("rerankit.server")
@@ -77,9 +78,10 @@ _OWN_HEAD: dict[str, tuple[Any, ...]] = {
 }
 
 
-class WireBody(BaseModel):
+class WireBody(NoBoolNumbers):
     """Base of the server-side request models: unknown fields are ignored (logged at debug), as vLLM and SGLang
-    do; a field the model names but rerankit cannot honour is refused by the dialect's parser."""
+    do; a field the model names but rerankit cannot honour is refused by the dialect's parser; a bool where a
+    number belongs is refused (``NoBoolNumbers``)."""
 
     model_config = ConfigDict(extra="ignore")
 
