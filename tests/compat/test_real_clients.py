@@ -55,6 +55,8 @@ def test_cohere_v2_client(url, local):
     assert_ranked([(r.index, r.relevance_score) for r in reply.results], true_scores(local), top_n=3)
     assert reply.meta is not None and reply.meta.tokens.input_tokens > 0
     assert all(getattr(r, "document", None) is None for r in reply.results)
+    # as Cohere's /v2/rerank answers (its API reference): the SDK reads version as a string
+    assert (reply.meta.api_version.version, reply.meta.api_version.is_experimental) == ("2", False)
 
 
 @pytest.mark.parametrize("client_name", ["ClientV2", "Client"])
@@ -82,6 +84,9 @@ def test_cohere_v1_client_with_object_documents_and_rank_fields(url, local):
     plain = client.rerank(model=MODEL, query=QUERY, documents=DOCS)
     assert_ranked([(r.index, r.relevance_score) for r in plain.results], true_scores(local))
     assert plain.meta is not None and all(r.document is None for r in plain.results)
+    # the v1 Client posts to /v1/rerank, which Cohere answers as its v1 API: {"version": "1"}
+    assert [reply.meta.api_version.version, plain.meta.api_version.version] == ["1", "1"]
+    assert plain.meta.api_version.is_experimental is None
 
 
 def test_langchain_cohere_rerank(url, local):

@@ -76,7 +76,7 @@ def scoring_endpoint(path: str, batcher: Batcher, config: ServerConfig,
                      model_name: Callable[[], str]) -> Callable[[Request], Awaitable[JSONResponse]]:
     """The handler of one scoring path; ``model_name()`` is the name replies give (it may change: a proxy learns
     its far server's)."""
-    dialects = [get_dialect(name) for name in ROUTES[path]]
+    dialects = [get_dialect(name).at(path) for name in ROUTES[path]]
     default = default_dialect(path, config)
     metrics = batcher.metrics
 
@@ -234,7 +234,7 @@ def _check_texts(value: Any) -> None:
 def default_dialect(path: str, config: ServerConfig) -> Dialect:
     """The dialect of ``path``'s errors before its body is parsed: the server's ``rerank_dialect`` where ``path``
     speaks it, else the path's first."""
-    dialects = [get_dialect(name) for name in ROUTES[path]]
+    dialects = [get_dialect(name).at(path) for name in ROUTES[path]]
     return next((dialect for dialect in dialects if dialect.name == config.rerank_dialect), dialects[0])
 
 

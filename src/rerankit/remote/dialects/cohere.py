@@ -36,6 +36,9 @@ from rerankit.remote.dialects.common import (
 from rerankit.schema import ScoreRequest, ScoreResponse
 
 ENDPOINT = "Cohere-style /rerank"
+# meta.api_version of Cohere's replies by API version (its API reference's examples of /v2/rerank and /v1/rerank;
+# the SDK reads ``version`` as a string)
+API_VERSIONS: dict[str, dict[str, Any]] = {"2": {"version": "2", "is_experimental": False}, "1": {"version": "1"}}
 # Read by document_texts (whose errors name the document), typed for the OpenAPI schema.
 _OBJECT_DOCUMENT = {"type": "object", "required": ["text"], "additionalProperties": {"type": "string"}}
 Documents = Annotated[Any, WithJsonSchema(
@@ -129,12 +132,19 @@ def _field_text(value: Any) -> str:
 
 
 def encode_response(response_: ScoreResponse, request: ScoreRequest, model: str | None = None,
-                    documents: list[Any] | None = None) -> dict[str, Any]:
-    """Cohere body: results best first, cut to ``top_n``; input tokens in ``meta.tokens``."""
+                    documents: list[Any] | None = None, api_version: str = "2") -> dict[str, Any]:
+    """Cohere body: results best first, cut to ``top_n``; input tokens in ``meta.tokens``; ``meta.api_version``
+    as Cohere's ``/v2/rerank`` answers it."""
     results = ranked_results(response_, request, "relevance_score", "document.text", documents)
-    meta = {"api_version": {"version": "2"},
+    meta = {"api_version": dict(API_VERSIONS[api_version]),
             "tokens": {"input_tokens": response_.usage.prompt_tokens, "output_tokens": 0}}
     return {"id": new_id("rerank"), "results": results, "meta": meta}
+
+
+def encode_v1_response(response_: ScoreResponse, request: ScoreRequest, model: str | None = None,
+                       documents: list[Any] | None = None) -> dict[str, Any]:
+    """``encode_response`` as Cohere's ``/v1/rerank`` answers: ``meta.api_version`` ``{"version": "1"}``."""
+    return encode_response(response_, request, model, documents, api_version="1")
 
 
 def echoed_documents(body: Any) -> list[Any] | None:
@@ -151,7 +161,8 @@ COHERE = Dialect(
     name="cohere", paths=("/v2/rerank", "/v1/rerank"), max_items=1000,
     encode_request=encode_request, decode_response=decode_response, parse_request=parse_request,
     encode_response=encode_response, error_body=error_body, request_body=RerankBody,
-    echoed_documents=echoed_documents, requires_model=True,
+    echoed_documents=echoed_documents, requires_model=True, path_variants={"/v1/rerank": {
+        "encode_response": encode_v1_response}},
     wire_names={"items": "documents", "max_tokens_per_item": "max_tokens_per_doc",
                 "long_documents": "max_chunks_per_doc", "long_document_max_windows": "max_chunks_per_doc"},
     # Fields only Cohere v1 has; a Jina client sends return_documents with model (SGLang's body has no model).

@@ -98,6 +98,7 @@ class Dialect:
     ``engine_request``: what the server asks its backend for a parsed request, which ``encode_response`` still gets
     (SGLang's ``apply_softmax`` on a classifier only picks how the reply writes the score).
     ``wire_names``: the body's name of a ``ScoreRequest`` field where they differ, for a refusal that names it.
+    ``path_variants``: fields replaced where the dialect answers on a path of its own (``at``).
     """
 
     name: str
@@ -114,6 +115,13 @@ class Dialect:
     requires_model: bool = False
     engine_request: Callable[[ScoreRequest], ScoreRequest] = lambda request: request
     wire_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    path_variants: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+
+    def at(self, path: str) -> "Dialect":
+        """This dialect as it answers on the server's ``path``: with ``path_variants``' fields for it (Cohere's
+        ``/v1/rerank`` replies as its v1 API does)."""
+        changed = self.path_variants.get(path)
+        return dataclasses.replace(self, **changed) if changed else self
 
     def claimed(self, present: set[str]) -> set[str]:
         """The ``present`` fields this dialect's markers claim (none: the body says nothing of it)."""
