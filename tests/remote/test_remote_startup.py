@@ -28,7 +28,7 @@ from server_fakes import RecordingBackend
 
 import rerankit
 from rerankit import Reranker
-from rerankit.errors import RemoteError
+from rerankit.errors import Cancelled, RemoteError
 from rerankit.remote import RemoteBackend, Timeout
 import rerankit.remote.discover as discovery
 from rerankit.schema import ScoreRequest
@@ -260,3 +260,34 @@ async def test_cancelling_a_call_that_waits_for_its_server_ends_it_at_once(dead_
     assert time.monotonic() - started < 0.2
     assert discovery._cache == {} and discovery._model_cache == {}
     await backend.aclose()
+
+
+@pytest.mark.parametrize("dialect", [None, "cohere", "tei"], ids=["discovery", "served model", "scoring tries"])
+def test_closing_the_backend_wakes_a_sync_call_waiting_for_its_server(dead_url, dialect):
+    """``close()`` from another thread ends a call waiting for a server that is not up -- between discovery's rounds
+    (its dialect, or the model Cohere's dialect needs) or a scoring call's tries -- with an error saying so, not at
+    its deadline: the waits here are 20 s, a minute in all."""
+    backend = RemoteBackend(dead_url, dialect=dialect, deadline=60, timeout=Timeout(connect=0.5, read=2.0),
+                            backoff_base=20, backoff_max=20, max_retries=1000)
+    outcome, tried, exchange = [], threading.Event(), backend.transport._exchange
+
+    def first_try(*args, **kwargs):
+        tried.set()
+        return exchange(*args, **kwargs)
+
+    def call():
+        try:
+            outcome.append(backend.score(ScoreRequest(query="q", items=items(2))))
+        except Exception as error:  # noqa: BLE001 - the test reads what came out
+            outcome.append(error)
+
+    backend.transport._exchange = first_try
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    assert tried.wait(10), "the call never tried the server"
+    backend.close()
+    caller.join(10)
+    assert not caller.is_alive(), "the call still waits after close()"
+    assert isinstance(outcome[0], Cancelled), repr(outcome[0])
+    assert str(outcome[0]) == "the remote backend was closed while this call ran"
+    assert discovery._cache == {} and discovery._model_cache == {}

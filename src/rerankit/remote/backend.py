@@ -80,9 +80,10 @@ class RemoteBackend:
         """Score on the server within the deadline; one result per item, in input order."""
         deadline = self.transport.deadline()
         if self._discovery is None and (self._dialect is None or self._model_unknown(request)):
-            self._learn(discover(partial(self.transport.get, deadline=deadline), self.transport.endpoints.order(),
-                                 model_only=self._dialect is not None, config=self.transport.config,
-                                 deadline=deadline))
+            with self.transport.stoppable() as stop:  # close() ends a wait for a server still starting
+                self._learn(discover(partial(self.transport.get, deadline=deadline, stop=stop),
+                                     self.transport.endpoints.order(), model_only=self._dialect is not None,
+                                     config=self.transport.config, deadline=deadline, stop=stop))
         dialect, path, chunks, bodies = self._encode(request)
         return self._decode(dialect, chunks, self.transport.post_all(path, bodies, deadline))
 
@@ -115,7 +116,8 @@ class RemoteBackend:
         return await self.far_health.problem()
 
     def close(self) -> None:
-        """Close the connection pools."""
+        """Close the connection pools; a sync call running in another thread (waiting for a server still starting,
+        between tries, or reading) ends at once with ``Cancelled``."""
         self.transport.close()
 
     async def aclose(self) -> None:

@@ -15,8 +15,9 @@ import threading
 import time
 import weakref
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Iterator, Sequence
 
 import httpx
 
@@ -162,7 +163,7 @@ class Transport:
         # One async client per event loop: loops in several threads (asyncio.run in worker threads) each keep
         # theirs, rather than taking turns replacing one (a new client, and connections, on every switch).
         self._loop_clients: dict[asyncio.AbstractEventLoop, _LoopClient] = {}
-        self._calls: set[_Stop] = set()  # the stops of the split calls running on the executor's threads
+        self._calls: set[_Stop] = set()  # the stops of the sync calls running (``stoppable``), which close() sets
 
     @property
     def _no_slot(self) -> str:
@@ -306,36 +307,44 @@ class Transport:
                 return parse_json(answer)
             await asyncio.sleep(attempts.after(failure))
 
+    @contextmanager
+    def stoppable(self) -> Iterator[_Stop]:
+        """A stop for a sync call, which ``close`` sets (with why) while the block runs: the call's tries, waits
+        between them (a scoring call's, discovery's rounds) and socket reads given it end at once."""
+        stop = _Stop()
+        with self._lock:
+            self._calls.add(stop)
+        try:
+            yield stop
+        finally:
+            with self._lock:
+                self._calls.discard(stop)
+
     def post_all(self, path: str, bodies: Sequence[Any], deadline: Deadline | None = None) -> list[Any]:
         """POST every body, up to ``max_concurrency`` at a time on threads, all within one deadline.
 
-        Answers come in the bodies' order; the first failure ends the call.
+        Answers come in the bodies' order; the first failure ends the call. Closing the transport ends it at once.
         """
         deadline = deadline or self.deadline()
         if len(bodies) == 1:
-            return [self.post(path, bodies[0], deadline)]
+            with self.stoppable() as stop:
+                return [self.post(path, bodies[0], deadline, stop)]
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self.config.max_concurrency, thread_name_prefix="rerankit-http")
             executor = self._executor
         # Set once the call is over (failed, or past its deadline) or the transport closes: posts still running make
         # no further try.
-        stop = _Stop()
-        with self._lock:
-            self._calls.add(stop)
-        # Each thread runs in a copy of the caller's context: its request id goes with every body.
-        futures = [executor.submit(contextvars.copy_context().run, self.post, path, body, deadline, stop)
-                   for body in bodies]
-        # Each post ends by the deadline once a thread runs it, with an error naming what it tried; the grace lets
-        # that error through, and the bound still holds when every thread is busy with other calls.
-        limit = deadline.wait_limit()
-        try:
+        with self.stoppable() as stop:
+            # Each thread runs in a copy of the caller's context: its request id goes with every body.
+            futures = [executor.submit(contextvars.copy_context().run, self.post, path, body, deadline, stop)
+                       for body in bodies]
+            # Each post ends by the deadline once a thread runs it, with an error naming what it tried; the grace
+            # lets that error through, and the bound still holds when every thread is busy with other calls.
+            limit = deadline.wait_limit()
             _, pending = wait(futures, None if limit is None else limit + _GRACE, return_when=FIRST_EXCEPTION)
             if pending and deadline.left() <= 0:
                 wait(pending, _GRACE)
-        finally:
-            with self._lock:
-                self._calls.discard(stop)
         error = _first_error(futures)
         stop.set()
         for future in futures:
@@ -364,13 +373,15 @@ class Transport:
             raise error
         return [task.result() for task in tasks]
 
-    def get(self, base_url: str, path: str, deadline: Deadline | None = None) -> Reply:
-        """One GET (no retries: discovery makes them), for discovery: ``Reply(None, error=...)`` when unreachable
-        or past the deadline (``expired``)."""
+    def get(self, base_url: str, path: str, deadline: Deadline | None = None,
+            stop: threading.Event | None = None) -> Reply:
+        """One GET (no retries: discovery makes them), for discovery: ``Reply(None, error=...)`` when unreachable,
+        past the deadline (``expired``), or given up once ``stop`` is set."""
         deadline = deadline or self.deadline()
         window = Window.open(deadline, self.config.timeout.read)
         try:
-            return probe_reply(self._exchange("GET", base_url + path, None, window))
+            with stopped_by(stop):
+                return probe_reply(self._exchange("GET", base_url + path, None, window))
         except httpx.RequestError as exc:
             return self._unreachable(exc, window)
 

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Awaitable, Callable, Generator, Iterable, Optional, Sequence, Union
 
-from rerankit.errors import RemoteError
+from rerankit.errors import Cancelled, RemoteError
 from rerankit.remote.deadline import Deadline
 from rerankit.remote.reply import Reply
 
@@ -220,15 +220,19 @@ def _gave_up(base_urls: Sequence[str], replies: dict[str, list[tuple[str, Reply]
 
 
 def discover(get: Callable[[str, str], Reply], base_urls: Sequence[str], *, model_only: bool = False,
-             config: ClientConfig | None = None, deadline: Deadline | None = None) -> Discovery:
+             config: ClientConfig | None = None, deadline: Deadline | None = None,
+             stop: threading.Event | None = None) -> Discovery:
     """The routes and model (cached) of the first server that shows them; ``get(base_url, path)`` does the I/O.
 
     ``model_only``: ask ``/v1/models`` only, for a client that was told its dialect (no routes are then found).
     ``config``: wait for a starting server per its ``max_retries`` and backoff, within ``deadline`` (None: one
-    round of probes).
+    round of probes). ``stop``: once set (the backend closed), no further probe is made and a wait between rounds
+    ends: ``Cancelled``, with the stop's ``reason``.
     """
     search, sent = _search(list(base_urls), model_only, config, deadline or Deadline(None)), None
     while True:
+        if stop is not None and stop.is_set():
+            raise Cancelled(getattr(stop, "reason", None) or "discovery was stopped")
         try:
             step = search.send(sent)
         except StopIteration as ended:
@@ -236,7 +240,10 @@ def discover(get: Callable[[str, str], Reply], base_urls: Sequence[str], *, mode
         if isinstance(step, tuple):
             sent = get(*step)
         else:
-            time.sleep(step)
+            if stop is None:
+                time.sleep(step)
+            else:
+                stop.wait(step)
             sent = None
 
 
