@@ -122,3 +122,29 @@ def test_a_variable_that_is_ignored_is_ignored_whatever_its_value(served, monkey
     assert "replica_timeout_s" not in served["engine_options"]
     assert cli.main(["serve", "--data-parallel-size", "2"]) == 2  # replicas: the value counts
     assert capsys.readouterr().err.startswith("error: $RERANKIT_REPLICA_TIMEOUT='-1': ")
+
+
+@pytest.mark.parametrize(("variables", "flags", "message"), [
+    ({"RERANKIT_SSL_KEYFILE": "key.pem"}, [],
+     "$RERANKIT_SSL_KEYFILE needs --ssl-certfile (the certificate the server presents)"),
+    ({}, ["--ssl-keyfile", "key.pem"], "--ssl-keyfile needs --ssl-certfile (the certificate the server presents)"),
+    ({"RERANKIT_SSL_KEYFILE_PASSWORD": "secret"}, ["--ssl-ca-certs", "ca.pem"],
+     "$RERANKIT_SSL_KEYFILE_PASSWORD, --ssl-ca-certs need --ssl-certfile"),
+    ({"RERANKIT_SSL_CERTFILE": "missing.pem"}, [], "$RERANKIT_SSL_CERTFILE: cannot load the certificate and its key"),
+    ({"RERANKIT_OTLP_SERVICE_NAME": "ranker"}, [],
+     "$RERANKIT_OTLP_SERVICE_NAME names the spans that --otlp-traces-endpoint sends; give both"),
+    ({"RERANKIT_OTLP_TRACES_ENDPOINT": "collector"}, [],
+     "$RERANKIT_OTLP_TRACES_ENDPOINT 'collector': give the collector's URL"),
+])
+def test_a_start_up_error_names_the_variable_that_set_the_flag(monkeypatch, tmp_path, capsys, variables, flags,
+                                                                message):
+    """The server's own checks (before any model loads) name a flag as the user set it: its variable where the
+    environment gave it, the flag where the command line did."""
+    for name in [name for name in os.environ if name.startswith(PREFIX)]:
+        monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    assert cli.main(["serve", *flags]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"error: {message}") and error.count("\n") == 1, error

@@ -16,7 +16,8 @@ from rerankit import __version__
 from rerankit.errors import InvalidRequest, RerankitError
 from rerankit.flag_types import (id_list, non_negative_float, non_negative_int, port, positive_float,
                                  positive_int, replica_count, word_list)
-from rerankit.flags_from_env import ENGINE_PLACEMENT, defaults_from_environment, settle_serve_environment
+from rerankit.flags_from_env import (ENGINE_PLACEMENT, defaults_from_environment, named_as_set,
+                                     settle_serve_environment)
 from rerankit.reranker import is_url, make_backend
 from rerankit.schema import MODES, ScoreRequest, ScoreResponse
 from rerankit.server.limits import RERANK_DIALECTS
@@ -32,8 +33,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except RerankitError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except RerankitError as exc:  # a flag the environment set is named as its variable
+        print(f"error: {named_as_set(str(exc), args)}", file=sys.stderr)
         return USAGE_ERROR
     except KeyboardInterrupt:  # Ctrl-C: one line, not the traceback of wherever the engine was
         print("error: interrupted", file=sys.stderr)

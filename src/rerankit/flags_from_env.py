@@ -3,12 +3,14 @@ name in capitals, dashes as underscores: ``--max-batch-items`` is ``$RERANKIT_MA
 process managers configure servers (TEI and Infinity read their flags so too). The command line wins over the
 environment, the environment over the defaults. A switch (``--no-warmup``) takes 1/true/yes/on or 0/false/no/off.
 ``--api-key``, which may be given several times, has its own variable (``$RERANKIT_API_KEY``, one key).
+An error naming a flag the environment set names its variable instead (``named_as_set``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +18,8 @@ from typing import Any
 from rerankit.errors import RerankitError
 
 PREFIX = "RERANKIT_"
+SET_BY_ENVIRONMENT = "_set_by_environment"  # the Namespace attribute of the variables that set flags, by dest
+_FLAG = re.compile(r"(?<![\w-])--[a-z0-9][a-z0-9-]*(?![\w-])")  # a long flag named in a message
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -107,6 +111,17 @@ def settle_serve_environment(args: argparse.Namespace, is_url: Callable[[Any], b
     variables = from_environment(args)
     if "template_file" in variables and args.template is not None and "template" not in variables:
         args.template_file = None
+        del variables["template_file"]
     if "template" in variables and args.template_file is not None and "template_file" not in variables:
         args.template = None
+        del variables["template"]
+    setattr(args, SET_BY_ENVIRONMENT, variables)  # for named_as_set: an error then names them as the user set them
     return variables
+
+
+def named_as_set(message: str, args: argparse.Namespace) -> str:
+    """``message`` with each flag it names that the environment set (``--ssl-keyfile``) named as its variable
+    (``$RERANKIT_SSL_KEYFILE``): what the user set. Checks that know only the values (``serve``'s) name flags."""
+    variables = getattr(args, SET_BY_ENVIRONMENT, None) or {}
+    flags = {"--" + name[len(PREFIX):].lower().replace("_", "-"): name for name in variables.values()}
+    return _FLAG.sub(lambda flag: f"${flags[flag.group()]}" if flag.group() in flags else flag.group(), message)
