@@ -85,6 +85,7 @@ def test_a_ready_reranker_scores_with_its_backend_and_stays_open(overlap_backend
     ({"request_options": {"instrution": "typo"}}, "instrution"),
     ({"request_options": {"top_n": 2}}, "may not set top_n"),
     ({"top_n": 0}, "top_n"),
+    ({"top_n": True}, "(?s)top_n.*not a boolean"),
 ])
 def test_bad_settings_fail_at_construction(overlap_backend, settings, message):
     if settings.get("backend") == "fake":

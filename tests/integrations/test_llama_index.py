@@ -119,6 +119,8 @@ def test_bad_settings_fail_at_construction(overlap_backend):
         RerankitRerank(model="some/model", backend=overlap_backend)
     with pytest.raises(pydantic.ValidationError, match="instrution"):
         RerankitRerank(request_options={"instrution": "typo"})
+    with pytest.raises(pydantic.ValidationError, match="(?s)top_n.*not a boolean"):
+        RerankitRerank(backend=overlap_backend, top_n=True)  # not one result
 
 
 @pytest.mark.parametrize("adapter", [RerankitRerank, RerankitEmbedding])

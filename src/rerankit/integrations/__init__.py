@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from rerankit.backend import Backend
 from rerankit.errors import RerankitError
 from rerankit.reranker import Reranker, make_backend
-from rerankit.schema import ScoreRequest, ScoreResponse
+from rerankit.schema import NoBoolNumbers, ScoreRequest, ScoreResponse
 
 # Fields an adapter fills in itself from each call; request options may not override them.
 PER_CALL_FIELDS = ("query", "items", "top_n")
@@ -140,10 +140,10 @@ async def aembed_texts(lazy: LazyBackend, texts: list[str]) -> list[list[float]]
     return embeddings_of(await backend.ascore(embedding_request(texts)), backend.model_name)
 
 
-class RerankSettings(BaseModel):
+class RerankSettings(NoBoolNumbers):
     """What a reranking adapter is given: a ``model`` (path, hub id, server URL or list of URLs; None is the packaged
     MiniLM) with ``backend_options``, or an already-built ``reranker`` or ``backend``; ``top_n`` and extra request
-    fields. The backend is built on first use.
+    fields. The backend is built on first use. ``top_n=True`` is refused, as in a request (``NoBoolNumbers``).
     """
 
     model: str | list[str] | None = Field(default=None, description="Model path, hub id, or server URL(s).")
