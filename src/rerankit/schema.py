@@ -36,13 +36,6 @@ def invalid_from(exc: ValidationError, whole: str = "request") -> InvalidRequest
     return InvalidRequest(field, message)
 
 
-def bool_as_number(annotation: Any, value: Any) -> str | None:
-    """Why ``value`` cannot be a field typed ``annotation``, where it holds a bool in a place that asks for a number
-    (an int or float, alone, in a union or in a list: ``top_n``, token ids), or None. Pydantic's lax mode would
-    take ``true`` as 1 there -- ``top_n: true`` as one result -- which no client means."""
-    return _refusal(_plan(annotation), value)
-
-
 # Where a field's values may hold a number: (the refusal of a bool in its place, or None where a bool is taken or
 # no number is asked for; the same for the elements of each list type it may be). Worked out once a field.
 _Plan = tuple[Optional[str], tuple[Any, ...]]
@@ -93,7 +86,8 @@ def _field_plan(model: type[BaseModel], name: str) -> _Plan:
 
 class NoBoolNumbers(BaseModel):
     """Base of every request model (``ScoreRequest``, the servers' wire bodies): a bool where a number belongs
-    (``top_n: true``, ``[true]`` as token ids) is refused, naming the field, as a text there is."""
+    (``top_n: true``, ``[true]`` as token ids) is refused, naming the field, as a text there is. Pydantic's lax mode
+    would take ``true`` as 1 there -- ``top_n: true`` as one result -- which no client means."""
 
     @field_validator("*", mode="before")
     @classmethod

@@ -40,12 +40,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ENV = "RERANKIT_LAUNCH_REPLAY"
-# What a recorded step may run besides its kernels: allocations and views (no data is read or written).
-ALLOWED_OPS = frozenset({
-    "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "view", "_unsafe_view", "alias",
-    "as_strided", "t", "transpose", "permute", "slice", "select", "split", "split_with_sizes", "unbind", "detach",
-    "unsqueeze", "squeeze", "expand", "unflatten", "lift_fresh",
-})
+# What a recorded step may run besides its kernels and views of a tensor (which alias it, ``_aliases``):
+# allocations, and the views that come as a list.
+ALLOWED_OPS = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "split",
+                         "split_with_sizes", "unbind"})
 _PRIMITIVES = (int, float, bool, str, type(None))
 _MISS = object()
 
@@ -219,8 +217,6 @@ class LayerReplay:
         self.layer = -1
         self.position = 0
         self.replayed = 0  # calls replayed (for tests and benchmarks)
-        self.refused: dict[str, str] = {}  # step -> why it could not be recorded for replays
-        self.missed: dict[str, int] = {}  # step -> later calls that did not fit its recording
 
     def next_layer(self) -> None:
         self.layer += 1
@@ -248,7 +244,6 @@ class LayerReplay:
                     if result is not _MISS:
                         self.replayed += 1
                         return result
-                self.missed[name] = self.missed.get(name, 0) + 1
             return fn(*args, **kwargs)
 
         return call
@@ -259,14 +254,9 @@ class LayerReplay:
         with direct_launch.recording() as launches, _Watch() as watch:
             result = fn(*args, **kwargs)
         self.steps[position] = None
-        if not launches or None in launches or watch.other:
-            self.refused[name] = "no launch" if not launches else "a launch through Triton" if None in launches \
-                else "ran " + ", ".join(sorted(set(watch.other)))
-            return result
-        leaves, structure = _leaves(args, kwargs)
-        step = _Step(name, structure, leaves, launches, result)
-        if step.replayable:
-            self.steps[position] = step
-        else:
-            self.refused[name] = "an output shares memory with an input"
+        if launches and None not in launches and not watch.other:
+            leaves, structure = _leaves(args, kwargs)
+            step = _Step(name, structure, leaves, launches, result)
+            if step.replayable:
+                self.steps[position] = step
         return result

@@ -247,8 +247,7 @@ def launch(kernel: Any, grid: Any, *args: Any, **kwargs: Any) -> Any:
     """``kernel[grid](*args, **kwargs)``: through Triton the first time for a specialization, then straight to the
     compiled kernel's launcher (see the module's docstring). Returns the CompiledKernel, as Triton does."""
     entry = _kernel_of(kernel)
-    if entry is None or not entry.direct or kernel.pre_run_hooks or os.environ.get(ENV) == "0" \
-            or not _hooks_quiet():
+    if entry is None or not entry.direct or kernel.pre_run_hooks or not _direct_on():
         return _through_triton(kernel, grid, args, kwargs)
     current_device, current_stream = _getters()
     device = current_device()
@@ -276,9 +275,7 @@ def launch(kernel: Any, grid: Any, *args: Any, **kwargs: Any) -> Any:
 
 def _through_triton(kernel: Any, grid: Any, args: tuple, kwargs: dict) -> Any:
     """Triton's own launch; a recording under way (``recording``) can then not replay the step it is in."""
-    recorder = getattr(_RECORDING, "recorder", None)
-    if recorder is not None:
-        recorder.append(None)
+    note_launch_elsewhere()
     return kernel[grid](*args, **kwargs)
 
 
@@ -310,7 +307,12 @@ class recording:
 
 def replay_possible() -> bool:
     """Whether recorded launches may be replayed now: the direct path is on and no launch hook (a profiler) is set."""
-    return available() and os.environ.get(ENV) != "0" and _hooks_quiet()
+    return available() and _direct_on()
+
+
+def _direct_on() -> bool:
+    """Neither ``RERANKIT_DIRECT_LAUNCH=0`` nor a launch hook (a profiler's) asks for Triton's own path."""
+    return os.environ.get(ENV) != "0" and _hooks_quiet()
 
 
 class Recorded:

@@ -241,7 +241,6 @@ class PackedDecoder(PackedBody):
         self.last_layer_reads = True
         self.fp8 = None
         self.replayed_steps = 0  # the last eager forward's steps replayed (engine.launch_replay)
-        self.last_refusals: tuple[dict, dict] = ({}, {})  # its steps not recorded, and later calls not replayed
         if fp8:
             from rerankit.engine.fp8 import per_channel, projections, reference_mode
             from rerankit.engine.models import fp8 as fp8_layers
@@ -338,7 +337,7 @@ class PackedDecoder(PackedBody):
         if pending is not None:
             hidden = hidden.add_(pending)
         if replay is not None:
-            self.replayed_steps, self.last_refusals = replay.replayed, (replay.refused, replay.missed)
+            self.replayed_steps = replay.replayed
         return rms_norm(hidden, self.norm_weight, self.eps)
 
     def _attention_output_and_fused_mlp(self, attended: torch.Tensor, hidden: torch.Tensor, o_weight: torch.Tensor,
