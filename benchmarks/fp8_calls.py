@@ -21,6 +21,7 @@ import contextlib
 import functools
 import os
 import random
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -58,7 +59,8 @@ def main() -> None:
                         help="semicolon-separated choices of $RERANKIT_FP8_PROJECTIONS, alternated in one process")
     parser.add_argument("--env", default=None,
                         help="semicolon-separated choices of comma-separated NAME=VALUE settings, alternated in one "
-                             "process (an empty choice: the environment as it is)")
+                             "process (an empty choice: the environment as it is); a value may hold commas, e.g. "
+                             "RERANKIT_FP8_PROJECTIONS=qkv,o,gate_up,down,RERANKIT_LAUNCH_REPLAY=1")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="rounds of 15 calls for each backend")
     args = parser.parse_args()
     if args.build:
@@ -74,7 +76,7 @@ def main() -> None:
     if args.projections is not None:  # read when the backend loads
         choices = {choice: {"RERANKIT_FP8_PROJECTIONS": choice} for choice in args.projections.split(";")}
     elif args.env is not None:  # read when the backend loads, or on each call
-        choices = {choice: dict(pair.split("=", 1) for pair in choice.split(",") if pair)
+        choices = {choice: dict(pair.split("=", 1) for pair in re.split(r",(?=\w+=)", choice) if pair)
                    for choice in args.env.split(";")}
     else:
         choices = {None: {}}
