@@ -89,6 +89,41 @@ def test_cohere_v1_client_with_object_documents_and_rank_fields(url, local):
     assert plain.meta.api_version.is_experimental is None
 
 
+# Cohere's rule (its pricing, as Azure AI Foundry's Cohere Rerank page quotes it): a search unit is a query with up
+# to 100 documents; a document longer than 500 tokens with its query counts once per chunk. LONG is cut to the tiny
+# model's 512 positions, so each pair reads 512 tokens: 98 of them are 50,176 tokens, 101 chunks of 500.
+LONG = "word " * 600
+
+
+@pytest.mark.parametrize("client_name", ["ClientV2", "Client"])
+@pytest.mark.parametrize(("count", "units"), [(3, 1), (100, 1), (101, 2)])
+def test_cohere_clients_read_billed_search_units(url, client_name, count, units):
+    cohere = pytest.importorskip("cohere")
+    client = getattr(cohere, client_name)(api_key="unused", base_url=url)
+    reply = client.rerank(model=MODEL, query=QUERY, documents=[DOCS[i % len(DOCS)] for i in range(count)])
+    assert reply.meta.billed_units.search_units == units
+
+
+def test_cohere_v2_client_bills_long_documents_by_their_chunks(url):
+    """98 documents are one search unit, unless their tokens make more than 100 chunks of 500."""
+    cohere = pytest.importorskip("cohere")
+    client = cohere.ClientV2(api_key="unused", base_url=url)
+    reply = client.rerank(model=MODEL, query="q", documents=[LONG] * 98)
+    assert (reply.meta.tokens.input_tokens, reply.meta.billed_units.search_units) == (98 * 512, 2)
+    assert client.rerank(model=MODEL, query="q", documents=["word"] * 98).meta.billed_units.search_units == 1
+
+
+def test_cohere_v1_client_bills_each_window_of_max_chunks_per_doc(url):
+    """With ``max_chunks_per_doc`` a long document is scored in windows, each billed as a document: 34 documents
+    of 3 windows are 102."""
+    cohere = pytest.importorskip("cohere")
+    client = cohere.Client(api_key="unused", base_url=url)
+    reply = client.rerank(model=MODEL, query="q", documents=["word " * 1200] * 34, max_chunks_per_doc=3)
+    assert reply.meta.billed_units.search_units == 2
+    cut = client.rerank(model=MODEL, query="q", documents=["word " * 1200] * 34)  # 34 pairs of 512 tokens
+    assert cut.meta.billed_units.search_units == 1
+
+
 def test_langchain_cohere_rerank(url, local):
     langchain_cohere = pytest.importorskip("langchain_cohere")
     reranker = langchain_cohere.CohereRerank(model=MODEL, base_url=url, cohere_api_key="unused", top_n=2)

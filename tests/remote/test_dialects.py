@@ -356,6 +356,26 @@ def test_cohere_echoes_object_documents_whole():
                                                                    {"text": "b"}]
 
 
+@pytest.mark.parametrize(("chunks", "prompt_tokens", "units"), [
+    (0, 0, 0), (1, 0, 1), (3, 21, 1), (100, 0, 1), (100, 50_000, 1), (101, 0, 2), (200, 0, 2), (201, 0, 3),
+    (1, 600, 1), (100, 50_001, 2), (98, 98 * 512, 2), (2, 150_000, 3)])
+def test_cohere_search_units_per_100_documents_of_500_token_chunks(chunks, prompt_tokens, units):
+    from rerankit.remote.dialects.cohere import search_units
+
+    assert search_units(chunks, prompt_tokens) == units
+
+
+@pytest.mark.parametrize("path", ["/v2/rerank", "/v1/rerank"])
+def test_cohere_replies_carry_billed_search_units_counting_windows(path):
+    encode = get_dialect("cohere").at(path).encode_response
+    request = request_for("cohere")
+    one_each = encode(response_for(request, [0.1, 0.2, 0.3, 0.4]), request, "m")
+    windowed = ScoreResponse(results=[ScoreResult(index=i, score=0.5, windows=30) for i in range(4)], model="m",
+                             usage=Usage(prompt_tokens=4000, computed_tokens=4000))
+    assert one_each["meta"]["billed_units"] == {"search_units": 1}
+    assert encode(windowed, request, "m")["meta"]["billed_units"] == {"search_units": 2}
+
+
 @pytest.mark.parametrize("name", sorted(DIALECTS))
 def test_error_body_is_the_peers_format_and_reads_back(name):
     body = get_dialect(name).error_body(400, "must hold at least one item", "items")

@@ -39,6 +39,13 @@ ENDPOINT = "Cohere-style /rerank"
 # meta.api_version of Cohere's replies by API version (its API reference's examples of /v2/rerank and /v1/rerank;
 # the SDK reads ``version`` as a string)
 API_VERSIONS: dict[str, dict[str, Any]] = {"2": {"version": "2", "is_experimental": False}, "1": {"version": "1"}}
+# meta.billed_units.search_units: a number in Cohere's OpenAPI spec, whose rerank examples answer 1 for a few
+# documents. Cohere's pricing rule, as Microsoft's Azure AI Foundry page on Cohere Rerank v3.5 states it: "Cohere
+# counts a single search unit as a query with up to 100 documents to be ranked. Documents longer than 500 tokens
+# when including the length of the search query are split up into multiple chunks, where each chunk counts as a
+# single document." (That page gives 4096 tokens for Rerank v3; docs/wire.md#cohere-search-units.)
+SEARCH_UNIT_DOCUMENTS = 100
+SEARCH_UNIT_CHUNK_TOKENS = 500
 # Read by document_texts (whose errors name the document), typed for the OpenAPI schema.
 _OBJECT_DOCUMENT = {"type": "object", "required": ["text"], "additionalProperties": {"type": "string"}}
 Documents = Annotated[Any, WithJsonSchema(
@@ -131,12 +138,24 @@ def _field_text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
+def search_units(chunks: int, prompt_tokens: int = 0) -> int:
+    """Cohere's search units for ``chunks`` sequences scored (one per document, or each window of one scored in
+    windows) holding ``prompt_tokens`` in all (query, document and the model's special tokens, as the served model
+    read them): one unit per 100 billed documents begun, a sequence counting as one per 500 of its tokens begun.
+    Only the total is known, not each sequence's length, so the billed documents are the larger of two lower
+    bounds, ``chunks`` and ``ceil(prompt_tokens / 500)``: exact where no sequence is longer than 500 tokens, never
+    more than Cohere's rule gives for the same sequences. 0 documents: 0 units (Cohere refuses such a request)."""
+    billed = max(chunks, -(-prompt_tokens // SEARCH_UNIT_CHUNK_TOKENS))
+    return -(-billed // SEARCH_UNIT_DOCUMENTS)
+
+
 def encode_response(response_: ScoreResponse, request: ScoreRequest, model: str | None = None,
                     documents: list[Any] | None = None, api_version: str = "2") -> dict[str, Any]:
     """Cohere body: results best first, cut to ``top_n``; input tokens in ``meta.tokens``; ``meta.api_version``
-    as Cohere's ``/v2/rerank`` answers it."""
+    as Cohere's ``/v2/rerank`` answers it; ``meta.billed_units.search_units`` by ``search_units``."""
     results = ranked_results(response_, request, "relevance_score", "document.text", documents)
-    meta = {"api_version": dict(API_VERSIONS[api_version]),
+    units = search_units(sum(result.windows for result in response_.results), response_.usage.prompt_tokens)
+    meta = {"api_version": dict(API_VERSIONS[api_version]), "billed_units": {"search_units": units},
             "tokens": {"input_tokens": response_.usage.prompt_tokens, "output_tokens": 0}}
     return {"id": new_id("rerank"), "results": results, "meta": meta}
 
