@@ -1,5 +1,6 @@
 """The restart policy of data-parallel replicas: a bounded restart, failures counted within a window, a pause
-between quick restarts. The replicas are fakes (``replica_fakes.py``) that load no model, so each test takes seconds."""
+between quick restarts, a replica that is down started once more after a wait. The replicas are fakes
+(``replica_fakes.py``) that load no model, so each test takes seconds."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import rerankit.engine.replicas as replicas_module
 import rerankit.engine.restart_policy as policy
 from rerankit.engine.replicas import DataParallelBackend
 from rerankit.engine.restart_policy import RestartHistory, backoff_s
+from rerankit.errors import ReplicaDied
 from rerankit.schema import ScoreRequest
+from rerankit.server.metrics import Metrics
 from replica_fakes import fake_replica
 
 REQUEST = ScoreRequest(query="q", items=["a", "b", "c"])
@@ -23,13 +26,14 @@ NO_FAILURES = {"died": 0, "timed_out": 0, "failed_to_start": 0}
 
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    """Builds a one-replica backend whose starts follow ``plan``; closes it after the test."""
+    """Builds a backend of ``size`` replicas whose starts (counted across them) follow ``plan``; closes it after the
+    test."""
     monkeypatch.setattr(replicas_module, "replica_main", fake_replica)
     monkeypatch.setattr(policy, "RESTART_BACKOFF_S", 0.05)
     built: list[DataParallelBackend] = []
 
-    def build(*plan: str) -> DataParallelBackend:
-        backend = DataParallelBackend("fake", data_parallel_size=1, device="cpu", startup_timeout_s=60,
+    def build(*plan: str, size: int = 1) -> DataParallelBackend:
+        backend = DataParallelBackend("fake", data_parallel_size=size, device="cpu", startup_timeout_s=60,
                                       plan=list(plan), journal=str(tmp_path / "starts"))
         built.append(backend)
         return backend
@@ -55,6 +59,16 @@ def kill(backend: DataParallelBackend) -> None:
     failures = sum(status(backend).failures.values())
     os.kill(backend._replicas[0].process.pid, signal.SIGKILL)
     wait_until(lambda: sum(status(backend).failures.values()) > failures, "the replica's death was not handled")
+
+
+def starts(tmp_path: Path) -> list[tuple[float, str]]:
+    """Each start of a fake replica so far: when (time.monotonic()) and its plan's step."""
+    return [(float(at), step) for at, step in (line.split() for line in (tmp_path / "starts").read_text().splitlines())]
+
+
+def metrics(backend: DataParallelBackend) -> list[str]:
+    """The replicas' lines of a server's /metrics page."""
+    return Metrics.replica_lines(backend.replica_status())
 
 
 def test_failures_count_within_a_window_and_quick_ones_wait_longer_each_time(monkeypatch) -> None:
@@ -126,3 +140,92 @@ def test_a_restarts_failed_load_is_a_failure_like_any_other(fake) -> None:
     wait_until(lambda: status(backend).state == "ready" and status(backend).restarts == 2, "it did not come back")
     assert status(backend).failures == {**NO_FAILURES, "died": 1, "failed_to_start": 1}
     assert backend.score(REQUEST).scores == [0.0, 1.0, 2.0]
+
+
+def test_a_replica_that_is_down_is_tried_again_after_each_wait_and_a_failed_try_keeps_it_down(monkeypatch) -> None:
+    monkeypatch.setattr(policy, "MAX_RESTARTS", 1)
+    monkeypatch.setattr(policy, "DOWN_RETRY_S", 100.0)
+    history = RestartHistory()
+    assert [history.fail("died", at) for at in (0.0, 1.0)] == [0.0, None]  # more than 1 restart in the window
+    assert history.retry_at == 101.0 and history.retry_in_s(1.0) == 100.0
+    assert not history.retry_due(100.9) and history.retry_due(101.0)
+    history.retry()
+    assert history.restarts == 2 and history.retry_in_s(101.0) is None and not history.retry_due(1e9)
+    assert history.fail("failed_to_start", 102.0) is None  # that try did not load: down again, a fresh wait
+    assert history.retry_at == 202.0 and "down again, tried once more in 100 s" in history.verdict(None)
+    history.retry()
+    assert history.fail("died", 300.0) == 0.0  # that try had got ready: restarted at once, its window afresh
+    assert history.restarts == 4 and history.failures == {**NO_FAILURES, "died": 3, "failed_to_start": 1}
+
+
+def test_a_replica_that_is_down_comes_back_after_the_wait_and_takes_work(fake, monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(policy, "MAX_RESTARTS", 0)  # the first failure keeps it down
+    monkeypatch.setattr(policy, "DOWN_RETRY_S", 0.4)
+    backend = fake("ready", "fail", "ready")  # its first try after the wait fails to load, the second gets ready
+    kill(backend)
+    down = status(backend)
+    assert down.state == "down" and down.pid is None and 0.0 < down.retry_in_s <= 0.4
+    assert 'rerankit_replicas{state="down"} 1' in metrics(backend)
+    with pytest.raises(ReplicaDied, match="no replica is running"):
+        backend.score(REQUEST)  # while it is down, a call fails at once rather than wait for the try
+    wait_until(lambda: status(backend).failures["failed_to_start"] == 1, "it was not tried again", 5)
+    again = status(backend)
+    assert again.state == "down" and again.restarts == 1 and 0.2 < again.retry_in_s <= 0.4  # a fresh wait
+    wait_until(lambda: status(backend).state == "ready", "the second try did not get ready", 5)
+    back = status(backend)
+    assert back.restarts == 2 and back.retry_in_s is None and back.pid == backend._replicas[0].process.pid
+    assert back.failures == {**NO_FAILURES, "died": 1, "failed_to_start": 1}
+    assert backend.score(REQUEST).scores == [0.0, 1.0, 2.0] and backend.problem() is None
+    lines = metrics(backend)
+    assert 'rerankit_replicas{state="ready"} 1' in lines and 'rerankit_replicas{state="down"} 0' in lines
+    assert 'rerankit_replica_failures_total{replica="0",cause="failed_to_start"} 1' in lines
+    assert 'rerankit_replica_failures_total{replica="0",cause="died"} 1' in lines
+    assert [step for _, step in starts(tmp_path)] == ["ready", "fail", "ready"]
+    kill(backend)  # it fails again later: down again (MAX_RESTARTS is 0), and tried again after the wait
+    assert status(backend).state == "down" and status(backend).failures["died"] == 2
+
+
+def test_a_replica_that_keeps_failing_is_tried_once_per_wait_and_the_others_serve_meanwhile(fake, monkeypatch,
+                                                                                             tmp_path) -> None:
+    monkeypatch.setattr(policy, "MAX_RESTARTS", 0)
+    monkeypatch.setattr(policy, "DOWN_RETRY_S", 0.3)
+    backend = fake("ready", "ready", "crash", size=2)  # both start; every later start crashes as it loads
+    kill(backend)
+    went_down = time.monotonic()
+    slowest = 0.0
+    while len([step for _, step in starts(tmp_path) if step == "crash"]) < 3:  # replica 1 serves calls meanwhile
+        assert time.monotonic() - went_down < 5, "the replica that is down was not tried again 3 times"
+        call = time.monotonic()
+        assert backend.score(REQUEST).scores == [0.0, 1.0, 2.0]
+        slowest = max(slowest, time.monotonic() - call)
+        assert backend.replica_status()[1].state == "ready" and backend.problem() is None
+        time.sleep(0.02)
+    assert slowest < 0.5, f"a call took {slowest:.2f} s while replica 0 was tried again"
+    tries = [at for at, step in starts(tmp_path) if step == "crash"]
+    took = time.monotonic() - went_down
+    assert len(tries) <= took / 0.3, f"{len(tries)} tries in {took:.2f} s with 0.3 s between them: it spun"
+    assert tries[0] - went_down >= 0.3 and all(later - earlier >= 0.3 for earlier, later in zip(tries, tries[1:]))
+    # down again after its latest try, with a fresh wait (read well before the next try)
+    wait_until(lambda: status(backend).state == "down" and status(backend).retry_in_s > 0.15, "not down again", 5)
+    down = status(backend)
+    tried = len(starts(tmp_path)) - 2
+    assert down.restarts == tried and down.failures == {**NO_FAILURES, "died": 1, "failed_to_start": tried}
+    assert backend.replica_status()[1].retry_in_s is None
+    lines = metrics(backend)
+    assert 'rerankit_replicas{state="down"} 1' in lines and 'rerankit_replicas{state="ready"} 1' in lines
+    assert f'rerankit_replica_failures_total{{replica="0",cause="failed_to_start"}} {tried}' in lines
+
+
+def test_close_while_a_replica_is_down_returns_at_once_and_starts_nothing(fake, monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(policy, "MAX_RESTARTS", 0)
+    monkeypatch.setattr(policy, "DOWN_RETRY_S", 1.2)
+    backend = fake("ready")
+    kill(backend)
+    went_down = time.monotonic()
+    assert status(backend).state == "down" and status(backend).retry_in_s > 1.0
+    backend.close()
+    assert time.monotonic() - went_down < 1.0, "close() waited for the replica's next try"
+    assert status(backend).retry_in_s is None  # nothing is due: the backend is closed
+    time.sleep(max(0.0, went_down + 1.6 - time.monotonic()))  # past the time of its next try
+    assert len(starts(tmp_path)) == 1 and status(backend).state == "down" and status(backend).pid is None
+    assert status(backend).restarts == 0

@@ -141,7 +141,7 @@ def test_problem_says_why_while_no_replica_is_ready_and_a_failed_load_is_counted
     with backend._lock:
         backend._handle(second, ("load_failed", ModelLoadError("out of memory")))  # as the backend starts
     assert second.state == "down" and second.failures["failed_to_start"] == 1
-    assert backend.problem() == "no replica is ready: 1 restarting (loading the model), 1 down for good"
+    assert backend.problem() == "no replica is ready: 1 restarting (loading the model), 1 down"
     first.state = "down"
     assert "no replica is running" in backend.problem()
 

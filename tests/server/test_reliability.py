@@ -288,7 +288,7 @@ def test_health_and_metrics_tell_the_replicas_ready_restarting_and_down():
     assert 'rerankit_replica_failures_total{replica="1",cause="timed_out"} 2' in page
     backend.replicas = [status(0, "down", died=4), status(1, "ready")]
     assert client.get("/health").json()["status"] == "degraded"
-    backend.state = "no replica is ready: 1 restarting (loading the model), 1 down for good"
+    backend.state = "no replica is ready: 1 restarting (loading the model), 1 down"
     answer = client.get("/health")
     assert answer.status_code == 503 and "no replica is ready" in answer.text and answer.headers["retry-after"]
     assert 'rerankit_replicas{state="down"} 1' in client.get("/metrics").text  # scraped whatever /health says

@@ -18,9 +18,11 @@ class ReplicaStatus:
     """One replica as ``DataParallelBackend.replica_status()`` found it.
 
     ``state``: "ready" (takes work), "starting" (loading its model, at start or after a failure, or waiting out the
-    pause before a restart) or "down" (for good: its model failed to load as the backend started, or it failed too
-    often, ``restart_policy.py``). ``pid``: its process's id while that process runs, else None. ``failures``: how
-    often it failed, by cause (``FAILURE_CAUSES``). ``restarts``: how often it was started again.
+    pause before a restart) or "down" (it failed too often, ``restart_policy.py``, or its model failed to load as the
+    backend started). ``pid``: its process's id while that process runs, else None. ``failures``: how often it
+    failed, by cause (``FAILURE_CAUSES``). ``restarts``: how often it was started again. ``retry_in_s``: while it is
+    down, the seconds until it is started once more (``DOWN_RETRY_S`` after it went down); else None, as for every
+    replica of a closed backend.
     """
 
     index: int
@@ -30,6 +32,7 @@ class ReplicaStatus:
     restarts: int
     failures: dict[str, int]
     startup_seconds: float | None
+    retry_in_s: float | None = None
 
 
 @dataclass
@@ -54,7 +57,7 @@ class Replica:
     process: Any = None
     inbox: Any = None
     replies: Connection | None = None
-    state: str = "starting"  # "starting" -> "ready"; "down" for good after a failed first load or too many failures
+    state: str = "starting"  # "starting" -> "ready"; "down" after a failed first load or too many failures
     history: RestartHistory = field(default_factory=RestartHistory)
     spawn_at: float | None = None  # time.monotonic() a restart's process is due to start (None: it has started)
     sender: Connection | None = None  # the reply pipe's writing end, until the process it is for starts
@@ -78,7 +81,7 @@ class Replica:
 
     @property
     def pid(self) -> int | None:
-        """Its process's id while that process runs (a down replica's, or one dead and not yet restarted: None)."""
+        """Its process's id while that process runs (one down, or dead and not yet restarted: None)."""
         if self.state == "down" or self.process is None or not self.process.is_alive():
             return None
         return self.process.pid
@@ -90,7 +93,7 @@ class Replica:
 
     def status(self) -> ReplicaStatus:
         return ReplicaStatus(self.index, self.device, self.state, self.pid, self.restarts, dict(self.failures),
-                             self.startup_seconds)
+                             self.startup_seconds, self.history.retry_in_s(time.monotonic()))
 
     def renew(self, context: Any, delay_s: float) -> None:
         """A fresh inbox and pipe (a killed process may have left its own broken), its process due ``delay_s``

@@ -5,10 +5,11 @@ Host-side launch time bounds this engine, so replicas do not share an interprete
 The parent cuts a call into shards (``shards.py``: a large request is split by estimated tokens), hands each shard
 to the replica with the least estimated work outstanding (so concurrent calls spread by load), and puts the answers
 back in input order. One collector thread reads every replica's pipe and watches its process: a replica that dies
-is logged as a ``ReplicaDied`` error and restarted (``restart_policy.py`` says when, and when it stays down), and the
-tasks it held go once to another replica; a task whose retry dies too fails with ``ReplicaDied``. A task is answered
-once, by the first reply that arrives. A replica still loading ``startup_timeout_s`` after its start is killed.
-``replica_status()`` tells each replica's state and failures (a server's ``/health`` and ``/metrics`` read it).
+is logged as a ``ReplicaDied`` error and restarted (``restart_policy.py`` says when, when it is down instead, and
+when one down is started once more), and the tasks it held go once to another replica; a task whose retry dies too
+fails with ``ReplicaDied``. A task is answered once, by the first reply that arrives. A replica still loading
+``startup_timeout_s`` after its start is killed. ``replica_status()`` tells each replica's state and failures (a
+server's ``/health`` and ``/metrics`` read it).
 """
 
 from __future__ import annotations
@@ -134,12 +135,13 @@ class DataParallelBackend:
     @property
     def replica_pids(self) -> list[int | None]:
         """The process id of each replica while its process runs (a restarted replica has a new one), else None:
-        a replica down for good, or one whose process has ended and is not restarted yet."""
+        a replica that is down, or one whose process has ended and is not restarted yet."""
         with self._lock:
             return [replica.pid for replica in self._replicas]
 
     def replica_status(self) -> list[ReplicaStatus]:
-        """Each replica's state, process id, restarts and failures by cause, as they are now."""
+        """Each replica's state, process id, restarts, failures by cause and, while it is down, the seconds until
+        it is started once more, as they are now."""
         with self._lock:
             return [replica.status() for replica in self._replicas]
 
@@ -180,7 +182,7 @@ class DataParallelBackend:
             numbers.sort()
             task = Task(next(self._task_ids), "score", [shards[n].request_of(requests) for n in numbers],
                          sum(shards[n].tokens for n in numbers))
-            with self._lock:  # a replica that went down for good since the plan: the least loaded instead
+            with self._lock:  # a replica that went down since the plan: the least loaded instead
                 replica = self._replicas[index]
                 if replica.state == "down":
                     replica = self._least_loaded()
@@ -223,7 +225,7 @@ class DataParallelBackend:
                 starting = sum(replica.state == "starting" for replica in self._replicas)
                 down = len(self._replicas) - starting
                 return (f"no replica is ready: {starting} restarting (loading the model)"
-                        + (f", {down} down for good" if down else ""))
+                        + (f", {down} down" if down else ""))
         return None
 
     def close(self) -> None:
@@ -234,6 +236,7 @@ class DataParallelBackend:
             self._closing = True
             self._ready.notify_all()
             for replica in self._replicas:
+                replica.history.retry_at = None  # one that is down is not started again
                 if replica.state == "starting" and replica.process is not None:
                     replica.process.kill()  # it holds no work: no need to wait for its model to load
                 elif replica.state == "ready":  # (one waiting out the pause before its restart has no process)
@@ -346,7 +349,8 @@ class DataParallelBackend:
                     if replica.state != "down" and replica.process is not None:
                         watched[replica.replies] = replica
                         watched[replica.process.sentinel] = replica
-                due = [replica.spawn_at for replica in self._replicas if replica.spawn_at is not None]
+                due = [at for replica in self._replicas for at in (replica.spawn_at, replica.history.retry_at)
+                       if at is not None]
             timeout = min([0.5] + [max(0.0, at - time.monotonic()) for at in due])
             for ready in wait_ready(list(watched), timeout=timeout):
                 replica = watched[ready]
@@ -362,15 +366,22 @@ class DataParallelBackend:
             self._watch_clocks()
 
     def _watch_clocks(self) -> None:
-        """Spawn a restart whose pause is over; kill a ready replica that holds work and has sent no reply for
-        ``replica_timeout_s`` (a hung device or process), and a restart still loading ``startup_timeout_s`` after
-        its spawn (a stuck device, a hung file system). A killed replica's death is then handled as any other."""
+        """Spawn a restart whose pause is over, and a replica that is down whose wait before its next try is;
+        kill a ready replica that holds work and has sent no reply for ``replica_timeout_s`` (a hung device or
+        process), and a restart still loading ``startup_timeout_s`` after its spawn (a stuck device, a hung file
+        system). A killed replica's death is then handled as any other."""
         now = time.monotonic()
         with self._lock:
             for replica in self._replicas:
-                if self._closing or replica.state == "down" or replica.killed is not None:
+                if self._closing or replica.killed is not None:
                     continue
-                if replica.spawn_at is not None:
+                if replica.state == "down":
+                    if replica.history.retry_due(now):
+                        replica.history.retry()
+                        log.warning("replica %d on %s is down: starting it once more (restart %d)", replica.index,
+                                    replica.device, replica.restarts)
+                        self._start(replica)
+                elif replica.spawn_at is not None:
                     if now >= replica.spawn_at:
                         self._spawn(replica)
                 elif (replica.state == "ready" and replica.tasks and self._replica_timeout_s is not None

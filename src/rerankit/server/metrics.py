@@ -136,8 +136,8 @@ class Metrics:
     def replica_lines(replicas: Sequence[Any]) -> list[str]:
         """The data-parallel replicas' metrics: how many are in each state, and each one's failures by cause."""
         lines = ["# HELP rerankit_replicas Data-parallel engine replicas by state: ready (taking work), starting "
-                 "(loading the model, at start or after a failure, or pausing before a restart), down (for good: "
-                 "failed too often within a window, not restarted).",
+                 "(loading the model, at start or after a failure, or pausing before a restart), down (failed too "
+                 "often within a window; started once more after a wait).",
                  "# TYPE rerankit_replicas gauge"]
         lines += [f'rerankit_replicas{{state="{state}"}} {count}' for state, count in replica_counts(replicas).items()]
         lines += ["# HELP rerankit_replica_failures_total Data-parallel replica failures by replica and cause: died "
