@@ -91,9 +91,11 @@ class RemoteBackend:
         """Async twin of ``score``."""
         deadline = self.transport.deadline()
         if self._discovery is None and (self._dialect is None or self._model_unknown(request)):
-            get = partial(self.transport.aget, deadline=deadline)
-            self._learn(await adiscover(get, self.transport.endpoints.order(), model_only=self._dialect is not None,
-                                        config=self.transport.config, deadline=deadline))
+            with self.transport.stoppable() as stop:  # close(), from any thread, ends a wait for a starting server
+                get = partial(self.transport.aget, deadline=deadline)
+                self._learn(await adiscover(get, self.transport.endpoints.order(),
+                                            model_only=self._dialect is not None, config=self.transport.config,
+                                            deadline=deadline, stop=stop))
         dialect, path, chunks, bodies = self._encode(request)
         return self._decode(dialect, chunks, await self.transport.apost_all(path, bodies, deadline))
 
@@ -104,8 +106,9 @@ class RemoteBackend:
         if self._model is None and self._served_model is None:
             get = partial(self.transport.aget, deadline=Deadline(seconds))
             try:
-                found = await adiscover(get, self.transport.endpoints.order(), model_only=True)
-            except RerankitError:  # unreachable, or too slow: asked again next time
+                with self.transport.stoppable() as stop:
+                    found = await adiscover(get, self.transport.endpoints.order(), model_only=True, stop=stop)
+            except RerankitError:  # unreachable, too slow (asked again next time), or the backend closed
                 return None
             self._served_model = found.model
         return self._model or self._served_model
@@ -116,12 +119,13 @@ class RemoteBackend:
         return await self.far_health.problem()
 
     def close(self) -> None:
-        """Close the connection pools; a sync call running in another thread (waiting for a server still starting,
-        between tries, or reading) ends at once with ``Cancelled``."""
+        """Close the connection pools. A call running, sync or async, in this thread, another one or on any event
+        loop (waiting for a server still starting, between tries, or reading) ends at once with ``Cancelled``; so
+        does a call begun after."""
         self.transport.close()
 
     async def aclose(self) -> None:
-        """Close the connection pools, awaiting the async one."""
+        """``close``, awaiting the async pool of the running loop."""
         await self.transport.aclose()
 
     def __enter__(self) -> "RemoteBackend":

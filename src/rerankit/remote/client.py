@@ -15,15 +15,15 @@ import threading
 import time
 import weakref
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterator, Sequence
+from typing import Any, AsyncIterator, ContextManager, Sequence
 
 import httpx
 
 from rerankit import tracing
-from rerankit.errors import Cancelled, InvalidRequest
+from rerankit.errors import InvalidRequest
 from rerankit.remote.attempts import Attempts, expired_error, failure_of_answer, failure_of_exception
+from rerankit.remote.closing import Calls, Stop
 from rerankit.remote.deadline import Deadline, Window, held_to, hold_sockets, stopped_by
 from rerankit.remote.endpoints import Endpoints
 from rerankit.remote.reply import ACCEPT_ENCODING, Answer, CappedBody, Reply, parse_json, probe_reply
@@ -148,6 +148,7 @@ class Transport:
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._transport = transport
+        self._calls = Calls()  # the calls running (``stoppable``), which close() stops; once closed, none begins
         self._fresh_state()
         _LIVE_TRANSPORTS.add(self)
 
@@ -163,7 +164,7 @@ class Transport:
         # One async client per event loop: loops in several threads (asyncio.run in worker threads) each keep
         # theirs, rather than taking turns replacing one (a new client, and connections, on every switch).
         self._loop_clients: dict[asyncio.AbstractEventLoop, _LoopClient] = {}
-        self._calls: set[_Stop] = set()  # the stops of the sync calls running (``stoppable``), which close() sets
+        self._calls = Calls(self._calls.closed)  # a closed transport stays closed
 
     @property
     def _no_slot(self) -> str:
@@ -180,6 +181,7 @@ class Transport:
     def _sync_client(self) -> httpx.Client:
         with self._lock:
             if self._client is None:
+                self._calls.check_open()  # no pool is opened after close(): nothing would close it
                 transport = self._transport if isinstance(self._transport, httpx.BaseTransport) else None
                 self._client = hold_sockets(httpx.Client(transport=transport, headers=self._headers,
                                                          limits=self._limits()))
@@ -190,6 +192,7 @@ class Transport:
         with self._lock:
             loop_client = self._loop_clients.get(loop)
             if loop_client is None:
+                self._calls.check_open()
                 # A client made under another loop cannot be used from this one; those of finished loops are
                 # forgotten (their loop closed the client as it shut down: ``_closes_with_loop``).
                 for done in [other for other in self._loop_clients if other.is_closed()]:
@@ -253,8 +256,7 @@ class Transport:
                 await response.aclose()
         return reader.answer()
 
-    def post(self, path: str, body: Any, deadline: Deadline | None = None,
-             stop: threading.Event | None = None) -> Any:
+    def post(self, path: str, body: Any, deadline: Deadline | None = None, stop: Stop | None = None) -> Any:
         """POST ``body`` to ``path`` of an endpoint, retrying per the config within ``deadline``; the JSON answer.
 
         ``stop``: once set, no further try is made (and a wait between tries ends): the call raises ``Cancelled``.
@@ -262,9 +264,8 @@ class Transport:
         deadline = deadline or self.deadline()
         attempts = Attempts(self.endpoints, self.config, deadline, path)
         while True:
-            if stop is not None and stop.is_set():
-                raise Cancelled(getattr(stop, "reason", None)
-                                or f"the call that POSTs to {path} has failed elsewhere; this request stopped")
+            if stop is not None:
+                stop.check(_stopped(path))
             # The try's time starts once it has a slot: queueing behind our own requests is no fault of the server.
             if not self._slots.acquire(timeout=deadline.wait_limit()):
                 raise attempts.expired(self._no_slot)
@@ -285,8 +286,9 @@ class Transport:
             else:
                 stop.wait(delay)
 
-    async def apost(self, path: str, body: Any, deadline: Deadline | None = None) -> Any:
-        """Async twin of ``post``."""
+    async def apost(self, path: str, body: Any, deadline: Deadline | None = None, stop: Stop | None = None) -> Any:
+        """Async twin of ``post``; ``stop`` cancels the task running it (``Stop.start``), and is checked where a
+        cancellation may have been swallowed (``wait_for`` finishing at that moment, before Python 3.12)."""
         deadline = deadline or self.deadline()
         attempts = Attempts(self.endpoints, self.config, deadline, path)
         slots = self._async_client().slots
@@ -296,6 +298,8 @@ class Transport:
             except asyncio.TimeoutError:
                 raise attempts.expired(self._no_slot) from None
             try:
+                if stop is not None:
+                    stop.check(_stopped(path))
                 window = attempts.window()
                 failure = failure_of_answer(answer := await self._aexchange("POST", attempts.url, body, window))
             except (httpx.RequestError, asyncio.TimeoutError) as exc:
@@ -305,20 +309,16 @@ class Transport:
             if failure is None:
                 attempts.succeeded()
                 return parse_json(answer)
-            await asyncio.sleep(attempts.after(failure))
+            delay = attempts.after(failure)
+            if stop is not None:
+                stop.check(_stopped(path))
+            await asyncio.sleep(delay)
 
-    @contextmanager
-    def stoppable(self) -> Iterator[_Stop]:
-        """A stop for a sync call, which ``close`` sets (with why) while the block runs: the call's tries, waits
-        between them (a scoring call's, discovery's rounds) and socket reads given it end at once."""
-        stop = _Stop()
-        with self._lock:
-            self._calls.add(stop)
-        try:
-            yield stop
-        finally:
-            with self._lock:
-                self._calls.discard(stop)
+    def stoppable(self) -> ContextManager[Stop]:
+        """A stop for a call, which ``close`` sets (with why) while the block runs: a sync call's tries, waits
+        between them (a scoring call's, discovery's rounds) and socket reads given it end at once, and so do an
+        async call's tasks started through it. ``Cancelled`` at once once the transport is closed."""
+        return self._calls.stoppable()
 
     def post_all(self, path: str, bodies: Sequence[Any], deadline: Deadline | None = None) -> list[Any]:
         """POST every body, up to ``max_concurrency`` at a time on threads, all within one deadline.
@@ -326,19 +326,12 @@ class Transport:
         Answers come in the bodies' order; the first failure ends the call. Closing the transport ends it at once.
         """
         deadline = deadline or self.deadline()
-        if len(bodies) == 1:
-            with self.stoppable() as stop:
-                return [self.post(path, bodies[0], deadline, stop)]
-        with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(self.config.max_concurrency, thread_name_prefix="rerankit-http")
-            executor = self._executor
         # Set once the call is over (failed, or past its deadline) or the transport closes: posts still running make
         # no further try.
         with self.stoppable() as stop:
-            # Each thread runs in a copy of the caller's context: its request id goes with every body.
-            futures = [executor.submit(contextvars.copy_context().run, self.post, path, body, deadline, stop)
-                       for body in bodies]
+            if len(bodies) == 1:
+                return [self.post(path, bodies[0], deadline, stop)]
+            futures = self._submit(path, bodies, deadline, stop)
             # Each post ends by the deadline once a thread runs it, with an error naming what it tried; the grace
             # lets that error through, and the bound still holds when every thread is busy with other calls.
             limit = deadline.wait_limit()
@@ -356,25 +349,43 @@ class Transport:
                                 f"{len(pending)} of {len(bodies)} requests to {path} found no free thread")
         return [future.result() for future in futures]
 
-    async def apost_all(self, path: str, bodies: Sequence[Any], deadline: Deadline | None = None) -> list[Any]:
-        """Async twin of ``post_all``: one task per body; the first failure cancels the rest."""
-        deadline = deadline or self.deadline()
-        tasks = [asyncio.ensure_future(self.apost(path, body, deadline)) for body in bodies]
+    def _submit(self, path: str, bodies: Sequence[Any], deadline: Deadline, stop: Stop) -> list[Future[Any]]:
+        """A post of each body, queued for the worker threads (started on first use, never once closed)."""
+        with self._lock:
+            if self._executor is None:
+                self._calls.check_open()  # threads started after close() would never be shut down
+                self._executor = ThreadPoolExecutor(self.config.max_concurrency, thread_name_prefix="rerankit-http")
+            executor = self._executor
         try:
-            _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            if pending and deadline.left() <= 0:
-                await asyncio.wait(pending, timeout=_GRACE)
-        finally:
-            error = _first_error(tasks)
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # Each thread runs in a copy of the caller's context: its request id goes with every body.
+            return [executor.submit(contextvars.copy_context().run, self.post, path, body, deadline, stop)
+                    for body in bodies]
+        except RuntimeError:  # close() shut the threads down meanwhile, once it had set the stop: the posts queued end
+            stop.check(_stopped(path))
+            raise
+
+    async def apost_all(self, path: str, bodies: Sequence[Any], deadline: Deadline | None = None) -> list[Any]:
+        """Async twin of ``post_all``: one task per body; the first failure cancels the rest, and so does closing
+        the transport, from any thread (the call then raises ``Cancelled``)."""
+        deadline = deadline or self.deadline()
+        with self.stoppable() as stop:
+            tasks = [stop.start(self.apost(path, body, deadline, stop)) for body in bodies]
+            try:
+                _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+                if pending and deadline.left() <= 0:
+                    await asyncio.wait(pending, timeout=_GRACE)
+            finally:
+                error = _first_error(tasks)
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
         if error is not None:
             raise error
+        if any(task.cancelled() for task in tasks):  # by close(): what it set the stop with
+            stop.check(_stopped(path))
         return [task.result() for task in tasks]
 
-    def get(self, base_url: str, path: str, deadline: Deadline | None = None,
-            stop: threading.Event | None = None) -> Reply:
+    def get(self, base_url: str, path: str, deadline: Deadline | None = None, stop: Stop | None = None) -> Reply:
         """One GET (no retries: discovery makes them), for discovery: ``Reply(None, error=...)`` when unreachable,
         past the deadline (``expired``), or given up once ``stop`` is set."""
         deadline = deadline or self.deadline()
@@ -400,14 +411,13 @@ class Transport:
         return Reply(None, error=failure.message, transient=failure.retryable, expired=failure.expired)
 
     def close(self) -> None:
-        """Close the connection pools and the worker threads."""
+        """Close the connection pools and the worker threads. The calls running end at once with ``Cancelled``
+        (sync ones' posts, queued or between tries, and async ones' tasks, on their loops); none begins after."""
+        self._calls.close()  # before the pools are taken: a call running opens no new one (``check_open``)
         with self._lock:
             client, self._client = self._client, None
             executor, self._executor = self._executor, None
             loop_clients, self._loop_clients = list(self._loop_clients.values()), {}
-            calls, self._calls = self._calls, set()
-        for stop in calls:  # their posts, queued or between tries, end at once and the calls return
-            stop.set("the remote backend was closed while this call ran")
         if client is not None:
             client.close()
         if executor is not None:
@@ -419,6 +429,7 @@ class Transport:
 
     async def aclose(self) -> None:
         """Close everything, awaiting the async pool of the running loop."""
+        self._calls.close()  # this loop's calls are cancelled while the pool closes
         with self._lock:
             loop_client = self._loop_clients.pop(asyncio.get_running_loop(), None)
         if loop_client is not None:
@@ -438,15 +449,9 @@ async def _started(generator: AsyncIterator[None]) -> None:
     await generator.__anext__()
 
 
-class _Stop(threading.Event):
-    """A split call's stop, with why it was set where that is not the call's own failure."""
-
-    reason: str | None = None
-
-    def set(self, reason: str | None = None) -> None:
-        if reason is not None and self.reason is None:
-            self.reason = reason
-        super().set()
+def _stopped(path: str) -> str:
+    """Why a request of a split call stopped when its call, not ``close``, stopped it."""
+    return f"the call that POSTs to {path} has failed elsewhere; this request stopped"
 
 
 _LIVE_TRANSPORTS: "weakref.WeakSet[Transport]" = weakref.WeakSet()

@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Awaitable, Callable, Generator, Iterable, Optional, Sequence, Union
 
-from rerankit.errors import Cancelled, RemoteError
+from rerankit.errors import RemoteError
+from rerankit.remote.closing import Stop
 from rerankit.remote.deadline import Deadline
 from rerankit.remote.reply import Reply
 
@@ -221,7 +222,7 @@ def _gave_up(base_urls: Sequence[str], replies: dict[str, list[tuple[str, Reply]
 
 def discover(get: Callable[[str, str], Reply], base_urls: Sequence[str], *, model_only: bool = False,
              config: ClientConfig | None = None, deadline: Deadline | None = None,
-             stop: threading.Event | None = None) -> Discovery:
+             stop: Stop | None = None) -> Discovery:
     """The routes and model (cached) of the first server that shows them; ``get(base_url, path)`` does the I/O.
 
     ``model_only``: ask ``/v1/models`` only, for a client that was told its dialect (no routes are then found).
@@ -231,8 +232,8 @@ def discover(get: Callable[[str, str], Reply], base_urls: Sequence[str], *, mode
     """
     search, sent = _search(list(base_urls), model_only, config, deadline or Deadline(None)), None
     while True:
-        if stop is not None and stop.is_set():
-            raise Cancelled(getattr(stop, "reason", None) or "discovery was stopped")
+        if stop is not None:
+            stop.check(_STOPPED)
         try:
             step = search.send(sent)
         except StopIteration as ended:
@@ -248,11 +249,21 @@ def discover(get: Callable[[str, str], Reply], base_urls: Sequence[str], *, mode
 
 
 async def adiscover(aget: Callable[[str, str], Awaitable[Reply]], base_urls: Sequence[str], *,
-                    model_only: bool = False, config: ClientConfig | None = None,
-                    deadline: Deadline | None = None) -> Discovery:
-    """Async twin of ``discover``."""
-    search, sent = _search(list(base_urls), model_only, config, deadline or Deadline(None)), None
+                    model_only: bool = False, config: ClientConfig | None = None, deadline: Deadline | None = None,
+                    stop: Stop | None = None) -> Discovery:
+    """Async twin of ``discover``. ``stop``: the search runs as its task (``Stop.run``), so setting it from any
+    thread ends a probe in flight or a wait between rounds at once: ``Cancelled``, with the stop's ``reason``."""
+    search = _search(list(base_urls), model_only, config, deadline or Deadline(None))
+    if stop is None:
+        return await _adrive(aget, search, None)
+    return await stop.run(_adrive(aget, search, stop))
+
+
+async def _adrive(aget: Callable[[str, str], Awaitable[Reply]], search: Search, stop: Stop | None) -> Discovery:
+    sent = None
     while True:
+        if stop is not None:  # a cancellation that ``wait_for`` swallowed (before Python 3.12) is seen here
+            stop.check(_STOPPED)
         try:
             step = search.send(sent)
         except StopIteration as ended:
@@ -264,6 +275,7 @@ async def adiscover(aget: Callable[[str, str], Awaitable[Reply]], base_urls: Seq
             sent = None
 
 
+_STOPPED = "discovery was stopped"
 # (cache, probe, what records a result) of a full discovery and of a served-model one.
 _FULL = (_cache, _probe, _found)
 _MODEL_ONLY = (_model_cache, _model_probe, _found_model)
