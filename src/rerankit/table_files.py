@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from rerankit.csv_cells import read_cells
 from rerankit.errors import InvalidRequest, RerankitError
 from rerankit.json_numbers import JSON_NUMBERS, JSON_VALUES, keep_written, marked, pyarrow_typed
 
@@ -248,7 +249,7 @@ def _read_csv(open_stream: Callable[[], Any], text_columns: Sequence[str], sourc
     import pyarrow.csv as csv
 
     try:
-        return _whole_rows(lambda options: _read_csv_cells(open_stream, text_columns, options), csv.ReadOptions,
+        return _whole_rows(lambda options: read_cells(open_stream, text_columns, options), csv.ReadOptions,
                            open_stream, source)
     except pyarrow.ArrowInvalid as exc:  # named by its column, as a JSONL file's (_check_text), not "#1"
         found = re.search(r"CSV column #(\d+): CSV conversion error to string: invalid UTF8", str(exc))
@@ -258,33 +259,6 @@ def _read_csv(open_stream: Callable[[], Any], text_columns: Sequence[str], sourc
             names = csv.open_csv(stream, parse_options=csv.ParseOptions(newlines_in_values=True)).schema.names
         raise InvalidRequest("--input", f"cannot read {source.name}: column {names[int(found.group(1))]!r} holds "
                                         "text that is not UTF-8 (save the file as UTF-8)") from None
-
-
-def _read_csv_cells(open_stream: Callable[[], Any], text_columns: Sequence[str], options: Any) -> Any:
-    import pyarrow
-    import pyarrow.compute as compute
-    import pyarrow.csv as csv
-
-    parse = csv.ParseOptions(newlines_in_values=True)
-    with open_stream() as stream:
-        names = csv.open_csv(stream, read_options=options, parse_options=parse).schema.names
-    with open_stream() as stream:
-        as_text = csv.read_csv(stream, read_options=options, parse_options=parse, convert_options=csv.ConvertOptions(
-            column_types={name: pyarrow.string() for name in names}))
-    with open_stream() as stream:
-        typed = csv.read_csv(stream, read_options=options, parse_options=parse, convert_options=csv.ConvertOptions(
-            column_types={name: pyarrow.string() for name in text_columns}))
-    if len(set(names)) != len(names):
-        return as_text  # columns are matched by name below
-    for position, name in enumerate(names):
-        column = typed.column(name)
-        if pyarrow.types.is_string(column.type):
-            continue
-        # a typed cell must read back as its text; a null one (an empty cell) only where the cell is empty
-        same = compute.equal(compute.cast(column, pyarrow.string()).fill_null(""), as_text.column(name))
-        if compute.all(same).as_py() is not False:
-            as_text = as_text.set_column(position, name, column)
-    return as_text
 
 
 def check_output(path: str | Path, file_format: str | None = None) -> TableFile:
