@@ -31,10 +31,17 @@ def read_cells(open_stream: Callable[[], Any], text_columns: Sequence[str], read
     parse = pyarrow_csv.ParseOptions(newlines_in_values=True)
 
     def read(names: Sequence[str]) -> Any:
-        with open_stream() as stream:
-            return pyarrow_csv.read_csv(stream, read_options=read_options, parse_options=parse,
-                                        convert_options=pyarrow_csv.ConvertOptions(
-                                            column_types={name: pyarrow.string() for name in names}))
+        convert = pyarrow_csv.ConvertOptions(column_types={name: pyarrow.string() for name in names})
+        try:
+            with open_stream() as stream:
+                return pyarrow_csv.read_csv(stream, read_options=read_options, parse_options=parse,
+                                            convert_options=convert)
+        except pyarrow.ArrowInvalid as exc:  # pyarrow finds no columns in a header with no line break after it
+            line = _lone_line(open_stream) if "Empty CSV file" in str(exc) else None
+            if line is None:
+                raise
+            return pyarrow_csv.read_csv(io.BytesIO(line + b"\n"), read_options=read_options, parse_options=parse,
+                                        convert_options=convert)
 
     table = read(_header(open_stream))
     if not all(pyarrow.types.is_string(kind) for kind in table.schema.types):
@@ -56,6 +63,16 @@ def _header(open_stream: Callable[[], Any]) -> list[str]:
     except csv.Error:
         pass
     return []
+
+
+def _lone_line(open_stream: Callable[[], Any]) -> bytes | None:
+    """The bytes ``open_stream()`` gives where they are one short line with no line break (a header-only CSV file
+    saved without a last newline), else None."""
+    with open_stream() as stream:
+        head = stream.read(HEAD_BYTES + 1)
+    if len(head) > HEAD_BYTES or b"\n" in head or b"\r" in head or not head.strip():
+        return None
+    return head
 
 
 def typed_as_written(table: Any, text_columns: Sequence[str]) -> Any:

@@ -98,6 +98,9 @@ def read_table(path: str | Path, columns: Sequence[str], file_format: str | None
         _check_text(table, source)
         if source.format == "jsonl":
             table = keep_written(table, open_stream, columns)
+    except UnicodeDecodeError:  # pyarrow decodes the column names as it hands them out
+        raise InvalidRequest("--input", f"cannot read {source.name}: a column name is not UTF-8 text (save the "
+                                        "file as UTF-8)") from None
     except (OSError, pyarrow.ArrowInvalid) as exc:
         damaged = gzipped and any(word in str(exc).lower() for word in ("compress", "zlib", "gzip"))
         why = ""
