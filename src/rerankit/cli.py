@@ -144,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-connections", type=positive_int,
                        help="open connections at most; one more is answered 503 and closed (default: 1024)")
     serve.add_argument("--header-timeout", type=positive_float, dest="header_timeout_s",
-                       help="seconds a connection has to send a request's headers, else it is closed (default: 10)")
+                       help="seconds a connection has to send a request's headers (over HTTPS, its TLS handshake "
+                            "included), else it is closed (default: 10)")
     serve.add_argument("--body-timeout", type=positive_float, dest="body_timeout_s",
                        help="seconds a request's body has to arrive whole once its headers are in, else 408 and the "
                             "connection is closed (default: 30)")

@@ -1,8 +1,8 @@
 """A client that closes its side of the connection (``shutdown(SHUT_WR)``, as ``nc -N`` and some health checkers
-do) once its request is sent gets its answer, however long it takes, then the connection closes; a request still
-incomplete at that end is dropped quietly. On the scoring routes the end of the stream still means that the client
-left: its work is cancelled (``test_scheduler_http.py``). On a real uvicorn on loopback, with each of its HTTP
-protocols."""
+do) once its request is sent gets its answer, however long it takes, then the connection closes (an answer begun
+after that end says ``Connection: close``); a request still incomplete at that end is dropped quietly. On the
+scoring routes the end of the stream still means that the client left: its work is cancelled
+(``test_scheduler_http.py``). On a real uvicorn on loopback, with each of its HTTP protocols."""
 
 from __future__ import annotations
 
@@ -90,3 +90,17 @@ def test_an_incomplete_request_at_the_end_of_the_stream_is_dropped_quietly(base,
     time.sleep(0.1)  # an error the dropped request would log
     assert answer == b"" and took < 5 and not errors, errors
     assert len(backend.calls) == calls
+
+
+def test_an_answer_begun_after_the_end_of_the_stream_says_the_connection_closes(base, errors):
+    """The server closes the connection once it has answered (RFC 9112 section 9.6: it says so with
+    ``Connection: close``). ``/health`` takes 0.2 s here, so the end of the stream comes before the answer begins.
+    uvicorn's httptools protocol writes the header for the close it is told of; its h11 protocol does not by itself,
+    and neither may write it twice."""
+    url, _ = base
+    answer, took = half_closed(url, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    head, _, body = answer.partition(b"\r\n\r\n")
+    fields = [line.lower().replace(b" ", b"") for line in head.split(b"\r\n")[1:]]
+    assert head.startswith(b"HTTP/1.1 200") and body == b'{"status":"ok"}', answer
+    assert fields.count(b"connection:close") == 1, head
+    assert took < 5 and not errors

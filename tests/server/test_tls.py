@@ -1,7 +1,7 @@
 """``rerankit serve --ssl-certfile``: HTTPS with a certificate of a CA made for the test, the remote client trusting
 that CA through $SSL_CERT_FILE, mutual TLS with ``--ssl-ca-certs``, files that do not load refused before the
-model loads, and sockets in their handshake counted against the connection limit (on the server of ``serve``, run
-in a thread)."""
+model loads, sockets in their handshake counted against the connection limit, and the handshake and the first
+request's headers sharing one header timeout (on the server of ``serve``, run in a thread)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import ipaddress
 import json
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -202,3 +203,66 @@ def test_sockets_that_never_start_their_handshake_count_against_max_connections(
         finally:
             for sock in silent:
                 sock.close()
+
+
+def _closed_within(sock: ssl.SSLSocket, seconds: float) -> bool:
+    """Whether the server closes ``sock`` (its end of the stream, or an error) within ``seconds``."""
+    sock.settimeout(seconds)
+    try:
+        return sock.recv(4096) == b""
+    except TimeoutError:
+        return False
+    except OSError:  # reset, or the TLS layer's EOF without a close_notify
+        return True
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_the_handshake_and_the_first_requests_headers_share_one_header_timeout(pki, loop):
+    """A client that takes 0.6 s to begin its handshake and then drips its headers is closed 1 s (the header
+    timeout) after its accept, as it would be over plain HTTP; it had 1 s for the handshake and 1 s more for the
+    headers. One that begins its handshake as late but sends its request at once is answered, and its next request
+    has the header timeout from that answer, as on every kept-alive connection."""
+    if loop == "uvloop":
+        pytest.importorskip("uvloop")
+    timeout_s = 1.0
+    config = ServerConfig(header_timeout_s=timeout_s, keep_alive_timeout_s=30, warm_up=False)
+    app = create_app(RecordingBackend(), config)
+    listener = loopback_listener()
+    port = listener.getsockname()[1]
+    server = DrainingServer(uvicorn_config(app, config, log_level="warning", loop=loop,
+                                           ssl_certfile=str(pki / "server.pem"), ssl_keyfile=str(pki / "server.key")),
+                            app.state.batcher, config.drain_seconds, config.header_timeout_s)
+    context = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+    with serving(server, listener):
+        opened = time.monotonic()
+        raw_drip = socket.create_connection(("127.0.0.1", port), timeout=10)
+        raw_prompt = socket.create_connection(("127.0.0.1", port), timeout=10)
+        time.sleep(0.6 * timeout_s)  # no ClientHello yet
+        with context.wrap_socket(raw_drip, server_hostname="127.0.0.1") as drip, \
+                context.wrap_socket(raw_prompt, server_hostname="127.0.0.1") as prompt:
+            prompt.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            prompt.settimeout(10)
+            answer = b""
+            while not answer.endswith(b'{"status":"ok"}'):
+                chunk = prompt.recv(4096)
+                assert chunk, answer
+                answer += chunk
+            answered = time.monotonic()
+            assert answer.startswith(b"HTTP/1.1 200"), answer
+
+            closed = None
+            for byte in b"GET /health HTTP/1.1\r\nHost: x\r\nX-Drip: " + b"a" * 100:  # never whole
+                try:
+                    drip.sendall(bytes([byte]))
+                except OSError:
+                    closed = time.monotonic()
+                    break
+                if _closed_within(drip, 0.05):
+                    closed = time.monotonic()
+                    break
+            assert closed is not None, "the dripping client was never closed"
+            assert 0.95 * timeout_s <= closed - opened < 1.5 * timeout_s, (
+                f"closed {closed - opened:.2f} s after it connected; its headers were due {timeout_s} s after it")
+            # the answered connection, idle since its answer, is closed by the header timeout counted from then
+            assert not _closed_within(prompt, max(0.0, answered + 0.9 * timeout_s - time.monotonic()))
+            assert _closed_within(prompt, 2 * timeout_s)

@@ -4,7 +4,8 @@ uvicorn's own ``limit_concurrency`` answers a plain-text 503, counts a connectio
 open keep-alive connection can be refused later) and lets idle sockets lock clients out; uvicorn has a keep-alive
 timeout but no deadline for a request's headers: a client that connects and sends nothing, or drips a header byte
 a second (slowloris), keeps its socket for ever. ``guarded_protocol`` adds both to uvicorn's HTTP protocol
-(httptools or h11). Over HTTPS, a socket still in its TLS handshake is counted too (``handshakes.py``).
+(httptools or h11). Over HTTPS, a socket still in its TLS handshake is counted too (``handshakes.py``), and its
+first request's header deadline counts from its accept: the handshake and those headers share one period.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from rerankit.server.request_ids import RequestIds
 
 log = logging.getLogger("rerankit.server")
 
+# Lower case: uvicorn's h11 protocol adds its own for a request that asked for a close, unless this very pair is there.
+CONNECTION_CLOSE = (b"connection", b"close")
+
 
 class _ConnectionGuard:
     """Mixed in before a uvicorn HTTP protocol class; ``guarded_protocol`` sets the class attributes."""
@@ -36,11 +40,17 @@ class _ConnectionGuard:
     # ``make_room()``: this class's connections, and the ``handshakes``.
     waiting: dict[Any, None]
     handshakes: set[Any]  # HTTPS sockets whose TLS handshake is under way (``handshakes.Handshake``): counted too
+    # The loop time the connection opened, where that was before ``connection_made``: an HTTPS socket's accept, set
+    # by its ``Handshake``; None: it opens at ``connection_made`` (plain HTTP).
+    opened_at: float | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
         self._header_deadline: asyncio.TimerHandle | None = None
-        self._arm_header_deadline()
+        # The first request's headers are due header_timeout_s after the connection opened: over HTTPS, after its
+        # accept, so the TLS handshake spends the same period (a client dripping the handshake and then its headers
+        # gets header_timeout_s in all, as over plain HTTP, not twice that).
+        self._arm_header_deadline(self.opened_at)
         # Counted as the connection opens: a connection let in is never refused later. Over the limit, the
         # connection that has waited longest for a request makes room (idle sockets cannot lock clients out); the
         # new one is refused only when every other connection has a request running.
@@ -56,14 +66,20 @@ class _ConnectionGuard:
     def eof_received(self) -> bool | None:
         """The client has closed its side (``shutdown(SHUT_WR)``: ``nc -N``, some health checkers). uvicorn closes
         the connection at once, dropping the answer: a request whose body is whole is now answered, then the
-        connection closes. Not on a scoring route: there the end of the stream is how a client that left (a timeout,
-        close()) is told from one that waits, and its work is cancelled (``disconnect.py``); the two cannot be told
-        apart before an answer is written. Nor over TLS, whose layer closes in any case."""
+        connection closes, and an answer not begun yet says so (``Connection: close``, RFC 9112 section 9.6). Not on
+        a scoring route: there the end of the stream is how a client that left (a timeout, close()) is told from one
+        that waits, and its work is cancelled (``disconnect.py``); the two cannot be told apart before an answer is
+        written. Nor over TLS, whose layer closes in any case."""
         cycle = self.cycle  # type: ignore[attr-defined]  # httptools: the newest request, behind any pipelined
         if (cycle is None or cycle.response_complete or cycle.more_body or cycle.scope.get("path") in ROUTES
                 or self.scheme == "https"):  # type: ignore[attr-defined]
             return None  # the transport closes
         cycle.keep_alive = False  # closed once answered
+        if not cycle.response_started:
+            # Both protocols write the cycle's default headers first in its answer. uvicorn's httptools protocol
+            # writes the header for keep_alive alone; h11 (the library) only for its own keep-alive state, which
+            # keep_alive does not reach. Among the defaults, the header is in the answer once either way.
+            cycle.default_headers = [*cycle.default_headers, CONNECTION_CLOSE]
         return True
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -72,8 +88,9 @@ class _ConnectionGuard:
         self.waiting.pop(self, None)
         super().connection_lost(exc)  # type: ignore[misc]
 
-    def _arm_header_deadline(self) -> None:
-        """Close the connection unless a request's headers are complete within ``header_timeout_s``.
+    def _arm_header_deadline(self, since: float | None = None) -> None:
+        """Close the connection unless a request's headers are complete within ``header_timeout_s`` of ``since``
+        (a loop time; None: now).
 
         Both protocols start a new request cycle exactly when a request's headers are complete; unlike the
         keep-alive timer, bytes that arrive do not push this deadline back.
@@ -84,8 +101,10 @@ class _ConnectionGuard:
         self._unsent: int | None = None  # the answer's bytes left unsent at the last deadline (``_stalled_reader``)
         self.waiting.pop(self, None)
         self.waiting[self] = None
-        self._header_deadline = self.loop.call_later(  # type: ignore[attr-defined]
-            self.header_timeout_s, self._headers_overdue)
+        loop = self.loop  # type: ignore[attr-defined]
+        # a time already past (a handshake done at the very end of its period) is due at the loop's next turn
+        self._header_deadline = loop.call_at((loop.time() if since is None else since) + self.header_timeout_s,
+                                             self._headers_overdue)
 
     def _idle_since_armed(self) -> bool:
         """Whether no request runs on this connection and none has come since the deadline was armed."""

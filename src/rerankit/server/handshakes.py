@@ -6,7 +6,9 @@ a ClientHello were not counted against ``max_connections`` and piled up (a file 
 the handshake timeout. Here ``TlsListener`` accepts the sockets itself and each is a ``Handshake``: counted, and
 among the connections waiting for a request (the one that has waited longest makes room for a newcomer over the
 limit), while the loop's own TLS layer (``loop.connect_accepted_socket``) does the handshake within ``timeout_s``;
-then the guarded HTTP protocol takes the connection over.
+then the guarded HTTP protocol takes the connection over, its first request's header deadline counted from the
+accept (``opened_at``): the handshake and those headers share one period, as the opening and the headers of a
+plain-HTTP connection do.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class Handshake:
     def __init__(self, sock: socket.socket, guard: Any, connections: set[Any],
                  http_protocol: Callable[[], asyncio.Protocol], context: ssl.SSLContext, timeout_s: float) -> None:
         self.sock, self.guard, self.connections, self.http_protocol = sock, guard, connections, http_protocol
+        self.accepted_at = asyncio.get_running_loop().time()  # the first request's header deadline counts from here
         guard.handshakes.add(self)
         guard.waiting[self] = None
         if len(connections) + len(guard.handshakes) > guard.max_connections:
@@ -101,6 +104,7 @@ class Handshake:
         """The handshake is done: the HTTP protocol takes the connection (``_HandOver``)."""
         self._uncount()  # before the HTTP protocol counts the connection itself
         protocol = self.http_protocol()
+        protocol.opened_at = self.accepted_at  # type: ignore[attr-defined]  # the guard's header deadline
         transport.set_protocol(protocol)
         protocol.connection_made(transport)
 

@@ -39,9 +39,10 @@ class ServerConfig:
 
     Connections (``rerankit serve`` only, ``server/connections.py``): a connection opened while ``max_connections``
     are open gets one JSON 503; a connection whose request headers are not complete ``header_timeout_s`` after it
-    opened (or after its last response) is closed; an idle keep-alive connection is closed after
-    ``keep_alive_timeout_s``. A request body not whole ``body_timeout_s`` after the route starts reading it is
-    answered 408 and its connection closed (a client dripping a body cannot hold a connection).
+    opened (over HTTPS, was accepted: its TLS handshake spends the same time) or after its last response is closed;
+    an idle keep-alive connection is closed after ``keep_alive_timeout_s``. A request body not whole
+    ``body_timeout_s`` after the route starts reading it is answered 408 and its connection closed (a client
+    dripping a body cannot hold a connection).
     """
 
     api_key: str | tuple[str, ...] | None = None
