@@ -43,7 +43,7 @@ def read_cells(open_stream: Callable[[], Any], text_columns: Sequence[str], read
             return pyarrow_csv.read_csv(io.BytesIO(line + b"\n"), read_options=read_options, parse_options=parse,
                                         convert_options=convert)
 
-    table = read(_header(open_stream))
+    table = read(header_names(open_stream))
     if not all(pyarrow.types.is_string(kind) for kind in table.schema.types):
         with open_stream() as stream:
             names = pyarrow_csv.open_csv(stream, read_options=read_options, parse_options=parse).schema.names
@@ -51,7 +51,7 @@ def read_cells(open_stream: Callable[[], Any], text_columns: Sequence[str], read
     return typed_as_written(table, text_columns)
 
 
-def _header(open_stream: Callable[[], Any]) -> list[str]:
+def header_names(open_stream: Callable[[], Any]) -> list[str]:
     """The names of the CSV header in the first bytes ``open_stream()`` gives, as Python's ``csv`` reads them (a
     guess, checked by the caller: a name cut off or read otherwise than pyarrow reads it only costs a second read)."""
     with open_stream() as stream:

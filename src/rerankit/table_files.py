@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from rerankit.csv_cells import read_cells
+from rerankit.csv_cells import header_names, read_cells
 from rerankit.errors import InvalidRequest, RerankitError
 from rerankit.json_numbers import JSON_NUMBERS, JSON_VALUES, keep_written, marked, pyarrow_typed
 
@@ -258,9 +258,10 @@ def _read_csv(open_stream: Callable[[], Any], text_columns: Sequence[str], sourc
         found = re.search(r"CSV column #(\d+): CSV conversion error to string: invalid UTF8", str(exc))
         if found is None:
             raise
-        with open_stream() as stream:
-            names = csv.open_csv(stream, parse_options=csv.ParseOptions(newlines_in_values=True)).schema.names
-        raise InvalidRequest("--input", f"cannot read {source.name}: column {names[int(found.group(1))]!r} holds "
+        names = header_names(open_stream)  # not pyarrow's: its first block may end inside a long row
+        column = int(found.group(1))
+        name = repr(names[column]) if column < len(names) else f"#{column + 1}"
+        raise InvalidRequest("--input", f"cannot read {source.name}: column {name} holds "
                                         "text that is not UTF-8 (save the file as UTF-8)") from None
 
 
