@@ -176,6 +176,19 @@ async def test_a_closed_backend_does_not_ask_its_server_for_its_model(servers):
     assert server.gets == []
 
 
+async def test_a_closed_backend_is_not_healthy_and_probes_nothing(servers):
+    """What a proxy answers at its /health once its backend is closed: unhealthy, without asking the far server,
+    even right after a call succeeded."""
+    server = servers()
+    server.probes = deque()
+    backend = RemoteBackend(server.url, dialect="vllm-generative")
+    assert (await backend.ascore(request())).scores
+    assert await backend.ahealth() is None
+    await backend.aclose()
+    assert await backend.ahealth() == "the remote backend is closed"
+    assert server.gets == []
+
+
 class CloseWhen:
     """Closes ``backend`` from the moment the call it watches has begun (``deadline``: the call takes its deadline
     first) or is registering (``stop``: it makes the stop it registers) -- deterministically, just before the call

@@ -167,6 +167,11 @@ class Transport:
         self._calls = Calls(self._calls.closed)  # a closed transport stays closed
 
     @property
+    def closed(self) -> bool:
+        """Whether ``close`` has run: no call begins any more."""
+        return self._calls.closed
+
+    @property
     def _no_slot(self) -> str:
         return f"waiting for one of the max_concurrency={self.config.max_concurrency} request slots"
 

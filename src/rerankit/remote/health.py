@@ -22,6 +22,7 @@ from rerankit.remote.client import Transport
 HEALTH_PATH = "/health"
 PROBE_INTERVAL_S = 5.0
 PROBE_TIMEOUT_S = 2.0
+CLOSED = "the remote backend is closed"
 
 
 class FarHealth:
@@ -38,7 +39,10 @@ class FarHealth:
         self._probe: asyncio.Task[str | None] | None = None
 
     async def problem(self) -> str | None:
-        """None while the far server is healthy; else what is wrong with it (no credentials in it)."""
+        """None while the far server is healthy; else what is wrong with it (no credentials in it). A closed backend
+        is not healthy, and its far server is not probed: nothing would ask it for anything."""
+        if self._transport.closed:
+            return CLOSED
         if self._transport.endpoints.since_answer() < self.interval:
             return None
         if self._checked_at is not None and self._clock() - self._checked_at < self.interval:
