@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 import os
 import random
 import socket
@@ -161,3 +163,166 @@ def test_score_ray_matches_the_input_suffix_in_any_case(tmp_path, capsys) -> Non
     (target / "part-0.parquet").write_bytes(b"earlier run")
     assert main(["score", "--ray", "--input", str(source), "--output", str(target)]) == 2
     assert "is a folder that is not empty" in capsys.readouterr().err  # past the suffix
+
+
+@pytest.fixture(scope="module")
+def served_model(tiny_bert_cross_encoder):
+    """The tiny model behind a server in this process: a Ray actor given its URL starts in a fraction of the time
+    one that loads the model takes (no torch to import)."""
+    backend = EmbeddedBackend(str(tiny_bert_cross_encoder), device="cpu")
+    with live_server(create_app(backend)) as url:
+        yield url
+    backend.close()
+
+
+def _pairs(rows: range) -> list[dict]:
+    return [{"row": row, "query": f"query {row % 2}", "document": " ".join(WORDS[row:row + 5])} for row in rows]
+
+
+def _shard(path: Path, rows: list[dict] | bytes) -> None:
+    """``rows`` as JSONL or CSV by ``path``'s suffix (gzipped for .gz), or the bytes given."""
+    if not isinstance(rows, bytes):
+        if ".csv" in path.name:
+            rows = "".join(["row,query,document\n", *(f"{r['row']},{r['query']},{r['document']}\n" for r in rows)])
+        else:
+            rows = "".join(json.dumps(row) + "\n" for row in rows)
+        rows = rows.encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(gzip.compress(rows) if path.name.endswith(".gz") else rows)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_score_ray_leaves_out_empty_shards_as_without_ray(cluster, served_model, tmp_path, suffix) -> None:
+    """A folder of shards where some are empty (0 bytes, blank lines, gzipped blank lines, a CSV header alone):
+    they add no row, as without --ray (Ray's CSV reader fails on an empty file); every other row once."""
+    import pyarrow.parquet as parquet
+
+    from rerankit.cli import main
+
+    source = tmp_path / f"pairs{suffix}"
+    _shard(source / f"part-0{suffix}", _pairs(range(0, 3)))
+    _shard(source / f"part-1{suffix}", b"")
+    _shard(source / f"part-2{suffix}", b"\n \n\t\n" if suffix == ".jsonl" else b"row,query,document\n")
+    _shard(source / f"part-3{suffix}.gz", b"\r\n\n")
+    _shard(source / "more" / f"part-4{suffix}.gz", _pairs(range(3, 5)))
+
+    assert main(["score", "--ray", "--input", str(source), "--output", str(tmp_path / "out"),
+                 "--model", served_model]) == 0
+
+    scored = sorted(parquet.read_table(tmp_path / "out").to_pylist(), key=lambda row: int(row["row"]))
+    assert [(int(row["row"]), row["query"], row["document"]) for row in scored] == \
+        [(row["row"], row["query"], row["document"]) for row in _pairs(range(5))]
+    assert all(isinstance(row["score"], float) for row in scored)
+
+
+@pytest.mark.parametrize("files, columns", [
+    ({"pairs.jsonl": b""}, ["query", "document"]),
+    ({"pairs.jsonl/a.jsonl": b"", "pairs.jsonl/b.jsonl": b"\n\n", "pairs.jsonl/c.jsonl.gz": gzip.compress(b"\n")},
+     ["query", "document"]),
+    ({"pairs.csv": b""}, ["query", "document"]),
+    ({"pairs.csv": b"query,document,id\n"}, ["query", "document", "id"]),
+    ({"pairs.csv/a.csv": b"", "pairs.csv/b.csv": b"\n"}, ["query", "document"]),
+    ({"pairs.parquet": "no rows"}, ["query", "document", "id"]),
+    ({"pairs.parquet/a.parquet": "no rows", "pairs.parquet/b.parquet": "no rows"}, ["query", "document", "id"]),
+], ids=["empty jsonl", "folder of empty jsonl", "empty csv", "csv header", "folder of empty csv", "parquet",
+        "folder of parquet"])
+def test_score_ray_of_only_empty_shards_writes_one_parquet_file_of_no_rows(tmp_path, monkeypatch, files,
+                                                                          columns) -> None:
+    """As without --ray: the columns (the query and document as texts, a CSV header's, a Parquet file's) and
+    the score; no Ray cluster is started and no model loaded for no rows."""
+    import pyarrow
+    import pyarrow.parquet as parquet
+
+    from rerankit.cli import main
+
+    for name, data in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        if data == "no rows":
+            parquet.write_table(pyarrow.table({name: pyarrow.array([], pyarrow.string()) for name in columns}),
+                                tmp_path / name)
+        else:
+            (tmp_path / name).write_bytes(data)
+    source = tmp_path / next(iter(files)).split("/")[0]
+    monkeypatch.setattr(ray, "init", lambda *args, **kwargs: pytest.fail("Ray started for no rows"))
+    not_a_model = str(tmp_path)  # a folder that exists: loading it would fail
+
+    assert main(["score", "--ray", "--input", str(source), "--output", str(tmp_path / "out"),
+                 "--model", not_a_model]) == 0
+
+    assert [path.name for path in (tmp_path / "out").iterdir()] == ["part-0.parquet"]
+    table = parquet.read_table(tmp_path / "out")
+    assert table.num_rows == 0 and table.column_names == [*columns, "score"]
+    assert table.schema.field("score").type == pyarrow.float64()
+    if source.is_file():  # the same table as without --ray
+        assert main(["score", "--input", str(source), "--output", str(tmp_path / "alone.parquet"),
+                     "--model", not_a_model, "--no-progress"]) == 0
+        assert parquet.read_table(tmp_path / "alone.parquet").schema.remove_metadata() == \
+            table.schema.remove_metadata()
+
+
+def test_score_ray_still_refuses_a_shard_without_the_columns(cluster, tmp_path, capsys) -> None:
+    """A shard of rows without the document column, beside empty ones: the error of a dataset without the column,
+    as before; a CSV header without it, or Parquet files of no rows without it, as without --ray (before Ray)."""
+    import pyarrow
+    import pyarrow.parquet as parquet
+
+    from rerankit.cli import main
+
+    def refused(source: Path, message: str) -> None:
+        assert main(["score", "--ray", "--input", str(source), "--output", str(tmp_path / "out")]) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]  # not Ray's
+        assert len(errors) == 1 and errors[0].startswith("error: document_column: ") and message in errors[0], errors
+        assert not (tmp_path / "out").exists()
+
+    _shard(tmp_path / "rows.jsonl" / "a.jsonl", [{"query": "q", "text": "t"}])
+    _shard(tmp_path / "rows.jsonl" / "b.jsonl", b"")
+    _shard(tmp_path / "rows.jsonl" / "c.jsonl", b"\n\n")
+    refused(tmp_path / "rows.jsonl", "the dataset has no column 'document' (its columns: ['query', 'text'])")
+    _shard(tmp_path / "header.csv" / "a.csv", _pairs(range(2)))
+    _shard(tmp_path / "header.csv" / "b.csv", b"query,text\n")
+    refused(tmp_path / "header.csv", "b.csv has no column 'document' (its columns: ['query', 'text'])")
+    parquet.write_table(pyarrow.table({"query": pyarrow.array([], pyarrow.string())}), tmp_path / "none.parquet")
+    refused(tmp_path / "none.parquet", "the dataset has no column 'document' (its columns: ['query'])")
+
+
+def test_only_empty_shards_are_left_out_and_only_their_first_bytes_read(tmp_path, monkeypatch) -> None:
+    """A row after more blank lines than are read at first is found; a file that cannot be read here (a damaged
+    gzip) goes to Ray, which names what is wrong; files Ray leaves out of a folder (hidden, or not JSON) are left
+    out as it does."""
+    from rerankit.integrations import ray as on_ray
+
+    monkeypatch.setattr(on_ray, "PEEK_BYTES", 16)
+    folder = tmp_path / "pairs.jsonl"
+    _shard(folder / "late.jsonl", b"\n" * 100 + b'{"query": "q", "document": "d"}\n')
+    _shard(folder / "damaged.jsonl.gz", b"not gzip at all")
+    _shard(folder / "blank.jsonl", b" \n" * 100)
+    _shard(folder / "_SUCCESS", b"")
+    _shard(folder / ".part.jsonl.crc", b"")
+    _shard(folder / "notes.txt", b"")
+    paths, options, empty = on_ray._readable_shards(str(folder), ray.data.read_json, "jsonl", ["query", "document"])
+    assert sorted(Path(path).name for path in paths) == ["damaged.jsonl.gz", "late.jsonl"]
+    assert options == {} and empty is None
+    assert on_ray._readable_shards(str(folder / "late.jsonl"), ray.data.read_json, "jsonl",
+                                   ["query", "document"]) == (str(folder / "late.jsonl"), {}, None)
+    header = tmp_path / "pairs.csv"
+    _shard(header, b"query,document\n" + b"\n" * 100)  # longer than what is read: left to Ray, which reads no row
+    assert on_ray._readable_shards(str(header), ray.data.read_csv, "csv", ["query", "document"])[2] is None
+
+
+@pytest.mark.filterwarnings("ignore:The minimum number of concurrent actors")
+def test_score_ray_of_no_rows_read_on_ray_still_writes_one_parquet_file(cluster, served_model, tmp_path,
+                                                                       monkeypatch) -> None:
+    """A CSV header longer than what is read of it before Ray goes to Ray, which reads no row (a dataset of no
+    columns) and writes no file: the folder still gets one Parquet file of no rows."""
+    import pyarrow.parquet as parquet
+
+    from rerankit.cli import main
+    from rerankit.integrations import ray as on_ray
+
+    monkeypatch.setattr(on_ray, "PEEK_BYTES", 4)
+    _shard(tmp_path / "pairs.csv", b"query,document\n")
+    assert main(["score", "--ray", "--input", str(tmp_path / "pairs.csv"), "--output", str(tmp_path / "out"),
+                 "--model", served_model]) == 0
+    assert [path.name for path in (tmp_path / "out").iterdir()] == ["part-0.parquet"]
+    table = parquet.read_table(tmp_path / "out")
+    assert table.num_rows == 0 and table.column_names == ["query", "document", "score"]

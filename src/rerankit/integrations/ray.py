@@ -10,8 +10,10 @@ Needs the ``ray`` extra (``pip install 'rerankit[ray]'``); nothing else in reran
 
 from __future__ import annotations
 
+import inspect
 import os
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -22,6 +24,8 @@ from rerankit.server.main import API_KEY_ENV
 
 INSTALL = "pip install 'rerankit[ray]'"
 DEFAULT_BATCH_ROWS = 4096  # rows a Ray Data batch: a few engine calls, so that an actor's engine stays busy
+PEEK_BYTES = 1 << 16  # of a JSONL or CSV shard, read on the driver to tell an empty one (more only while blank)
+EMPTY_PART = "part-0.parquet"  # the one file of an output folder whose input has no rows
 
 
 def _require_ray() -> None:
@@ -137,9 +141,9 @@ def score_dataset(ds: Any, *, query_column: str = "query", document_column: str 
     share more). ``engine_options`` go to each actor's engine; ``request_fields`` to every ``ScoreRequest``.
     """
     _require_ray()
-    for name, value in (("query_column", query_column), ("document_column", document_column)):
-        if value not in ds.columns():
-            raise InvalidRequest(name, f"the dataset has no column {value!r} (its columns: {ds.columns()})")
+    columns = ds.columns()  # None: no row to tell them by (an empty dataset), nothing to check
+    if columns is not None:
+        _check_columns(columns, query_column, document_column, "the dataset")
     if num_gpus and "device" not in engine_options:
         engine_options["device"] = "cuda"
     return ds.map_batches(
@@ -152,9 +156,13 @@ def score_dataset(ds: Any, *, query_column: str = "query", document_column: str 
 
 
 def score_file(input_path: str, output_path: str, **options: Any) -> None:
-    """``rerankit score --ray``: read ``input_path`` (.parquet, .jsonl, .csv) as a Ray dataset on the cluster that
-    ``ray.init()`` finds (``RAY_ADDRESS``) or a local one, score it with ``score_dataset(**options)`` and write
-    Parquet files into the folder ``output_path``."""
+    """``rerankit score --ray``: read ``input_path`` (.parquet, .jsonl, .csv: a file, or a folder of them) as a Ray
+    dataset on the cluster that ``ray.init()`` finds (``RAY_ADDRESS``) or a local one, score it with
+    ``score_dataset(**options)`` and write Parquet files into the folder ``output_path``.
+
+    As without ``--ray``, an empty shard has no rows (``_readable_shards``: an empty JSONL or CSV file is left out
+    of the read, as Ray's CSV reader fails on one), and an input with no rows at all gives one Parquet file of no
+    rows with its columns and the score column (not read on Ray where every file is empty: no model is loaded)."""
     _require_ray()
     import ray
 
@@ -167,6 +175,13 @@ def score_file(input_path: str, output_path: str, **options: Any) -> None:
     if os.path.isdir(output_path) and os.listdir(output_path):  # Ray appends: a second run would repeat every row
         raise InvalidRequest("--output", f"{output_path} is a folder that is not empty: give a new one")
     check_model_source(options.get("model"))  # here in one line, not in every actor behind Ray's tracebacks
+    columns = [options.get("query_column", "query"), options.get("document_column", "document")]
+    score_column = options.get("score_column", "score")
+    paths, read_options, empty = _readable_shards(input_path, readers[suffix], suffix[1:], columns)
+    if empty is not None:  # every shard empty: nothing for Ray to read or score
+        _check_columns(empty.column_names, *columns, "the dataset")
+        _write_empty(output_path, empty, score_column)
+        return
     local = not os.environ.get("RAY_ADDRESS")
     ray.init(ignore_reinit_error=True)
     gpus = options.get("num_gpus") or 0
@@ -174,7 +189,10 @@ def score_file(input_path: str, output_path: str, **options: Any) -> None:
         raise InvalidRequest("--num-gpus", f"asks for {gpus:g} GPU(s) an actor; this machine's Ray cluster has "
                                            f"{ray.cluster_resources().get('GPU', 0):g}")
     try:
-        score_dataset(readers[suffix](input_path), **options).write_parquet(output_path)
+        source = readers[suffix](paths, **read_options)
+        score_dataset(source, **options).write_parquet(output_path)
+        if not _holds_files(output_path):  # no rows (Parquet files of none): Ray writes no file, not even the folder
+            _write_empty(output_path, _empty_table(source, columns), score_column)
     except Exception as exc:  # a worker's RerankitError arrives wrapped in Ray's errors, with their tracebacks
         cause = _rerankit_cause(exc)
         if cause is None:
@@ -195,3 +213,191 @@ def _rerankit_cause(exc: BaseException) -> RerankitError | None:
             return error
         stack += [getattr(error, "cause", None), error.__cause__, error.__context__]
     return None
+
+
+def _check_columns(columns: Sequence[str], query_column: str, document_column: str, where: str) -> None:
+    """``InvalidRequest`` naming the argument where ``columns`` (those of ``where``) lack one it names."""
+    for name, value in (("query_column", query_column), ("document_column", document_column)):
+        if value not in columns:
+            raise InvalidRequest(name, f"{where} has no column {value!r} (its columns: {list(columns)})")
+
+
+def _filesystem(path: str) -> tuple[Any, str]:
+    """The pyarrow filesystem of ``path`` (a URI such as ``s3://bucket/pairs``, or a local path) and the path on
+    it."""
+    import pyarrow.fs
+
+    if "://" in path:
+        return pyarrow.fs.FileSystem.from_uri(path)
+    return pyarrow.fs.LocalFileSystem(), os.path.abspath(path)
+
+
+def _readable_shards(input_path: str, reader: Any, file_format: str,
+                     columns: Sequence[str]) -> tuple[Any, dict[str, Any], Any]:
+    """What Ray's ``reader`` of ``file_format`` should read of ``input_path`` (a file or a folder of shards): the
+    paths, the reader's keyword arguments, and -- where every shard is empty -- the table of no rows they make
+    (else None). ``input_path`` itself where no shard is empty; else its non-empty files (with the filesystem of
+    a URI such as ``s3://...``). Files are listed as Ray lists them (``_listed``).
+
+    A shard is empty as ``rerankit score`` without ``--ray`` reads it (``_shard_kind``): 0 bytes, JSONL of only
+    whitespace, CSV of only blank lines or of only its header, Parquet of no rows. Ray's CSV reader fails on an
+    empty CSV file, and where every JSONL or CSV file is empty the dataset has no columns; so they are left out.
+    A Parquet file of no rows is left to Ray (its columns join the dataset's) unless every one is. A CSV header
+    that lacks ``columns`` is refused, as without ``--ray``. A path that cannot be listed or read here goes to
+    Ray as given, which names what is wrong."""
+    import pyarrow
+    import pyarrow.fs
+
+    try:
+        filesystem, root = _filesystem(input_path)
+        files = _listed(filesystem, root, input_path, reader)
+    except (OSError, ValueError, pyarrow.ArrowException):
+        return input_path, {}, None
+    if not files:
+        return input_path, {}, None
+    if file_format == "parquet":
+        return input_path, {}, _parquet_without_rows(filesystem, files)
+    with ThreadPoolExecutor(max_workers=min(16, len(files))) as pool:  # a remote shard: a request or two each
+        kinds = list(pool.map(lambda file: _shard_kind(filesystem, file[1], file_format, columns), files))
+    for (name, _), kind in zip(files, kinds):
+        if isinstance(kind, pyarrow.Table):
+            _check_columns(kind.column_names, *columns, name)
+    kept = [info.path for (_, info), kind in zip(files, kinds) if kind is None]
+    if len(kept) == len(files):
+        return input_path, {}, None
+    if not kept:
+        headers = [kind for kind in kinds if isinstance(kind, pyarrow.Table)]
+        return [], {}, headers[0] if headers else _text_columns(columns)
+    return kept, {} if isinstance(filesystem, pyarrow.fs.LocalFileSystem) else {"filesystem": filesystem}, None
+
+
+def _listed(filesystem: Any, root: str, input_path: str, reader: Any) -> list[tuple[str, Any]] | None:
+    """The files Ray's ``reader`` reads of ``root`` on ``filesystem`` (``input_path``), each as (its name for an
+    error, its pyarrow ``FileInfo``): a file, or a folder's files at any depth but those under a name beginning
+    with ``.`` or ``_``, of the reader's default file extensions (every file for CSV). None where ``root`` is
+    neither a file nor a folder (Ray names it)."""
+    import pyarrow.fs
+
+    found = filesystem.get_file_info(root)
+    if found.type == pyarrow.fs.FileType.File:
+        return [(input_path, found)]
+    if found.type != pyarrow.fs.FileType.Directory:
+        return None
+    base, extensions = root.rstrip("/"), _default_extensions(reader)
+    files = []
+    for info in sorted(filesystem.get_file_info(pyarrow.fs.FileSelector(root, recursive=True)),
+                       key=lambda info: info.path):
+        relative = info.path[len(base):].lstrip("/")
+        if info.is_file and info.path.startswith(base) and not relative.startswith((".", "_")) and (
+                extensions is None or info.path.lower().endswith(extensions)):
+            files.append((os.path.join(input_path, relative), info))
+    return files
+
+
+def _default_extensions(reader: Any) -> tuple[str, ...] | None:
+    """The file extensions (``.jsonl``...) that ``reader`` reads of a folder by default; None: every file."""
+    try:
+        extensions = inspect.signature(reader).parameters["file_extensions"].default
+    except (KeyError, TypeError, ValueError):
+        return None
+    if not isinstance(extensions, (list, tuple)) or not extensions:
+        return None
+    return tuple(f".{extension.lstrip('.').lower()}" for extension in extensions)
+
+
+def _shard_kind(filesystem: Any, info: Any, file_format: str, columns: Sequence[str]) -> Any:
+    """None for a JSONL or CSV shard with rows (or one that cannot be read here: Ray reads it, and names what is
+    wrong); for an empty one, True, or the table of no rows (its columns) of a CSV file of only its header. Only
+    its first bytes are read (decompressed by its name, .gz, .zst..., as Ray reads it), and more only while they
+    are blank."""
+    import pyarrow
+    import pyarrow.csv as csv
+
+    if info.size == 0:
+        return True
+    blank = b" \t\n\r\x0b\x0c" if file_format == "jsonl" else b"\r\n"  # CSV: pyarrow skips empty lines only
+    head, whole = b"", False
+    try:
+        with filesystem.open_input_stream(info.path, compression="detect") as stream:
+            while len(head) < PEEK_BYTES and not (head and file_format == "jsonl"):  # a JSONL row: enough
+                chunk = stream.read(PEEK_BYTES)
+                if not chunk:
+                    whole = True
+                    break
+                head += chunk if head else chunk.lstrip(blank)
+    except (OSError, pyarrow.ArrowException):
+        return None
+    if not head:
+        return True
+    if file_format == "jsonl" or not whole:  # CSV longer than PEEK_BYTES: Ray reads it (a long header: no row)
+        return None
+    try:  # as Ray's reader parses it (its default options); the text columns as texts, as without --ray
+        table = csv.read_csv(pyarrow.BufferReader(head), convert_options=csv.ConvertOptions(
+            column_types={name: pyarrow.string() for name in columns}))
+    except pyarrow.ArrowException:
+        return None
+    return table if table.num_rows == 0 else None
+
+
+def _parquet_without_rows(filesystem: Any, files: list[tuple[str, Any]]) -> Any:
+    """None where a Parquet file of ``files`` has rows (only footers are read, up to the first such file), else
+    the first file's table of no rows (its columns)."""
+    import pyarrow
+    import pyarrow.parquet as parquet
+
+    try:
+        for _, info in files:
+            if parquet.read_metadata(info.path, filesystem=filesystem).num_rows:
+                return None
+        return parquet.read_schema(files[0][1].path, filesystem=filesystem).empty_table()
+    except (OSError, pyarrow.ArrowException):
+        return None
+
+
+def _text_columns(columns: Sequence[str]) -> Any:
+    """A table of no rows with ``columns`` as texts: what an empty JSONL or CSV file gives without ``--ray``."""
+    import pyarrow
+
+    return pyarrow.table({name: pyarrow.array([], pyarrow.string()) for name in dict.fromkeys(columns)})
+
+
+def _empty_table(ds: Any, columns: Sequence[str]) -> Any:
+    """A table of no rows with the columns of the dataset ``ds`` (read from files of no rows)."""
+    import pyarrow
+
+    schema = ds.schema()
+    base = getattr(schema, "base_schema", None)
+    if isinstance(base, pyarrow.Schema):
+        return pyarrow.schema([base.field(name) for name in schema.names]).empty_table()
+    return _text_columns(columns)
+
+
+def _write_empty(output_path: str, table: Any, score_column: str) -> None:
+    """Write ``table`` (of no rows) with its float ``score_column`` as one Parquet file into the folder
+    ``output_path``, as an input of no rows gives without ``--ray``."""
+    import pyarrow.parquet as parquet
+
+    from rerankit.offline import with_scores
+
+    try:
+        filesystem, folder = _filesystem(output_path)
+        filesystem.create_dir(folder, recursive=True)
+        parquet.write_table(with_scores(table, [], score_column), f"{folder.rstrip('/')}/{EMPTY_PART}",
+                            filesystem=filesystem)
+    except OSError as exc:
+        raise InvalidRequest("--output", f"cannot write {output_path}: {exc}") from None
+
+
+def _holds_files(output_path: str) -> bool:
+    """Whether the folder ``output_path`` exists and holds a file (True where it cannot be told from here: Ray has
+    written it)."""
+    import pyarrow
+    import pyarrow.fs
+
+    try:
+        filesystem, folder = _filesystem(output_path)
+        if filesystem.get_file_info(folder).type != pyarrow.fs.FileType.Directory:
+            return False
+        return any(info.is_file for info in filesystem.get_file_info(pyarrow.fs.FileSelector(folder, recursive=True)))
+    except (OSError, ValueError, pyarrow.ArrowException):
+        return True
