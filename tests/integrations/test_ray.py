@@ -326,3 +326,20 @@ def test_score_ray_of_no_rows_read_on_ray_still_writes_one_parquet_file(cluster,
     assert [path.name for path in (tmp_path / "out").iterdir()] == ["part-0.parquet"]
     table = parquet.read_table(tmp_path / "out")
     assert table.num_rows == 0 and table.column_names == ["query", "document", "score"]
+
+
+def test_score_ray_names_a_shard_without_the_columns_in_one_line_when_others_have_rows(cluster, served_model,
+                                                                                         tmp_path, capsys) -> None:
+    """A shard without the document column among shards with rows: Ray meets it in a worker, mid-run; the error
+    still reaches the user as one line, not behind Ray's traceback."""
+    from rerankit.cli import main
+
+    _shard(tmp_path / "mixed.jsonl" / "a.jsonl", _pairs(range(3)))
+    _shard(tmp_path / "mixed.jsonl" / "b.jsonl", [{"query": "q", "text": "t"}])
+    _shard(tmp_path / "mixed.jsonl" / "c.jsonl", b"")
+    code = main(["score", "--ray", "--input", str(tmp_path / "mixed.jsonl"), "--output", str(tmp_path / "out"),
+                 "--model", served_model, "--batch-size", "1"])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and errors == ["error: document_column: a batch of the dataset has no column 'document' (its "
+                                    "columns: ['query', 'text'])"], err[-3000:]

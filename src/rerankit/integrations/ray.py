@@ -125,6 +125,8 @@ class PairScorer:
         from rerankit.offline import with_scores
 
         query_column, document_column, score_column = self.columns
+        # a shard's batch may lack a column the dataset's first rows had (Ray checks no schema across shards)
+        _check_columns(batch.column_names, query_column, document_column, "a batch of the dataset")
         queries = text_column(batch, query_column, "query_column", numbered=False)
         documents = text_column(batch, document_column, "document_column", numbered=False)
         return with_scores(batch, score_pairs(self.backend, queries, documents, **self.request_fields), score_column)
@@ -188,6 +190,9 @@ def score_file(input_path: str, output_path: str, **options: Any) -> None:
     if local and gpus > ray.cluster_resources().get("GPU", 0):  # a local cluster never gains one: it would wait
         raise InvalidRequest("--num-gpus", f"asks for {gpus:g} GPU(s) an actor; this machine's Ray cluster has "
                                            f"{ray.cluster_resources().get('GPU', 0):g}")
+    # a worker's RerankitError (a shard without a column) comes back itself, not as Ray's UserCodeException, whose
+    # cause this Ray drops: the user reads one line, not a worker's traceback
+    ray.data.DataContext.get_current().raise_original_map_exception = True
     try:
         source = readers[suffix](paths, **read_options)
         score_dataset(source, **options).write_parquet(output_path)
@@ -209,8 +214,9 @@ def _rerankit_cause(exc: BaseException) -> RerankitError | None:
         if error is None or id(error) in seen:
             continue
         seen.add(id(error))
-        if isinstance(error, RerankitError):
-            return error
+        if isinstance(error, RerankitError):  # Ray's RayTaskError(InvalidRequest) is one too: its cause is ours
+            inner = getattr(error, "cause", None)
+            return inner if isinstance(inner, RerankitError) else error
         stack += [getattr(error, "cause", None), error.__cause__, error.__context__]
     return None
 
