@@ -343,3 +343,16 @@ def test_score_ray_names_a_shard_without_the_columns_in_one_line_when_others_hav
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert code == 2 and errors == ["error: document_column: a batch of the dataset has no column 'document' (its "
                                     "columns: ['query', 'text'])"], err[-3000:]
+
+
+@pytest.mark.parametrize("make", ["empty folder", "no such path"])
+def test_score_ray_names_an_input_with_no_file_to_read_in_one_line(cluster, tmp_path, capsys, make) -> None:
+    from rerankit.cli import main
+
+    source = tmp_path / "pairs.jsonl"
+    if make == "empty folder":
+        (source / "_logs").mkdir(parents=True)  # a folder Ray skips, as it skips names beginning with _
+    code = main(["score", "--ray", "--input", str(source), "--output", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and "--input" in errors[0] and "Traceback" not in err, err[-2000:]

@@ -259,6 +259,10 @@ def _readable_shards(input_path: str, reader: Any, file_format: str,
         files = _listed(filesystem, root, input_path, reader)
     except (OSError, ValueError, pyarrow.ArrowException):
         return input_path, {}, None
+    if files == []:  # Ray's own error is a traceback ending in "No input files found to read"
+        raise InvalidRequest("--input", f"{input_path} is a folder with no {file_format} file in it")
+    if files is None and isinstance(filesystem, pyarrow.fs.LocalFileSystem):  # Ray's: a FileNotFoundError traceback
+        raise InvalidRequest("--input", f"{input_path}: no such file or folder")
     if not files:
         return input_path, {}, None
     if file_format == "parquet":
