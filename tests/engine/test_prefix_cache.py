@@ -109,7 +109,7 @@ def test_a_split_request_keeps_one_head_for_every_micro_batch(tiny_qwen3_lm):
     small = EmbeddedBackend(str(tiny_qwen3_lm), device="cpu", max_batch_tokens=120)
     computed = EmbeddedBackend(str(tiny_qwen3_lm), device="cpu", max_batch_tokens=120, prefix_cache_bytes=0)
     rng = random.Random(3)
-    request = ScoreRequest(query="capital of france", items=[words(rng, 20) for _ in range(25)],
+    request = ScoreRequest(query="capital of france", items=[words(rng, 20) for _ in range(12)],
                            instruction=words(rng, 300), template="qwen3-reranker")
     got = small.score(request)
     np.testing.assert_allclose(scores([got])[0], scores([computed.score(request)])[0], atol=1e-5, rtol=1e-5)
