@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import json
+import os
 import signal
 import socket
 import ssl
@@ -266,3 +267,133 @@ def test_the_handshake_and_the_first_requests_headers_share_one_header_timeout(p
             # the answered connection, idle since its answer, is closed by the header timeout counted from then
             assert not _closed_within(prompt, max(0.0, answered + 0.9 * timeout_s - time.monotonic()))
             assert _closed_within(prompt, 2 * timeout_s)
+
+
+def _server_sockets(port: int, peer: int | None = None) -> int:
+    """How many open files of this process are the server's end of a connection on ``port`` (its listener left
+    out), of the client whose port is ``peer`` (None: any): the sockets the server in this process still holds,
+    whatever the clients do with theirs."""
+    inodes = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote = int(fields[1].split(":")[1], 16), int(fields[2].split(":")[1], 16)
+        if local == port and fields[3] != "0A" and peer in (None, remote):  # 0A: LISTEN
+            inodes.add(f"socket:[{fields[9]}]")
+    held = 0
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            held += os.readlink(fd) in inodes
+        except OSError:  # closed since the listing
+            pass
+    return held
+
+
+def _held_until(port: int, at_most: int, within_s: float, peer: int | None = None) -> float | None:
+    """Seconds until the server holds ``at_most`` sockets of ``port`` (of the client at port ``peer``) or fewer;
+    None if not within ``within_s``."""
+    began = time.monotonic()
+    while _server_sockets(port, peer) > at_most:
+        if time.monotonic() - began > within_s:
+            return None
+        time.sleep(0.05)
+    return time.monotonic() - began
+
+
+def _tls_server(pki: Path, loop: str, config: ServerConfig) -> tuple[DrainingServer, socket.socket]:
+    if loop == "uvloop":
+        pytest.importorskip("uvloop")
+    app = create_app(RecordingBackend(), config)
+    server = DrainingServer(uvicorn_config(app, config, log_level="critical", loop=loop, timeout_graceful_shutdown=8,
+                                           ssl_certfile=str(pki / "server.pem"), ssl_keyfile=str(pki / "server.key")),
+                            app.state.batcher, config.drain_seconds, config.header_timeout_s)
+    return server, loopback_listener()
+
+
+def _silent(port: int, context: ssl.SSLContext, count: int) -> list[ssl.SSLSocket]:
+    """``count`` TLS connections whose handshake is done and that then send nothing, read nothing, never close;
+    an EOF without close_notify raises (``suppress_ragged_eofs=False``)."""
+    return [context.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=10),
+                                server_hostname="127.0.0.1", suppress_ragged_eofs=False) for _ in range(count)]
+
+
+def _sent_close_notify(sock: ssl.SSLSocket) -> bool:
+    """Whether the server closed ``sock`` with a TLS close_notify (not a bare end of the stream, nor a reset)."""
+    sock.settimeout(5)
+    try:
+        return sock.recv(1) == b""
+    except (OSError, ssl.SSLError):
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="counts sockets in /proc")
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_tls_connections_past_their_header_deadline_free_their_sockets_though_the_client_never_answers(pki, loop):
+    """The header deadline closes a silent TLS connection with a close_notify, and the server lets its socket go
+    about a second later though the client never answers it (the TLS layer's own wait: 30 s; with
+    benchmarks/tls_silent.py, 200 sockets on either loop were let go 30.0 s past their deadline, now 1.0 s)."""
+    timeout_s, count = 0.5, 40
+    server, listener = _tls_server(pki, loop, ServerConfig(header_timeout_s=timeout_s, warm_up=False))
+    port = listener.getsockname()[1]
+    context = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+    with serving(server, listener):
+        silent = _silent(port, context, count)
+        try:
+            assert _server_sockets(port) == count
+            took = _held_until(port, 0, within_s=timeout_s + 4)
+            assert took is not None, f"{_server_sockets(port)} of {count} sockets still held {timeout_s + 4} s on"
+            assert all(_sent_close_notify(sock) for sock in silent[:5])
+        finally:
+            for sock in silent:
+                sock.close()
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="counts sockets in /proc")
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_silent_tls_connections_closed_to_make_room_idle_or_at_shutdown_free_their_sockets(pki, loop):
+    """Over --max-connections, the silent TLS connections closed to make room give way to a newcomer at once (it
+    was answered 503 while they waited for their close_notify, 30 s) and let their sockets go within seconds, as
+    does a client idle past the keep-alive timeout after its answer (both were held 30 s); a client that reads is
+    answered and gets a clean close (close_notify both ways); stopping the server with silent TLS connections open
+    takes about a second (was uvicorn's whole graceful-shutdown timeout)."""
+    limit, count = 4, 12
+    server, listener = _tls_server(pki, loop, ServerConfig(max_connections=limit, header_timeout_s=60,
+                                                           keep_alive_timeout_s=0.5, warm_up=False))
+    port = listener.getsockname()[1]
+    context = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+    with serving(server, listener) as thread:
+        silent = _silent(port, context, count)
+        try:
+            # at once answered, not 503: the connections closed to make room (still open, and counted, until their
+            # client answers the close_notify) give way to it
+            idle = _silent(port, context, 1)[0]
+            idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = b""
+            while not answer.endswith(b"}"):
+                chunk = idle.recv(4096)
+                assert chunk, answer
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200"), answer  # answered; then it neither reads nor closes
+            client_port = idle.getsockname()[1]
+            assert _server_sockets(port, client_port) == 1
+            assert _held_until(port, limit, within_s=4) is not None, f"{_server_sockets(port)} sockets held"
+            assert _held_until(port, 0, within_s=4, peer=client_port) is not None, "the idle socket is still held"
+            assert _sent_close_notify(idle)
+            idle.close()
+            with context.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=10),
+                                     server_hostname="127.0.0.1", suppress_ragged_eofs=False) as client:
+                client.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                answer = b""
+                while chunk := client.recv(4096):  # ends with the server's close_notify, else raises
+                    answer += chunk
+                assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"status":"ok"}'), answer
+                client.unwrap()  # its own close_notify: a clean close both ways
+            assert _held_until(port, limit, within_s=4) is not None
+            stopping = time.monotonic()
+            server.should_exit = True
+            thread.join(10)
+            assert not thread.is_alive()
+            assert time.monotonic() - stopping < 4, f"stopping took {time.monotonic() - stopping:.1f} s"
+            assert _sent_close_notify(silent[-1])
+        finally:
+            for sock in silent:
+                sock.close()

@@ -5,7 +5,9 @@ open keep-alive connection can be refused later) and lets idle sockets lock clie
 timeout but no deadline for a request's headers: a client that connects and sends nothing, or drips a header byte
 a second (slowloris), keeps its socket for ever. ``guarded_protocol`` adds both to uvicorn's HTTP protocol
 (httptools or h11). Over HTTPS, a socket still in its TLS handshake is counted too (``handshakes.py``), and its
-first request's header deadline counts from its accept: the handshake and those headers share one period.
+first request's header deadline counts from its accept: the handshake and those headers share one period; and a
+connection the server closes itself is let go ``TLS_CLOSE_WAIT_S`` after its close_notify at the most, answered or
+not (``_release_soon``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ log = logging.getLogger("rerankit.server")
 
 # Lower case: uvicorn's h11 protocol adds its own for a request that asked for a close, unless this very pair is there.
 CONNECTION_CLOSE = (b"connection", b"close")
+# Over TLS, ``transport.close()`` sends close_notify and then keeps the socket until the client's close_notify comes
+# back (asyncio's and uvloop's ssl_shutdown_timeout: 30 s). A connection the server drops itself (``_release_soon``)
+# is aborted once this long has passed without it: a silent client never answers, and would keep its file
+# descriptor and TLS buffers (RSS: ~60 KiB a connection on uvloop, ~290 KiB on asyncio) that long after its close.
+TLS_CLOSE_WAIT_S = 1.0
 
 
 class _ConnectionGuard:
@@ -40,6 +47,10 @@ class _ConnectionGuard:
     # ``make_room()``: this class's connections, and the ``handshakes``.
     waiting: dict[Any, None]
     handshakes: set[Any]  # HTTPS sockets whose TLS handshake is under way (``handshakes.Handshake``): counted too
+    # HTTPS connections the server has closed itself, whose sockets stay until their client answers the close_notify
+    # or ``TLS_CLOSE_WAIT_S`` passes (``_release_soon``), oldest first: still open, so counted, but the first to go
+    # when a connection over the limit needs room (``close_longest_waiting``).
+    closing: dict[Any, None]
     # The loop time the connection opened, where that was before ``connection_made``: an HTTPS socket's accept, set
     # by its ``Handshake``; None: it opens at ``connection_made`` (plain HTTP).
     opened_at: float | None = None
@@ -47,6 +58,7 @@ class _ConnectionGuard:
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
         self._header_deadline: asyncio.TimerHandle | None = None
+        self._release: asyncio.TimerHandle | None = None  # ``_release_soon``'s abort
         # The first request's headers are due header_timeout_s after the connection opened: over HTTPS, after its
         # accept, so the TLS handshake spends the same period (a client dripping the handshake and then its headers
         # gets header_timeout_s in all, as over plain HTTP, not twice that).
@@ -55,7 +67,7 @@ class _ConnectionGuard:
         # connection that has waited longest for a request makes room (idle sockets cannot lock clients out); the
         # new one is refused only when every other connection has a request running.
         open_now = len(self.connections) + len(self.handshakes)  # type: ignore[attr-defined]
-        if open_now > self.max_connections and not close_longest_waiting(self.waiting, self):
+        if open_now > self.max_connections and not close_longest_waiting(self.waiting, self, self.closing):
             self.app = self.over_capacity
 
     def on_response_complete(self) -> None:
@@ -85,7 +97,10 @@ class _ConnectionGuard:
     def connection_lost(self, exc: Exception | None) -> None:
         if self._header_deadline is not None:
             self._header_deadline.cancel()
+        if self._release is not None:
+            self._release.cancel()
         self.waiting.pop(self, None)
+        self.closing.pop(self, None)
         super().connection_lost(exc)  # type: ignore[misc]
 
     def _arm_header_deadline(self, since: float | None = None) -> None:
@@ -136,13 +151,16 @@ class _ConnectionGuard:
             else:  # the client still reads its answer: give it another period
                 self._header_deadline = self.loop.call_later(  # type: ignore[attr-defined]
                     self.header_timeout_s, self._headers_overdue)
-        elif not self.transport.is_closing():  # type: ignore[attr-defined]
-            self.transport.close()  # type: ignore[attr-defined]
+        else:  # idle, or closing since its last answer (over TLS, its client may not answer the close_notify)
+            if not self.transport.is_closing():  # type: ignore[attr-defined]
+                self.transport.close()  # type: ignore[attr-defined]
+            self._release_soon()
 
     def make_room(self) -> bool:
         """Close this connection if it waits for a request (``close_longest_waiting``); False if it has one running."""
         if self._waiting_for_headers():
             self.transport.close()  # type: ignore[attr-defined]
+            self._release_soon()
             return True
         if self._idle_since_armed() and self.transport.is_closing():  # type: ignore[attr-defined]
             # answered and closing, its client not reading the rest: nothing runs
@@ -150,10 +168,47 @@ class _ConnectionGuard:
             return True
         return False
 
+    def timeout_keep_alive_handler(self) -> None:
+        super().timeout_keep_alive_handler()  # type: ignore[misc]  # closes the idle connection
+        self._release_soon()
 
-def close_longest_waiting(waiting: dict[Any, None], newest: Any) -> bool:
+    def shutdown(self) -> None:
+        """uvicorn's: an idle connection closes now, a busy one once answered. Not one already closing: uvicorn
+        would close it again, and asyncio's TLS transport, closed twice, drops its TLS layer, which its abort() and
+        get_write_buffer_size() then need (the latter raised AttributeError in ``_headers_overdue``)."""
+        if not self.transport.is_closing():  # type: ignore[attr-defined]
+            super().shutdown()  # type: ignore[misc]
+        self._release_soon()
+
+    def _release_soon(self) -> None:
+        """Over TLS, abort this connection, which the server has closed, unless it is gone ``TLS_CLOSE_WAIT_S`` from
+        now: for a connection the server drops itself (idle or dripping past its header deadline, idle past the
+        keep-alive timeout, making room, shutting down). Its close_notify is sent, and a client that reads answers
+        it within that time (a clean close); one that does not read (a slowloris, an idle socket, a client pool's
+        idle connection) no longer keeps the socket and its TLS buffers for the TLS layer's 30 s. Meanwhile it is
+        among the ``closing``, the first to go for a newcomer over the limit. Plain HTTP: its close has already
+        freed the socket, or waits for a client still reading its answer (``_headers_overdue``)."""
+        if (self.scheme != "https" or self._release is not None  # type: ignore[attr-defined]
+                or not self.transport.is_closing()):  # type: ignore[attr-defined]
+            return
+        self._release = self.loop.call_later(TLS_CLOSE_WAIT_S, self.release)  # type: ignore[attr-defined]
+        self.closing[self] = None
+
+    def release(self) -> None:
+        """Let the socket of this closed connection go now (``_release_soon``)."""
+        self.closing.pop(self, None)
+        self.transport.abort()  # type: ignore[attr-defined]
+
+
+def close_longest_waiting(waiting: dict[Any, None], newest: Any, closing: dict[Any, None] | None = None) -> bool:
     """Close the connection of ``waiting`` that has waited longest for a request, other than ``newest`` (the last
-    one in); False when none is waiting."""
+    one in); False when none is waiting. A connection of ``closing`` (the guard's), already closed, goes first: its
+    socket is let go at once, and no connection that might still send a request is closed."""
+    if closing:
+        connection = next(iter(closing))
+        waiting.pop(connection, None)
+        connection.release()
+        return True
     while waiting:
         connection = next(iter(waiting))
         if connection is newest:  # every other one has a request running
@@ -170,7 +225,7 @@ def guarded_protocol(config: ServerConfig, base: type[asyncio.Protocol] = AutoHT
     (the server's ``Metrics``) counts the 503s of connections over the limit."""
     attributes = {"max_connections": config.max_connections, "header_timeout_s": config.header_timeout_s,
                   "over_capacity": staticmethod(over_capacity_app(config, metrics)), "waiting": {},
-                  "handshakes": set()}
+                  "handshakes": set(), "closing": {}}
     return type(f"Guarded{base.__name__}", (_ConnectionGuard, base), attributes)
 
 

@@ -83,7 +83,7 @@ class Handshake:
         if len(connections) + len(guard.handshakes) > guard.max_connections:
             # None waiting (every other connection has a request running): this one stays, and once its handshake
             # is done it is answered 503 as any connection over the limit, unless one waits by then.
-            close_longest_waiting(guard.waiting, self)
+            close_longest_waiting(guard.waiting, self, guard.closing)
         self.task = asyncio.get_running_loop().create_task(self._handshake(context, timeout_s))
 
     def make_room(self) -> bool:
