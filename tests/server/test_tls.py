@@ -185,12 +185,8 @@ def test_sockets_that_never_start_their_handshake_count_against_max_connections(
     if loop == "uvloop":
         pytest.importorskip("uvloop")
     config = ServerConfig(max_connections=4, header_timeout_s=60, warm_up=False)
-    app = create_app(RecordingBackend(), config)
-    listener = loopback_listener()
+    server, listener = _tls_server(pki, loop, config)
     port = listener.getsockname()[1]
-    server = DrainingServer(uvicorn_config(app, config, log_level="warning", loop=loop,
-                                           ssl_certfile=str(pki / "server.pem"), ssl_keyfile=str(pki / "server.key")),
-                            app.state.batcher, config.drain_seconds, config.header_timeout_s)
     with serving(server, listener):
         silent = []
         try:
@@ -227,12 +223,8 @@ def test_the_handshake_and_the_first_requests_headers_share_one_header_timeout(p
         pytest.importorskip("uvloop")
     timeout_s = 1.0
     config = ServerConfig(header_timeout_s=timeout_s, keep_alive_timeout_s=30, warm_up=False)
-    app = create_app(RecordingBackend(), config)
-    listener = loopback_listener()
+    server, listener = _tls_server(pki, loop, config)
     port = listener.getsockname()[1]
-    server = DrainingServer(uvicorn_config(app, config, log_level="warning", loop=loop,
-                                           ssl_certfile=str(pki / "server.pem"), ssl_keyfile=str(pki / "server.key")),
-                            app.state.batcher, config.drain_seconds, config.header_timeout_s)
     context = ssl.create_default_context(cafile=str(pki / "ca.pem"))
     with serving(server, listener):
         opened = time.monotonic()
