@@ -151,6 +151,13 @@ def _unless_blank(read: Callable[[], Any], open_stream: Callable[[], Any], colum
         table = None
     if table is not None and (table.num_rows or table.num_columns or not _blank(open_stream)):
         return table
+    return empty_texts(columns)
+
+
+def empty_texts(columns: Sequence[str]) -> Any:
+    """A table of no rows with ``columns`` as texts: what an empty JSONL or CSV file reads as."""
+    import pyarrow
+
     return pyarrow.table({name: pyarrow.array([], pyarrow.string()) for name in dict.fromkeys(columns)})
 
 

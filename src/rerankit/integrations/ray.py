@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from rerankit.errors import InvalidRequest, RerankitError
 from rerankit.offline import offline_backend, score_pairs, text_column
 from rerankit.reranker import check_model_source
+from rerankit.table_files import empty_texts
 from rerankit.server.main import API_KEY_ENV
 
 INSTALL = "pip install 'rerankit[ray]'"
@@ -190,9 +191,11 @@ def score_file(input_path: str, output_path: str, **options: Any) -> None:
     if local and gpus > ray.cluster_resources().get("GPU", 0):  # a local cluster never gains one: it would wait
         raise InvalidRequest("--num-gpus", f"asks for {gpus:g} GPU(s) an actor; this machine's Ray cluster has "
                                            f"{ray.cluster_resources().get('GPU', 0):g}")
-    # a worker's RerankitError (a shard without a column) comes back itself, not as Ray's UserCodeException, whose
-    # cause this Ray drops: the user reads one line, not a worker's traceback
-    ray.data.DataContext.get_current().raise_original_map_exception = True
+    # A worker's RerankitError (a shard without a column) comes back itself, not as Ray's UserCodeException, whose
+    # cause this Ray drops: the user reads one line, not a worker's traceback. For this run only: the context is
+    # the process's, which a program calling this may use for its own datasets.
+    context = ray.data.DataContext.get_current()
+    raised_before, context.raise_original_map_exception = context.raise_original_map_exception, True
     try:
         source = readers[suffix](paths, **read_options)
         score_dataset(source, **options).write_parquet(output_path)
@@ -203,6 +206,8 @@ def score_file(input_path: str, output_path: str, **options: Any) -> None:
         if cause is None:
             raise
         raise cause from None
+    finally:
+        context.raise_original_map_exception = raised_before
 
 
 def _rerankit_cause(exc: BaseException) -> RerankitError | None:
@@ -277,7 +282,7 @@ def _readable_shards(input_path: str, reader: Any, file_format: str,
         return input_path, {}, None
     if not kept:
         headers = [kind for kind in kinds if isinstance(kind, pyarrow.Table)]
-        return [], {}, headers[0] if headers else _text_columns(columns)
+        return [], {}, headers[0] if headers else empty_texts(columns)
     return kept, {} if isinstance(filesystem, pyarrow.fs.LocalFileSystem) else {"filesystem": filesystem}, None
 
 
@@ -364,13 +369,6 @@ def _parquet_without_rows(filesystem: Any, files: list[tuple[str, Any]]) -> Any:
         return None
 
 
-def _text_columns(columns: Sequence[str]) -> Any:
-    """A table of no rows with ``columns`` as texts: what an empty JSONL or CSV file gives without ``--ray``."""
-    import pyarrow
-
-    return pyarrow.table({name: pyarrow.array([], pyarrow.string()) for name in dict.fromkeys(columns)})
-
-
 def _empty_table(ds: Any, columns: Sequence[str]) -> Any:
     """A table of no rows with the columns of the dataset ``ds`` (read from files of no rows)."""
     import pyarrow
@@ -379,7 +377,7 @@ def _empty_table(ds: Any, columns: Sequence[str]) -> Any:
     base = getattr(schema, "base_schema", None)
     if isinstance(base, pyarrow.Schema):
         return pyarrow.schema([base.field(name) for name in schema.names]).empty_table()
-    return _text_columns(columns)
+    return empty_texts(columns)
 
 
 def _write_empty(output_path: str, table: Any, score_column: str) -> None:

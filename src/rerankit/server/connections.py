@@ -200,7 +200,7 @@ class _ConnectionGuard:
         self.transport.abort()  # type: ignore[attr-defined]
 
 
-def close_longest_waiting(waiting: dict[Any, None], newest: Any, closing: dict[Any, None] | None = None) -> bool:
+def close_longest_waiting(waiting: dict[Any, None], newest: Any, closing: dict[Any, None]) -> bool:
     """Close the connection of ``waiting`` that has waited longest for a request, other than ``newest`` (the last
     one in); False when none is waiting. A connection of ``closing`` (the guard's), already closed, goes first: its
     socket is let go at once, and no connection that might still send a request is closed."""
