@@ -245,12 +245,13 @@ def add_score_command(commands: argparse._SubParsersAction) -> None:
                                 description="Score every (query, document) row of a .parquet, .jsonl or .csv file "
                                             "(.jsonl.gz, .csv.gz: gzipped; -: stdin) and write the rows with a "
                                             "score column.")
-    score.add_argument("--input", required=True, help="the pairs: .parquet, .jsonl, .csv, .jsonl.gz, .csv.gz, or - "
-                                                      "for stdin (with --format)")
+    score.add_argument("--input", required=True, help="the pairs: .parquet, .jsonl, .csv, .jsonl.gz, .csv.gz, - for "
+                                                      "stdin (with --format), or with --ray a folder or glob of them")
     score.add_argument("--output", required=True, help="where to write them scored (the same suffixes, or - for "
                                                        "stdout; with --ray, a folder of Parquet files)")
     score.add_argument("--format", choices=("jsonl", "csv", "parquet"),
-                       help="the format of - as --input or --output (default for stdout: the input's)")
+                       help="the format of - as --input or --output (default for stdout: the input's), or with "
+                            "--ray of --input's files (default: their suffixes)")
     score.add_argument("--model", help="model path, hub id or server URL (default: the packaged MiniLM)")
     score.add_argument("--query-column", default="query", help="column of the queries (default: query)")
     score.add_argument("--document-column", default="document", help="column of the documents (default: document)")
@@ -414,14 +415,14 @@ def run_score(args: argparse.Namespace) -> int:
     if args.ray:
         if args.data_parallel_size is not None:
             raise InvalidRequest("--data-parallel-size", "does not apply with --ray: use --concurrency")
-        if "-" in (args.input, args.output) or args.format is not None:
-            raise InvalidRequest("--input" if args.input == "-" else "--output" if args.output == "-" else "--format",
+        if "-" in (args.input, args.output):
+            raise InvalidRequest("--input" if args.input == "-" else "--output",
                                  "with --ray, --input and --output name files (no stdin or stdout)")
         from rerankit.integrations.ray import score_file as score_on_ray
 
         ray = {name: value for name, value in (("concurrency", args.concurrency), ("num_gpus", args.num_gpus),
                                                ("batch_size", args.batch_size)) if value is not None}
-        score_on_ray(args.input, args.output, **ray, **columns, **engine)
+        score_on_ray(args.input, args.output, file_format=args.format, **ray, **columns, **engine)
         print(f"wrote {args.output}", file=sys.stderr)
         return 0
     for name in ("concurrency", "num_gpus", "batch_size"):

@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 
 from rerankit.backend import Backend
 from rerankit.errors import InvalidRequest
+from rerankit.input_paths import check_one_file
 from rerankit.schema import ScoreRequest
 from rerankit.table_files import (STDIO, check_output, check_writable, read_table, remove_stale_temporaries,
                                   require_pyarrow, table_file, write_table)
@@ -122,6 +123,7 @@ def score_file(input_path: str | Path, output_path: str | Path, *, model: str | 
 
     if file_format is not None and STDIO not in (str(input_path), str(output_path)):
         raise InvalidRequest("--format", "only applies to - as --input or --output (a file's format is its suffix)")
+    check_one_file(str(input_path))  # a folder or a glob: --ray reads them
     source = table_file(input_path, "--input", file_format)
     target = check_output(output_path, file_format or source.format)
     if score_column in (query_column, document_column):

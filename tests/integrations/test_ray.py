@@ -20,6 +20,7 @@ from live_server import live_server  # noqa: E402
 from rerankit import Reranker  # noqa: E402
 from rerankit.engine import EmbeddedBackend  # noqa: E402
 from rerankit.errors import InvalidRequest  # noqa: E402
+from rerankit.input_paths import resolve_input  # noqa: E402
 from rerankit.integrations.ray import build_app, score_dataset  # noqa: E402
 from rerankit.schema import ScoreRequest  # noqa: E402
 from rerankit.server.app import create_app  # noqa: E402
@@ -215,6 +216,30 @@ def test_score_ray_leaves_out_empty_shards_as_without_ray(cluster, served_model,
     assert all(isinstance(row["score"], float) for row in scored)
 
 
+def test_score_ray_reads_a_glob_of_files_named_without_a_suffix(cluster, served_model, tmp_path) -> None:
+    """A Spark export read as ``--input 'export/part-*' --format jsonl``: Ray's readers take no glob (they are given
+    the files it matches) and read a JSON file by its suffix only (here without that filter); _SUCCESS and the
+    other folder are left out, an empty shard adds no row, a gzipped one is read."""
+    import pyarrow.parquet as parquet
+
+    from rerankit.cli import main
+
+    export = tmp_path / "export"
+    _shard(export / "part-00000", _pairs(range(0, 3)))
+    _shard(export / "part-00001.gz", _pairs(range(3, 5)))
+    _shard(export / "part-00002", b"")
+    _shard(export / "_SUCCESS", b"")
+    _shard(export / "logs" / "part-00003", b"not JSON")
+
+    assert main(["score", "--ray", "--input", str(export / "part-*"), "--format", "jsonl", "--output",
+                 str(tmp_path / "out"), "--model", served_model]) == 0
+
+    scored = sorted(parquet.read_table(tmp_path / "out").to_pylist(), key=lambda row: int(row["row"]))
+    assert [(int(row["row"]), row["query"], row["document"]) for row in scored] == \
+        [(row["row"], row["query"], row["document"]) for row in _pairs(range(5))]
+    assert all(isinstance(row["score"], float) for row in scored)
+
+
 @pytest.mark.parametrize("files, columns", [
     ({"pairs.jsonl": b""}, ["query", "document"]),
     ({"pairs.jsonl/a.jsonl": b"", "pairs.jsonl/b.jsonl": b"\n\n", "pairs.jsonl/c.jsonl.gz": gzip.compress(b"\n")},
@@ -224,8 +249,10 @@ def test_score_ray_leaves_out_empty_shards_as_without_ray(cluster, served_model,
     ({"pairs.csv/a.csv": b"", "pairs.csv/b.csv": b"\n"}, ["query", "document"]),
     ({"pairs.parquet": "no rows"}, ["query", "document", "id"]),
     ({"pairs.parquet/a.parquet": "no rows", "pairs.parquet/b.parquet": "no rows"}, ["query", "document", "id"]),
+    ({"shards/a.jsonl": b"", "shards/b.jsonl.gz": gzip.compress(b"\n")}, ["query", "document"]),
+    ({"shards/part-0.parquet": "no rows", "shards/_SUCCESS": b""}, ["query", "document", "id"]),
 ], ids=["empty jsonl", "folder of empty jsonl", "empty csv", "csv header", "folder of empty csv", "parquet",
-        "folder of parquet"])
+        "folder of parquet", "folder named without a suffix", "folder of parquet named without a suffix"])
 def test_score_ray_of_only_empty_shards_writes_one_parquet_file_of_no_rows(tmp_path, monkeypatch, files,
                                                                           columns) -> None:
     """As without --ray: the columns (the query and document as texts, a CSV header's, a Parquet file's) and
@@ -299,14 +326,17 @@ def test_only_empty_shards_are_left_out_and_only_their_first_bytes_read(tmp_path
     _shard(folder / "_SUCCESS", b"")
     _shard(folder / ".part.jsonl.crc", b"")
     _shard(folder / "notes.txt", b"")
-    paths, options, empty = on_ray._readable_shards(str(folder), ray.data.read_json, "jsonl", ["query", "document"])
+    def readable(path: Path) -> tuple:
+        extensions = {"jsonl": on_ray._default_extensions(ray.data.read_json), "csv": None}
+        return on_ray._readable_shards(resolve_input(str(path), None, extensions), ["query", "document"])
+
+    paths, options, empty = readable(folder)
     assert sorted(Path(path).name for path in paths) == ["damaged.jsonl.gz", "late.jsonl"]
     assert options == {} and empty is None
-    assert on_ray._readable_shards(str(folder / "late.jsonl"), ray.data.read_json, "jsonl",
-                                   ["query", "document"]) == (str(folder / "late.jsonl"), {}, None)
+    assert readable(folder / "late.jsonl") == (str(folder / "late.jsonl"), {}, None)
     header = tmp_path / "pairs.csv"
     _shard(header, b"query,document\n" + b"\n" * 100)  # longer than what is read: left to Ray, which reads no row
-    assert on_ray._readable_shards(str(header), ray.data.read_csv, "csv", ["query", "document"])[2] is None
+    assert readable(header)[2] is None
 
 
 @pytest.mark.filterwarnings("ignore:The minimum number of concurrent actors")
@@ -356,3 +386,4 @@ def test_score_ray_names_an_input_with_no_file_to_read_in_one_line(cluster, tmp_
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert code == 2 and len(errors) == 1 and "--input" in errors[0] and "Traceback" not in err, err[-2000:]
+

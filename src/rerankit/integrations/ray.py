@@ -18,6 +18,7 @@ from typing import Any, Sequence
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from rerankit.errors import InvalidRequest, RerankitError
+from rerankit.input_paths import Shards, filesystem_of, resolve_input
 from rerankit.offline import offline_backend, score_pairs, text_column
 from rerankit.reranker import check_model_source
 from rerankit.table_files import empty_texts
@@ -158,10 +159,11 @@ def score_dataset(ds: Any, *, query_column: str = "query", document_column: str 
     )
 
 
-def score_file(input_path: str, output_path: str, **options: Any) -> None:
-    """``rerankit score --ray``: read ``input_path`` (.parquet, .jsonl, .csv: a file, or a folder of them) as a Ray
-    dataset on the cluster that ``ray.init()`` finds (``RAY_ADDRESS``) or a local one, score it with
-    ``score_dataset(**options)`` and write Parquet files into the folder ``output_path``.
+def score_file(input_path: str, output_path: str, *, file_format: str | None = None, **options: Any) -> None:
+    """``rerankit score --ray``: read ``input_path`` (.parquet, .jsonl, .csv: a file, a folder or a glob of them,
+    in ``file_format`` where given: ``input_paths.resolve_input``) as a Ray dataset on the cluster that
+    ``ray.init()`` finds (``RAY_ADDRESS``) or a local one, score it with ``score_dataset(**options)`` and write
+    Parquet files into the folder ``output_path``.
 
     As without ``--ray``, an empty shard has no rows (``_readable_shards``: an empty JSONL or CSV file is left out
     of the read, as Ray's CSV reader fails on one), and an input with no rows at all gives one Parquet file of no
@@ -169,18 +171,17 @@ def score_file(input_path: str, output_path: str, **options: Any) -> None:
     _require_ray()
     import ray
 
-    readers = {".parquet": ray.data.read_parquet, ".jsonl": ray.data.read_json, ".csv": ray.data.read_csv}
-    suffix = os.path.splitext(input_path)[1].lower()  # as without --ray: PAIRS.CSV is CSV
-    if suffix not in readers:
-        raise InvalidRequest("--input", f"{input_path} must end in one of {', '.join(readers)}")
+    readers = {"parquet": ray.data.read_parquet, "jsonl": ray.data.read_json, "csv": ray.data.read_csv}
     if os.path.exists(output_path) and not os.path.isdir(output_path):
         raise InvalidRequest("--output", f"{output_path} is a file: with --ray it names a folder of Parquet files")
     if os.path.isdir(output_path) and os.listdir(output_path):  # Ray appends: a second run would repeat every row
         raise InvalidRequest("--output", f"{output_path} is a folder that is not empty: give a new one")
+    shards = resolve_input(input_path, file_format,
+                           {name: _default_extensions(reader) for name, reader in readers.items()})
     check_model_source(options.get("model"))  # here in one line, not in every actor behind Ray's tracebacks
     columns = [options.get("query_column", "query"), options.get("document_column", "document")]
     score_column = options.get("score_column", "score")
-    paths, read_options, empty = _readable_shards(input_path, readers[suffix], suffix[1:], columns)
+    paths, read_options, empty = _readable_shards(shards, columns)
     if empty is not None:  # every shard empty: nothing for Ray to read or score
         _check_columns(empty.column_names, *columns, "the dataset")
         _write_empty(output_path, empty, score_column)
@@ -197,7 +198,7 @@ def score_file(input_path: str, output_path: str, **options: Any) -> None:
     context = ray.data.DataContext.get_current()
     raised_before, context.raise_original_map_exception = context.raise_original_map_exception, True
     try:
-        source = readers[suffix](paths, **read_options)
+        source = readers[shards.format](paths, **read_options)
         score_dataset(source, **options).write_parquet(output_path)
         if not _holds_files(output_path):  # no rows (Parquet files of none): Ray writes no file, not even the folder
             _write_empty(output_path, _empty_table(source, columns), score_column)
@@ -233,80 +234,36 @@ def _check_columns(columns: Sequence[str], query_column: str, document_column: s
             raise InvalidRequest(name, f"{where} has no column {value!r} (its columns: {list(columns)})")
 
 
-def _filesystem(path: str) -> tuple[Any, str]:
-    """The pyarrow filesystem of ``path`` (a URI such as ``s3://bucket/pairs``, or a local path) and the path on
-    it."""
-    import pyarrow.fs
-
-    if "://" in path:
-        return pyarrow.fs.FileSystem.from_uri(path)
-    return pyarrow.fs.LocalFileSystem(), os.path.abspath(path)
-
-
-def _readable_shards(input_path: str, reader: Any, file_format: str,
-                     columns: Sequence[str]) -> tuple[Any, dict[str, Any], Any]:
-    """What Ray's ``reader`` of ``file_format`` should read of ``input_path`` (a file or a folder of shards): the
-    paths, the reader's keyword arguments, and -- where every shard is empty -- the table of no rows they make
-    (else None). ``input_path`` itself where no shard is empty; else its non-empty files (with the filesystem of
-    a URI such as ``s3://...``). Files are listed as Ray lists them (``_listed``).
+def _readable_shards(shards: Shards, columns: Sequence[str]) -> tuple[Any, dict[str, Any], Any]:
+    """What Ray's reader should read of ``shards`` (``input_paths.resolve_input``'s): the paths, the reader's
+    keyword arguments, and -- where every shard is empty -- the table of no rows they make (else None). The paths
+    of ``shards`` where no shard is empty; else its non-empty files.
 
     A shard is empty as ``rerankit score`` without ``--ray`` reads it (``_shard_kind``): 0 bytes, JSONL of only
     whitespace, CSV of only blank lines or of only its header, Parquet of no rows. Ray's CSV reader fails on an
     empty CSV file, and where every JSONL or CSV file is empty the dataset has no columns; so they are left out.
     A Parquet file of no rows is left to Ray (its columns join the dataset's) unless every one is. A CSV header
-    that lacks ``columns`` is refused, as without ``--ray``. A path that cannot be listed or read here goes to
-    Ray as given, which names what is wrong."""
+    that lacks ``columns`` is refused, as without ``--ray``. Shards that could not be listed here go to Ray as
+    given, which names what is wrong."""
     import pyarrow
-    import pyarrow.fs
 
-    try:
-        filesystem, root = _filesystem(input_path)
-        files = _listed(filesystem, root, input_path, reader)
-    except (OSError, ValueError, pyarrow.ArrowException):
-        return input_path, {}, None
-    if files == []:  # Ray's own error is a traceback ending in "No input files found to read"
-        raise InvalidRequest("--input", f"{input_path} is a folder with no {file_format} file in it")
-    if files is None and isinstance(filesystem, pyarrow.fs.LocalFileSystem):  # Ray's: a FileNotFoundError traceback
-        raise InvalidRequest("--input", f"{input_path}: no such file or folder")
+    files, filesystem = shards.files, shards.filesystem
     if not files:
-        return input_path, {}, None
-    if file_format == "parquet":
-        return input_path, {}, _parquet_without_rows(filesystem, files)
+        return (*shards.reading(), None)
+    if shards.format == "parquet":
+        return (*shards.reading(), _parquet_without_rows(filesystem, files))
     with ThreadPoolExecutor(max_workers=min(16, len(files))) as pool:  # a remote shard: a request or two each
-        kinds = list(pool.map(lambda file: _shard_kind(filesystem, file[1], file_format, columns), files))
+        kinds = list(pool.map(lambda file: _shard_kind(filesystem, file[1], shards.format, columns), files))
     for (name, _), kind in zip(files, kinds):
         if isinstance(kind, pyarrow.Table):
             _check_columns(kind.column_names, *columns, name)
     kept = [info.path for (_, info), kind in zip(files, kinds) if kind is None]
     if len(kept) == len(files):
-        return input_path, {}, None
+        return (*shards.reading(), None)
     if not kept:
         headers = [kind for kind in kinds if isinstance(kind, pyarrow.Table)]
         return [], {}, headers[0] if headers else empty_texts(columns)
-    return kept, {} if isinstance(filesystem, pyarrow.fs.LocalFileSystem) else {"filesystem": filesystem}, None
-
-
-def _listed(filesystem: Any, root: str, input_path: str, reader: Any) -> list[tuple[str, Any]] | None:
-    """The files Ray's ``reader`` reads of ``root`` on ``filesystem`` (``input_path``), each as (its name for an
-    error, its pyarrow ``FileInfo``): a file, or a folder's files at any depth but those under a name beginning
-    with ``.`` or ``_``, of the reader's default file extensions (every file for CSV). None where ``root`` is
-    neither a file nor a folder (Ray names it)."""
-    import pyarrow.fs
-
-    found = filesystem.get_file_info(root)
-    if found.type == pyarrow.fs.FileType.File:
-        return [(input_path, found)]
-    if found.type != pyarrow.fs.FileType.Directory:
-        return None
-    base, extensions = root.rstrip("/"), _default_extensions(reader)
-    files = []
-    for info in sorted(filesystem.get_file_info(pyarrow.fs.FileSelector(root, recursive=True)),
-                       key=lambda info: info.path):
-        relative = info.path[len(base):].lstrip("/")
-        if info.is_file and info.path.startswith(base) and not relative.startswith((".", "_")) and (
-                extensions is None or info.path.lower().endswith(extensions)):
-            files.append((os.path.join(input_path, relative), info))
-    return files
+    return (*shards.reading(kept), None)
 
 
 def _default_extensions(reader: Any) -> tuple[str, ...] | None:
@@ -388,7 +345,7 @@ def _write_empty(output_path: str, table: Any, score_column: str) -> None:
     from rerankit.offline import with_scores
 
     try:
-        filesystem, folder = _filesystem(output_path)
+        filesystem, folder = filesystem_of(output_path)
         filesystem.create_dir(folder, recursive=True)
         parquet.write_table(with_scores(table, [], score_column), f"{folder.rstrip('/')}/{EMPTY_PART}",
                             filesystem=filesystem)
@@ -403,7 +360,7 @@ def _holds_files(output_path: str) -> bool:
     import pyarrow.fs
 
     try:
-        filesystem, folder = _filesystem(output_path)
+        filesystem, folder = filesystem_of(output_path)
         if filesystem.get_file_info(folder).type != pyarrow.fs.FileType.Directory:
             return False
         return any(info.is_file for info in filesystem.get_file_info(pyarrow.fs.FileSelector(folder, recursive=True)))
