@@ -7,7 +7,8 @@ a second (slowloris), keeps its socket for ever. ``guarded_protocol`` adds both 
 (httptools or h11). Over HTTPS, a socket still in its TLS handshake is counted too (``handshakes.py``), and its
 first request's header deadline counts from its accept: the handshake and those headers share one period; and a
 connection the server closes itself is let go ``TLS_CLOSE_WAIT_S`` after its close_notify at the most, answered or
-not (``_release_soon``).
+not (``_release_soon``). A newcomer over the limit makes one connection give way at the most: an HTTPS connection's
+room is found once, as its socket is accepted, and a connection that has given way no longer counts (``gave_way``).
 """
 
 from __future__ import annotations
@@ -47,13 +48,19 @@ class _ConnectionGuard:
     # ``make_room()``: this class's connections, and the ``handshakes``.
     waiting: dict[Any, None]
     handshakes: set[Any]  # HTTPS sockets whose TLS handshake is under way (``handshakes.Handshake``): counted too
-    # HTTPS connections the server has closed itself, whose sockets stay until their client answers the close_notify
-    # or ``TLS_CLOSE_WAIT_S`` passes (``_release_soon``), oldest first: still open, so counted, but the first to go
-    # when a connection over the limit needs room (``close_longest_waiting``).
+    # HTTPS connections the server has closed itself, other than to make room, whose sockets stay until their client
+    # answers the close_notify or ``TLS_CLOSE_WAIT_S`` passes (``_release_soon``), oldest first: still open, so
+    # counted, but the first to go when a connection over the limit needs room (``close_longest_waiting``).
     closing: dict[Any, None]
+    # Connections closed to make room for a newcomer, until they are gone (over TLS, up to ``TLS_CLOSE_WAIT_S``): their
+    # room is the newcomer's, so they no longer count, and they are never picked to make room again.
+    gave_way: set[Any]
     # The loop time the connection opened, where that was before ``connection_made``: an HTTPS socket's accept, set
     # by its ``Handshake``; None: it opens at ``connection_made`` (plain HTTP).
     opened_at: float | None = None
+    # Whether the connection's room was found as its socket was accepted (``Handshake``): it is not counted against
+    # the limit a second time, which would make a second connection give way for it.
+    has_room: bool = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
@@ -63,11 +70,11 @@ class _ConnectionGuard:
         # accept, so the TLS handshake spends the same period (a client dripping the handshake and then its headers
         # gets header_timeout_s in all, as over plain HTTP, not twice that).
         self._arm_header_deadline(self.opened_at)
-        # Counted as the connection opens: a connection let in is never refused later. Over the limit, the
-        # connection that has waited longest for a request makes room (idle sockets cannot lock clients out); the
-        # new one is refused only when every other connection has a request running.
-        open_now = len(self.connections) + len(self.handshakes)  # type: ignore[attr-defined]
-        if open_now > self.max_connections and not close_longest_waiting(self.waiting, self, self.closing):
+        # Counted as the connection opens (over HTTPS, as it was accepted): a connection let in is never refused
+        # later. Over the limit, the connection that has waited longest for a request makes room (idle sockets cannot
+        # lock clients out); the new one is refused only when every other connection has a request running.
+        if (not self.has_room and over_limit(type(self), self.connections)  # type: ignore[attr-defined]
+                and not close_longest_waiting(self.waiting, self, self.closing)):
             self.app = self.over_capacity
 
     def on_response_complete(self) -> None:
@@ -101,6 +108,7 @@ class _ConnectionGuard:
             self._release.cancel()
         self.waiting.pop(self, None)
         self.closing.pop(self, None)
+        self.gave_way.discard(self)
         super().connection_lost(exc)  # type: ignore[misc]
 
     def _arm_header_deadline(self, since: float | None = None) -> None:
@@ -159,11 +167,13 @@ class _ConnectionGuard:
     def make_room(self) -> bool:
         """Close this connection if it waits for a request (``close_longest_waiting``); False if it has one running."""
         if self._waiting_for_headers():
+            self.gave_way.add(self)
             self.transport.close()  # type: ignore[attr-defined]
             self._release_soon()
             return True
         if self._idle_since_armed() and self.transport.is_closing():  # type: ignore[attr-defined]
             # answered and closing, its client not reading the rest: nothing runs
+            self.gave_way.add(self)
             self.transport.abort()  # type: ignore[attr-defined]
             return True
         return False
@@ -192,22 +202,36 @@ class _ConnectionGuard:
                 or not self.transport.is_closing()):  # type: ignore[attr-defined]
             return
         self._release = self.loop.call_later(TLS_CLOSE_WAIT_S, self.release)  # type: ignore[attr-defined]
-        self.closing[self] = None
+        if self not in self.gave_way:
+            self.closing[self] = None
 
     def release(self) -> None:
         """Let the socket of this closed connection go now (``_release_soon``)."""
         self.closing.pop(self, None)
         self.transport.abort()  # type: ignore[attr-defined]
 
+    def give_way(self) -> None:
+        """Let this closed connection go now to make room for a newcomer (``close_longest_waiting``)."""
+        self.gave_way.add(self)
+        self.release()
+
+
+def over_limit(guard: Any, connections: set[Any]) -> bool:
+    """Whether more connections are open than the guarded protocol class ``guard`` allows: uvicorn's
+    ``connections`` and the HTTPS sockets in their TLS handshake, less those that have given way to a newcomer."""
+    open_now = len(connections) + len(guard.handshakes) - len(guard.gave_way & connections)
+    return open_now > guard.max_connections
+
 
 def close_longest_waiting(waiting: dict[Any, None], newest: Any, closing: dict[Any, None]) -> bool:
     """Close the connection of ``waiting`` that has waited longest for a request, other than ``newest`` (the last
     one in); False when none is waiting. A connection of ``closing`` (the guard's), already closed, goes first: its
-    socket is let go at once, and no connection that might still send a request is closed."""
+    socket is let go at once, and no connection that might still send a request is closed. Either gives way: it no
+    longer counts, and is not picked again (``gave_way``)."""
     if closing:
         connection = next(iter(closing))
         waiting.pop(connection, None)
-        connection.release()
+        connection.give_way()
         return True
     while waiting:
         connection = next(iter(waiting))
@@ -225,7 +249,7 @@ def guarded_protocol(config: ServerConfig, base: type[asyncio.Protocol] = AutoHT
     (the server's ``Metrics``) counts the 503s of connections over the limit."""
     attributes = {"max_connections": config.max_connections, "header_timeout_s": config.header_timeout_s,
                   "over_capacity": staticmethod(over_capacity_app(config, metrics)), "waiting": {},
-                  "handshakes": set(), "closing": {}}
+                  "handshakes": set(), "closing": {}, "gave_way": set()}
     return type(f"Guarded{base.__name__}", (_ConnectionGuard, base), attributes)
 
 

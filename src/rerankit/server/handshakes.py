@@ -8,7 +8,8 @@ among the connections waiting for a request (the one that has waited longest mak
 limit), while the loop's own TLS layer (``loop.connect_accepted_socket``) does the handshake within ``timeout_s``;
 then the guarded HTTP protocol takes the connection over, its first request's header deadline counted from the
 accept (``opened_at``): the handshake and those headers share one period, as the opening and the headers of a
-plain-HTTP connection do.
+plain-HTTP connection do. Its room is found at the accept (``has_room``): the protocol does not count it again, so
+that one newcomer never makes two connections give way.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import socket
 import ssl
 from typing import Any, Callable
 
-from rerankit.server.connections import close_longest_waiting
+from rerankit.server.connections import close_longest_waiting, over_limit
 
 log = logging.getLogger("rerankit.server")
 
@@ -80,10 +81,9 @@ class Handshake:
         self.accepted_at = asyncio.get_running_loop().time()  # the first request's header deadline counts from here
         guard.handshakes.add(self)
         guard.waiting[self] = None
-        if len(connections) + len(guard.handshakes) > guard.max_connections:
-            # None waiting (every other connection has a request running): this one stays, and once its handshake
-            # is done it is answered 503 as any connection over the limit, unless one waits by then.
-            close_longest_waiting(guard.waiting, self, guard.closing)
+        # False: none was waiting (every other connection has a request running). This one stays, and once its
+        # handshake is done it is answered 503 as any connection over the limit, unless one waits or has gone by then.
+        self.has_room = not over_limit(guard, connections) or close_longest_waiting(guard.waiting, self, guard.closing)
         self.task = asyncio.get_running_loop().create_task(self._handshake(context, timeout_s))
 
     def make_room(self) -> bool:
@@ -105,6 +105,7 @@ class Handshake:
         self._uncount()  # before the HTTP protocol counts the connection itself
         protocol = self.http_protocol()
         protocol.opened_at = self.accepted_at  # type: ignore[attr-defined]  # the guard's header deadline
+        protocol.has_room = self.has_room  # type: ignore[attr-defined]  # not counted a second time
         transport.set_protocol(protocol)
         protocol.connection_made(transport)
 
