@@ -66,6 +66,7 @@ class _ConnectionGuard:
         super().connection_made(transport)  # type: ignore[misc]
         self._header_deadline: asyncio.TimerHandle | None = None
         self._release: asyncio.TimerHandle | None = None  # ``_release_soon``'s abort
+        self._client_ended = False  # the client has closed its side (``eof_received``)
         # The first request's headers are due header_timeout_s after the connection opened: over HTTPS, after its
         # accept, so the TLS handshake spends the same period (a client dripping the handshake and then its headers
         # gets header_timeout_s in all, as over plain HTTP, not twice that).
@@ -81,23 +82,44 @@ class _ConnectionGuard:
         # Armed before uvicorn starts a pipelined request that may already be waiting: its cycle then differs.
         self._arm_header_deadline()
         super().on_response_complete()  # type: ignore[misc]
+        # after the client's end of the stream, uvicorn has started the next request sent before it, if any
+        transport = self.transport  # type: ignore[attr-defined]
+        if self._client_ended and not transport.is_closing() and not self._answer_then_close():
+            transport.close()
 
     def eof_received(self) -> bool | None:
         """The client has closed its side (``shutdown(SHUT_WR)``: ``nc -N``, some health checkers). uvicorn closes
-        the connection at once, dropping the answer: a request whose body is whole is now answered, then the
-        connection closes, and an answer not begun yet says so (``Connection: close``, RFC 9112 section 9.6). Not on
-        a scoring route: there the end of the stream is how a client that left (a timeout, close()) is told from one
-        that waits, and its work is cancelled (``disconnect.py``); the two cannot be told apart before an answer is
-        written. Nor over TLS, whose layer closes in any case."""
-        cycle = self.cycle  # type: ignore[attr-defined]  # httptools: the newest request, behind any pipelined
-        if (cycle is None or cycle.response_complete or cycle.more_body or cycle.scope.get("path") in ROUTES
-                or self.scheme == "https"):  # type: ignore[attr-defined]
-            return None  # the transport closes
+        the connection at once, dropping the answers: each whole request sent before that end is now answered in
+        turn, then the connection closes (RFC 9112 sections 9.3 and 9.6; ``_answer_then_close``)."""
+        self._client_ended = True
+        return True if self._answer_then_close() else None  # None: the transport closes
+
+    def _answer_then_close(self) -> bool:
+        """Whether the connection stays open, after the client's end of the stream, to answer what it sent before:
+        asked at that end and after each answer. While requests sent behind the one being answered wait for it, yes;
+        then the end applies to the last request: a whole one is answered and the connection closes after it (an
+        answer not begun yet says ``Connection: close``), except on a scoring route, where the end of the stream is
+        how a client that left (a timeout, close()) is told from one that waits, and its work is cancelled
+        (``disconnect.py``): the two cannot be told apart before an answer is written. Never over TLS, whose layer
+        closes in any case."""
+        cycle = self.cycle  # type: ignore[attr-defined]  # httptools: the newest request, h11: the one answered
+        if self.scheme == "https" or cycle is None:  # type: ignore[attr-defined]
+            return False
+        if getattr(self, "pipeline", None):  # httptools: requests it parsed wait behind the one being answered
+            return True
+        if cycle.response_complete or cycle.more_body:  # answered, or not whole: nothing more to answer
+            return False
+        conn = getattr(self, "conn", None)  # h11 parses a request sent behind only once this one is answered
+        if conn is not None and conn.trailing_data[0]:
+            return True
+        if cycle.scope.get("path") in ROUTES:
+            return False
         cycle.keep_alive = False  # closed once answered
-        if not cycle.response_started:
+        if not cycle.response_started and CONNECTION_CLOSE not in cycle.default_headers:
             # Both protocols write the cycle's default headers first in its answer. uvicorn's httptools protocol
             # writes the header for keep_alive alone; h11 (the library) only for its own keep-alive state, which
-            # keep_alive does not reach. Among the defaults, the header is in the answer once either way.
+            # keep_alive does not reach. Among the defaults, the header is in the answer once either way; asked
+            # again (the end of the stream is read again when reading resumes), it is not added twice.
             cycle.default_headers = [*cycle.default_headers, CONNECTION_CLOSE]
         return True
 
