@@ -237,6 +237,32 @@ class CohereError(Strict):
     message: str
 
 
+# Jina AI /v1/rerank ------------------------------------------------------------------------------------
+
+class JinaRerankRequest(Strict):
+    model: str
+    query: str
+    documents: list[Union[str, dict[str, Any]]]
+    top_n: int | None = None
+    return_documents: bool | None = None
+
+
+class JinaUsage(Strict):
+    total_tokens: int
+
+
+class JinaRerankResponse(Strict):
+    """No ``id``, no Cohere ``meta``."""
+
+    model: str
+    usage: JinaUsage
+    results: list[CohereRerankResult]
+
+
+class JinaError(Strict):
+    detail: str
+
+
 # text-embeddings-inference /rerank ----------------------------------------------------------------------
 
 class TeiRerankRequest(Strict):
@@ -349,20 +375,20 @@ class VoyageError(Strict):
 REQUEST_MODELS: dict[str, type[BaseModel]] = {
     "vllm-generative": VllmGenerativeScoringRequest, "vllm-score": VllmScoreRequest,
     "vllm-rerank": VllmRerankRequest, "sglang-score": SglangScoreRequest, "sglang-rerank": SglangRerankRequest,
-    "cohere": CohereRerankRequest, "tei": TeiRerankRequest, "infinity": InfinityRerankRequest,
-    "nim": NimRankingRequest, "voyage": VoyageRerankRequest,
+    "cohere": CohereRerankRequest, "jina": JinaRerankRequest, "tei": TeiRerankRequest,
+    "infinity": InfinityRerankRequest, "nim": NimRankingRequest, "voyage": VoyageRerankRequest,
 }
 RESPONSE_MODELS: dict[str, type[BaseModel]] = {
     "vllm-generative": VllmScoreResponse, "vllm-score": VllmScoreResponse, "vllm-rerank": VllmRerankResponse,
     "sglang-score": SglangScoreResponse, "sglang-rerank": SglangRerankResponse, "cohere": CohereRerankResponse,
-    "tei": TeiRerankResponse, "infinity": InfinityRerankResponse, "nim": NimRankingResponse,
-    "voyage": VoyageRerankResponse,
+    "jina": JinaRerankResponse, "tei": TeiRerankResponse, "infinity": InfinityRerankResponse,
+    "nim": NimRankingResponse, "voyage": VoyageRerankResponse,
 }
 ERROR_MODELS: dict[str, type[BaseModel]] = {
     "vllm-generative": VllmError, "vllm-score": VllmError, "vllm-rerank": VllmError, "sglang-score": SglangError,
-    "sglang-rerank": SglangError, "cohere": CohereError, "tei": TeiError, "infinity": VllmError,
+    "sglang-rerank": SglangError, "cohere": CohereError, "jina": JinaError, "tei": TeiError, "infinity": VllmError,
     "nim": VllmError,  # NIM documents no error body of its own: rerankit's (vLLM's shape)
     "voyage": VoyageError,
 }
 # Wire responses whose results come sorted by score, best first.
-SORTED_RESPONSES = frozenset({"vllm-rerank", "sglang-rerank", "cohere", "tei", "infinity", "nim", "voyage"})
+SORTED_RESPONSES = frozenset({"vllm-rerank", "sglang-rerank", "cohere", "jina", "tei", "infinity", "nim", "voyage"})

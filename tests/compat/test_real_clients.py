@@ -190,6 +190,8 @@ def test_litellm_rerank(url, local, provider, monkeypatch):
                            api_key="unused")
     assert_ranked([(r["index"], r["relevance_score"]) for r in reply.results], true_scores(local), top_n=3)
     assert [r["document"]["text"] for r in reply.results] == [DOCS[r["index"]] for r in reply.results]
+    if provider == "jina_ai":  # Jina's answer: its tokens, which LiteLLM bills
+        assert reply.meta["billed_units"]["total_tokens"] > 0
 
 
 def raw_scores(local: Reranker, documents: list[str] = DOCS) -> list[float]:

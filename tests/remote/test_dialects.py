@@ -14,7 +14,7 @@ from rerankit.remote.dialects import DIALECTS, get_dialect, read_error
 from rerankit.schema import ScoreRequest, ScoreResponse, ScoreResult, Usage
 
 DOCS = ["Paris is the capital of France.", "Berlin is in Germany.", "Bananas are yellow.", "Lyon is a city."]
-TEXT_DIALECTS = ("vllm-score", "vllm-rerank", "sglang-rerank", "cohere", "tei")
+TEXT_DIALECTS = ("vllm-score", "vllm-rerank", "sglang-rerank", "cohere", "jina", "tei")
 LABEL_DIALECTS = ("vllm-generative", "sglang-score")
 
 
@@ -115,7 +115,8 @@ for _name in TEXT_DIALECTS:
                  (_name, "query", [1, 2, 3]), (_name, "items", [[1, 2], [3]])]
 REFUSALS += [("vllm-score", "truncation", "start"), ("vllm-rerank", "add_special_tokens", False),
              ("cohere", "instruction", "x"), ("tei", "instruction", "x"), ("tei", "max_tokens_per_item", 32),
-             ("sglang-rerank", "max_tokens_per_item", 32), ("cohere", "truncation", "start")]
+             ("sglang-rerank", "max_tokens_per_item", 32), ("cohere", "truncation", "start"),
+             ("jina", "instruction", "x"), ("jina", "max_tokens_per_item", 32), ("jina", "truncation", "start")]
 
 
 @pytest.mark.parametrize(("name", "field", "value"), REFUSALS)
@@ -335,7 +336,8 @@ def test_sglang_score_answers_every_label_probability():
 def test_documents_come_back_only_when_asked(name):
     dialect = get_dialect(name)
     request = request_for(name)
-    flag = {"sglang-rerank": "return_documents", "cohere": "return_documents", "tei": "return_text",
+    flag = {"sglang-rerank": "return_documents", "cohere": "return_documents", "jina": "return_documents",
+            "tei": "return_text",
             "infinity": "return_documents", "voyage": "return_documents"}[name]
     field = "texts" if name == "tei" else "documents"
     scored = response_for(request, [0.1, 0.2, 0.3, 0.4])
@@ -453,7 +455,7 @@ PICKS = [
     ("/v1/rerank", {**BARE, "model": "m"}, {"x-fern-sdk-name": "cohere"}, None, "cohere"),
     ("/v1/rerank", {**BARE, "rank_fields": ["text"]}, None, None, "cohere"),
     ("/v1/rerank", {**BARE, "max_chunks_per_doc": 2}, None, None, "cohere"),
-    ("/v1/rerank", {**BARE, "model": "m", "return_documents": True, "top_n": 2}, None, None, "cohere"),  # Jina
+    ("/v1/rerank", {**BARE, "model": "m", "return_documents": True, "top_n": 2}, None, None, "jina"),
     ("/v1/rerank", {**BARE, "return_documents": False}, None, None, "sglang-rerank"),
     ("/v1/rerank", {**BARE, "instruct": "be strict", "model": "m"}, None, None, "sglang-rerank"),
     ("/v1/rerank", {**BARE, "model": "m", "return_documents": False, "raw_scores": False, "top_n": 2}, None, None,
@@ -469,7 +471,10 @@ PICKS = [
     ("/rerank", {**BARE, "return_documents": True, "model": "m"}, None, None, "infinity"),  # LiteLLM's infinity/
     ("/v1/rerank", {**BARE, "model": "m", "top_k": None, "truncation": True}, None, None, "voyage"),  # voyageai
     ("/v1/rerank", {**BARE, "model": "m", "top_k": 1}, None, None, "voyage"),
-    ("/v1/rerank", {**BARE, "model": "m", "top_n": 1, "return_documents": True}, None, None, "cohere"),  # LiteLLM
+    # LiteLLM's jina_ai provider; its azure_ai and litellm_proxy ones send the same body, meaning Cohere's v1 API
+    ("/v1/rerank", {**BARE, "model": "m", "top_n": 1, "return_documents": True}, None, None, "jina"),
+    ("/v1/rerank", {**BARE, "model": "m", "return_documents": True}, {"x-fern-sdk-name": "cohere"}, None, "cohere"),
+    ("/v1/rerank", {**BARE, "model": "m", "return_documents": True, "rank_fields": ["text"]}, None, None, "cohere"),
     # a field of one dialect alone outweighs shared ones (return_documents is SGLang's, Infinity's, Cohere's...)
     ("/v1/rerank", {**BARE, "top_k": 1, "return_documents": True}, None, None, "voyage"),
     ("/v1/rerank", {**BARE, "model": "rerank-2", "top_k": 1, "truncation": True, "return_documents": True}, None, None,
@@ -629,6 +634,7 @@ GOOD_BODIES = {
     "sglang-score": {"query": "q", "items": ["a", "b"], "label_token_ids": [5, 6]},
     "sglang-rerank": {"query": "q", "documents": ["a", "b"]},
     "cohere": {"model": "m", "query": "q", "documents": ["a", "b"]},
+    "jina": {"model": "m", "query": "q", "documents": ["a", "b"]},
     "tei": {"query": "q", "texts": ["a", "b"]},
     "infinity": {"query": "q", "documents": ["a", "b"]},
     "nim": {"model": "m", "query": {"text": "q"}, "passages": [{"text": "a"}, {"text": "b"}]},

@@ -168,7 +168,7 @@ CE_CASES = [
     ("sglang-rerank", "/v1/rerank", {}, {"query": QUERY, "documents": DOCS, "return_documents": False, "top_n": 3},
      "sglang-rerank", {}, 3, False),
     ("jina", "/v1/rerank", {}, {"model": "m", "query": QUERY, "documents": DOCS, "top_n": 2,
-                                "return_documents": True}, "cohere", {}, 2, False),
+                                "return_documents": True}, "jina", {}, 2, False),
     ("cohere-v1-fields", "/v1/rerank", COHERE_SDK, {"model": "m", "query": QUERY, "documents": TITLED,
                                                     "rank_fields": ["title", "text"], "return_documents": True},
      "cohere", {"items": [f"title: Doc {i}\ntext: {text}" for i, text in enumerate(DOCS)]}, None, False),

@@ -53,7 +53,9 @@ def test_every_dialect_path_is_served():
     ("/rerank", {"query": "q", "texts": ["a", "bb"]}, "tei-list"),
     ("/v1/rerank", {"query": "q", "documents": ["a", "bb"]}, "vllm-results"),
     ("/v1/rerank", {"query": "q", "documents": ["a", "bb"], "return_documents": False}, "sglang-list"),
-    ("/v1/rerank", {"model": "m", "query": "q", "documents": ["a", "bb"], "return_documents": True}, "cohere"),
+    ("/v1/rerank", {"model": "m", "query": "q", "documents": ["a", "bb"], "return_documents": True}, "jina"),
+    ("/v1/rerank", {"model": "m", "query": "q", "documents": ["a", "bb"], "return_documents": True,
+                    "rank_fields": ["text"]}, "cohere"),
     ("/v2/rerank", {"model": "m", "query": "q", "documents": ["a", "bb"]}, "cohere"),
     ("/v2/rerank", {"query": "q", "documents": ["a", "bb"], "truncate_prompt_tokens": -1}, "vllm-results"),
 ])
@@ -69,6 +71,9 @@ def test_body_shape_picks_the_dialect_that_answers(client, path, body, shape):
         assert [entry["index"] for entry in payload["results"]] == [1, 0] and "usage" in payload
     elif shape == "cohere":
         assert [entry["index"] for entry in payload["results"]] == [1, 0] and "meta" in payload
+    elif shape == "jina":  # Jina's own fields: no id, no Cohere meta (billed search units)
+        assert sorted(payload) == ["model", "results", "usage"] and payload["usage"] == {"total_tokens": 3}
+        assert [entry["document"] for entry in payload["results"]] == [{"text": "bb"}, {"text": "a"}]
     else:
         assert isinstance(payload, list) and [entry["index"] for entry in payload] == [1, 0]
 

@@ -60,7 +60,8 @@ def test_sglang_label_logprobs_round_trip(lm, lm_url, label_ids):
 
 # Dialects whose wire carries token counts (TEI and SGLang's /v1/rerank carry none).
 @pytest.mark.parametrize("dialect, tokens", [("vllm-score", True), ("vllm-rerank", True), ("sglang-score", True),
-                                             ("sglang-rerank", False), ("cohere", True), ("tei", False),
+                                             ("sglang-rerank", False), ("cohere", True), ("jina", True),
+                                             ("tei", False),
                                              ("nim", False), ("voyage", True)])
 async def test_cross_encoder_dialects_round_trip_to_embedded_scores(ce, ce_url, dialect, tokens):
     request = ScoreRequest(query=QUERY, items=DOCS)
@@ -115,7 +116,8 @@ def wire_results(payload) -> list[tuple[int, float]]:
 @pytest.mark.parametrize("name, path, options", [
     ("vllm-rerank", "/rerank", {}), ("vllm-rerank", "/v1/rerank", {}),
     ("sglang-rerank", "/v1/rerank", {"return_documents": True}),
-    ("cohere", "/v2/rerank", {"model": "tiny-ce"}), ("cohere", "/v1/rerank", {"model": "m", "return_documents": True}),
+    ("cohere", "/v2/rerank", {"model": "tiny-ce"}), ("jina", "/v1/rerank", {"model": "m", "return_documents": True}),
+    ("cohere", "/v1/rerank", {"model": "m", "return_documents": True, "rank_fields": ["text"]}),
 ])
 def test_rerank_routes_return_the_top_n_best_first(ce, ce_url, name, path, options):
     best = ce.score(ScoreRequest(query=QUERY, items=DOCS)).ranked(2)

@@ -28,7 +28,7 @@ class RemoteBackend:
     ``dialect``: one of ``rerankit.remote.dialects.DIALECTS``; discovered from the server when None.
     ``served_model``: the server's model, sent as the body's ``model`` where the dialect has one (Cohere requires
     it); when None, the first model of the server's ``/v1/models`` (none sent if it lists none).
-    ``path``: post there instead of the dialect's default route (e.g. ``/v1/rerank`` for Jina).
+    ``path``: post there instead of the dialect's default route (e.g. ``/v1/rerank`` for Cohere's v1 API).
     ``deadline``: seconds a whole call may take, every try and endpoint included (None: no bound).
     ``timeout``: a ``Timeout``, or the seconds one try may take. Other options: see ``ClientConfig``.
     """

@@ -11,7 +11,7 @@ from rerankit.request_ids import usable_request_id
 from rerankit.schema import ScoreRequest
 
 # The dialects that answer /rerank, /v1/rerank or /v2/rerank (rerankit.server.routes.ROUTES).
-RERANK_DIALECTS = ("vllm-rerank", "tei", "infinity", "sglang-rerank", "cohere", "voyage")
+RERANK_DIALECTS = ("vllm-rerank", "tei", "infinity", "sglang-rerank", "cohere", "jina", "voyage")
 
 
 @dataclass(frozen=True)

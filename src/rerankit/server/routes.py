@@ -10,7 +10,8 @@ fields they do not know and so bodies cannot be told apart by their fields alone
    claim the most fields (a tie goes to the default if it is tied, else to the path's order). So
    ``rank_fields``/``max_chunks_per_doc`` are Cohere v1's and ``top_k``/``truncation`` Voyage's whatever else the
    body holds (``return_documents`` too), ``raw_scores`` Infinity's (with ``texts`` TEI's), ``instruct`` or
-   ``return_documents`` alone SGLang's, ``return_documents`` with ``model`` Jina's (Cohere-style),
+   ``return_documents`` alone SGLang's, ``return_documents`` with ``model`` Jina's (a body Cohere's v1 API takes
+   too: without the SDK's header or a field of Cohere's alone, it is answered as Jina answers),
    ``truncate_prompt_tokens``, ``padding``... vLLM's, ``queries``/``text_1`` on ``/v1/score`` vLLM's and
    ``query``/``label_token_ids`` there SGLang's;
 3. else (a bare ``query``, ``documents``, maybe ``model`` and ``top_n``: truly ambiguous) the default: the server's
@@ -58,7 +59,7 @@ ROUTES: dict[str, tuple[str, ...]] = {
     "/score": ("vllm-score",),
     "/v1/score": ("sglang-score", "vllm-score"),
     "/rerank": ("vllm-rerank", "tei", "infinity"),
-    "/v1/rerank": ("vllm-rerank", "sglang-rerank", "cohere", "infinity", "voyage"),
+    "/v1/rerank": ("vllm-rerank", "sglang-rerank", "cohere", "jina", "infinity", "voyage"),
     "/v2/rerank": ("cohere", "vllm-rerank"),
     "/v1/ranking": ("nim",),
     "/ranking": ("nim",),

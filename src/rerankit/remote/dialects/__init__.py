@@ -10,6 +10,7 @@ from rerankit.errors import InvalidRequest
 from rerankit.remote.dialects.cohere import COHERE
 from rerankit.remote.dialects.common import Dialect, read_error
 from rerankit.remote.dialects.infinity import INFINITY
+from rerankit.remote.dialects.jina import JINA
 from rerankit.remote.dialects.nim import NIM
 from rerankit.remote.dialects.sglang import SGLANG_RERANK, SGLANG_SCORE
 from rerankit.remote.dialects.tei import TEI
@@ -18,8 +19,8 @@ from rerankit.remote.dialects.voyage import VOYAGE
 
 DIALECTS: dict[str, Dialect] = {
     dialect.name: dialect
-    for dialect in (VLLM_GENERATIVE, VLLM_SCORE, VLLM_RERANK, SGLANG_SCORE, SGLANG_RERANK, COHERE, TEI, INFINITY,
-                    NIM, VOYAGE)
+    for dialect in (VLLM_GENERATIVE, VLLM_SCORE, VLLM_RERANK, SGLANG_SCORE, SGLANG_RERANK, COHERE, JINA, TEI,
+                    INFINITY, NIM, VOYAGE)
 }
 
 

@@ -1,4 +1,5 @@
-"""Cohere-style rerank: Cohere's ``/v2/rerank`` and ``/v1/rerank`` (its v1 API, and Jina's).
+"""Cohere-style rerank: Cohere's ``/v2/rerank`` and ``/v1/rerank`` (its v1 API; Jina's, which takes a subset of
+this body, answers in its own shape: ``jina.py``).
 
 Results come sorted by ``relevance_score``; the client puts them back in input order by ``index``. Cohere v1
 takes documents as objects too: ``rank_fields`` names the fields scored, which are joined as ``field: value``
@@ -184,5 +185,6 @@ COHERE = Dialect(
         "encode_response": encode_v1_response}},
     wire_names={"items": "documents", "max_tokens_per_item": "max_tokens_per_doc",
                 "long_documents": "max_chunks_per_doc", "long_document_max_windows": "max_chunks_per_doc"},
-    # Fields only Cohere v1 has; a Jina client sends return_documents with model (SGLang's body has no model).
-    markers=(frozenset({"rank_fields"}), frozenset({"max_chunks_per_doc"}), frozenset({"model", "return_documents"})))
+    # Fields only Cohere v1 has; its SDKs say who they are (routes.SDK_HEADERS). Without either, model with
+    # return_documents is what Jina's clients send (jina.py), and a Cohere v1 client not using an SDK too.
+    markers=(frozenset({"rank_fields"}), frozenset({"max_chunks_per_doc"})))
