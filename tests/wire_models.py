@@ -252,11 +252,14 @@ class JinaUsage(Strict):
 
 
 class JinaRerankResponse(Strict):
-    """No ``id``, no Cohere ``meta``."""
+    """Jina's reply (``model``, ``usage``, ``results``) within Cohere v1's (``id``, ``meta``): a Cohere v1 client
+    without the SDK sends the same body."""
 
+    id: str
     model: str
     usage: JinaUsage
     results: list[CohereRerankResult]
+    meta: dict[str, Any]
 
 
 class JinaError(Strict):

@@ -192,6 +192,8 @@ def test_litellm_rerank(url, local, provider, monkeypatch):
     assert [r["document"]["text"] for r in reply.results] == [DOCS[r["index"]] for r in reply.results]
     if provider == "jina_ai":  # Jina's answer: its tokens, which LiteLLM bills
         assert reply.meta["billed_units"]["total_tokens"] > 0
+    elif provider != "infinity":  # Cohere's, the same body without the SDK (azure_ai, litellm_proxy) included
+        assert reply.meta["billed_units"]["search_units"] == 1
 
 
 def raw_scores(local: Reranker, documents: list[str] = DOCS) -> list[float]:

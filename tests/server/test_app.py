@@ -71,8 +71,9 @@ def test_body_shape_picks_the_dialect_that_answers(client, path, body, shape):
         assert [entry["index"] for entry in payload["results"]] == [1, 0] and "usage" in payload
     elif shape == "cohere":
         assert [entry["index"] for entry in payload["results"]] == [1, 0] and "meta" in payload
-    elif shape == "jina":  # Jina's own fields: no id, no Cohere meta (billed search units)
-        assert sorted(payload) == ["model", "results", "usage"] and payload["usage"] == {"total_tokens": 3}
+    elif shape == "jina":  # Jina's fields, within Cohere v1's (whose client may send the same body)
+        assert sorted(payload) == ["id", "meta", "model", "results", "usage"] and payload["usage"] == {"total_tokens": 3}
+        assert payload["meta"]["billed_units"] == {"search_units": 1} and payload["meta"]["api_version"] == {"version": "1"}
         assert [entry["document"] for entry in payload["results"]] == [{"text": "bb"}, {"text": "a"}]
     else:
         assert isinstance(payload, list) and [entry["index"] for entry in payload] == [1, 0]

@@ -2,21 +2,22 @@
 Cohere's v1 body, read with its model), ``{"model", "usage": {"total_tokens"}, "results"}`` out, results sorted by
 ``relevance_score``, each document echoed as ``{"text": ...}`` when asked; errors as ``{"detail": ...}``.
 
-Jina's reply has no ``id`` and no ``meta``: Cohere's billed search units mean nothing to a Jina client, which is
-billed by tokens (LiteLLM's ``jina_ai`` provider reads ``usage.total_tokens``).
+Jina's body is also what a Cohere v1 client sends without the SDK's header (LiteLLM's ``azure_ai`` and
+``litellm_proxy`` providers), and nothing in it tells the two apart. So the reply is Cohere v1's (``id``,
+``meta.billed_units``) with Jina's ``model`` and ``usage`` added: each client reads its own fields (LiteLLM's
+``jina_ai`` provider bills ``usage.total_tokens``, its Cohere ones ``meta.billed_units``), and neither loses any.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from rerankit.remote.dialects.cohere import COHERE, RerankBody, echoed_documents, parse_request
+from rerankit.remote.dialects.cohere import COHERE, RerankBody, echoed_documents, encode_v1_response, parse_request
 from rerankit.remote.dialects.common import (
     Dialect,
     in_input_order,
     param_first,
     prompt_tokens_of,
-    ranked_results,
     refuse_for_own_head,
     response,
     with_model,
@@ -43,10 +44,12 @@ def decode_response(body: Any, request: ScoreRequest, model: str | None = None) 
 
 def encode_response(response_: ScoreResponse, request: ScoreRequest, model: str | None = None,
                     documents: list[Any] | None = None) -> dict[str, Any]:
-    """Jina's reply: the model, the tokens read (``usage.total_tokens``), results best first cut to ``top_n``."""
-    results = ranked_results(response_, request, "relevance_score", "document.text", documents)
-    return {"model": model or response_.model, "usage": {"total_tokens": response_.usage.prompt_tokens},
-            "results": results}
+    """Jina's reply (the model, the tokens read as ``usage.total_tokens``, results best first cut to ``top_n``)
+    within Cohere v1's (``id``, ``meta``), whose client may have sent the same body."""
+    reply = encode_v1_response(response_, request, model, documents)
+    return {"id": reply["id"], "model": model or response_.model,
+            "usage": {"total_tokens": response_.usage.prompt_tokens}, "results": reply["results"],
+            "meta": reply["meta"]}
 
 
 def error_body(status: int, message: str, param: str | None = None, kind: str | None = None) -> dict[str, Any]:
