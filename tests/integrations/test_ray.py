@@ -387,3 +387,26 @@ def test_score_ray_names_an_input_with_no_file_to_read_in_one_line(cluster, tmp_
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert code == 2 and len(errors) == 1 and "--input" in errors[0] and "Traceback" not in err, err[-2000:]
 
+
+
+def test_score_ray_refuses_a_remote_output_folder_that_is_not_empty(tmp_path, monkeypatch) -> None:
+    """``s3://bucket/out`` holding an earlier run's files is refused as a local folder is (Ray would add its files
+    beside them), before Ray starts; an empty or new prefix, or one that cannot be listed, is not."""
+    import pyarrow.fs
+
+    from rerankit.integrations import ray as ray_integration
+
+    bucket = pyarrow.fs._MockFileSystem()
+    bucket.create_dir("bucket/out")
+    with bucket.open_output_stream("bucket/out/part-0.parquet") as stream:
+        stream.write(b"earlier run")
+    with bucket.open_output_stream("bucket/file.parquet") as stream:
+        stream.write(b"a file")
+    monkeypatch.setattr(ray_integration, "filesystem_of", lambda uri: (bucket, uri.split("://", 1)[1]))
+    with pytest.raises(InvalidRequest, match="--output: s3://bucket/out is a folder that is not empty"):
+        ray_integration._check_output("s3://bucket/out")
+    with pytest.raises(InvalidRequest, match="--output: s3://bucket/file.parquet is a file"):
+        ray_integration._check_output("s3://bucket/file.parquet")
+    ray_integration._check_output("s3://bucket/new")  # nothing there yet
+    monkeypatch.setattr(ray_integration, "filesystem_of", lambda uri: (_ for _ in ()).throw(OSError("no credentials")))
+    ray_integration._check_output("s3://bucket/out")  # left to Ray

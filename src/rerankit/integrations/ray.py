@@ -172,10 +172,7 @@ def score_file(input_path: str, output_path: str, *, file_format: str | None = N
     import ray
 
     readers = {"parquet": ray.data.read_parquet, "jsonl": ray.data.read_json, "csv": ray.data.read_csv}
-    if os.path.exists(output_path) and not os.path.isdir(output_path):
-        raise InvalidRequest("--output", f"{output_path} is a file: with --ray it names a folder of Parquet files")
-    if os.path.isdir(output_path) and os.listdir(output_path):  # Ray appends: a second run would repeat every row
-        raise InvalidRequest("--output", f"{output_path} is a folder that is not empty: give a new one")
+    _check_output(output_path)
     shards = resolve_input(input_path, file_format,
                            {name: _default_extensions(reader) for name, reader in readers.items()})
     check_model_source(options.get("model"))  # here in one line, not in every actor behind Ray's tracebacks
@@ -351,6 +348,26 @@ def _write_empty(output_path: str, table: Any, score_column: str) -> None:
                             filesystem=filesystem)
     except OSError as exc:
         raise InvalidRequest("--output", f"cannot write {output_path}: {exc}") from None
+
+
+def _check_output(output_path: str) -> None:
+    """``InvalidRequest`` naming ``--output`` where ``output_path`` (local or a URI such as ``s3://bucket/out``) is
+    a file, or a folder that holds anything: Ray adds its files beside those there, so a second run would repeat
+    every row. A path that cannot be listed here (no credentials yet) is left to Ray."""
+    import pyarrow
+    import pyarrow.fs
+
+    try:
+        filesystem, folder = filesystem_of(output_path)
+        kind = filesystem.get_file_info(folder).type
+        held = kind == pyarrow.fs.FileType.Directory and bool(
+            filesystem.get_file_info(pyarrow.fs.FileSelector(folder, recursive=False)))
+    except (OSError, ValueError, pyarrow.ArrowException):
+        return
+    if kind == pyarrow.fs.FileType.File:
+        raise InvalidRequest("--output", f"{output_path} is a file: with --ray it names a folder of Parquet files")
+    if held:
+        raise InvalidRequest("--output", f"{output_path} is a folder that is not empty: give a new one")
 
 
 def _holds_files(output_path: str) -> bool:
