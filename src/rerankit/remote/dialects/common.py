@@ -380,6 +380,12 @@ def param_first(message: str, param: str | None) -> str:
     return message if param is None or message.startswith(param) else f"{param}: {message}"
 
 
+def detail_error(status: int, message: str, param: str | None = None, kind: str | None = None) -> dict[str, Any]:
+    """``{"detail": message}``, the field (when known) leading the message: the error body of Jina, Voyage AI and
+    FastAPI's own errors."""
+    return {"detail": param_first(message, param)}
+
+
 def read_error(body: Any) -> tuple[str | None, str | None]:
     """Message and param of an error body in any dialect's format (vLLM, SGLang, Cohere, TEI, FastAPI)."""
     if not isinstance(body, dict):

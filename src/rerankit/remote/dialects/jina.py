@@ -16,7 +16,7 @@ from rerankit.remote.dialects.cohere import COHERE, RerankBody, echoed_documents
 from rerankit.remote.dialects.common import (
     Dialect,
     in_input_order,
-    param_first,
+    detail_error,
     prompt_tokens_of,
     refuse_for_own_head,
     response,
@@ -52,15 +52,10 @@ def encode_response(response_: ScoreResponse, request: ScoreRequest, model: str 
             "meta": reply["meta"]}
 
 
-def error_body(status: int, message: str, param: str | None = None, kind: str | None = None) -> dict[str, Any]:
-    """Jina's ``{"detail": ...}`` (the field, when known, leads the message)."""
-    return {"detail": param_first(message, param)}
-
-
 JINA = Dialect(
     name="jina", paths=("/v1/rerank",), max_items=1000,
     encode_request=encode_request, decode_response=decode_response, parse_request=parse_request,
-    encode_response=encode_response, error_body=error_body, request_body=RerankBody,
+    encode_response=encode_response, error_body=detail_error, request_body=RerankBody,
     echoed_documents=echoed_documents, requires_model=True,
     wire_names=COHERE.wire_names,
     # What Jina's clients send (LiteLLM's jina_ai, LangChain's JinaRerank): model with return_documents. Cohere's v1

@@ -21,7 +21,7 @@ from rerankit.remote.dialects.common import (
     build_request,
     echoed,
     in_input_order,
-    param_first,
+    detail_error,
     parse_wire,
     ranked_results,
     refuse_for_own_head,
@@ -83,14 +83,9 @@ def echoed_documents(body: Any) -> list[Any] | None:
     return echoed(body, "documents", isinstance(body, dict) and body.get("return_documents") is True)
 
 
-def error_body(status: int, message: str, param: str | None = None, kind: str | None = None) -> dict[str, Any]:
-    """Voyage's ``{"detail": message}`` (what the SDK reads into its errors)."""
-    return {"detail": param_first(message, param)}
-
-
 VOYAGE = Dialect(
     name="voyage", paths=("/v1/rerank",), max_items=1000,
     encode_request=encode_request, decode_response=decode_response, parse_request=parse_request,
-    encode_response=encode_response, error_body=error_body, request_body=RerankBody,
+    encode_response=encode_response, error_body=detail_error, request_body=RerankBody,
     echoed_documents=echoed_documents, wire_names=WIRE_NAMES,
     markers=(frozenset({"top_k"}), frozenset({"truncation"})))
