@@ -2,9 +2,12 @@
 
 ``lm_url`` serves the tiny Qwen3 CausalLM (generative routes), ``ce_url`` the tiny BERT cross-encoder; both are
 started once per session, over the same ``EmbeddedBackend`` objects the tests compare with (``lm``, ``ce``).
+``errors`` records what the server logs at warning and above during a test.
 """
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 from live_server import live_server
@@ -28,3 +31,17 @@ def lm_url(lm):
 def ce_url(ce):
     with live_server(create_app(ce, CE_CONFIG)) as url:
         yield url
+
+
+@pytest.fixture
+def errors():
+    """Records of warning and above from the server's loggers (uvicorn's do not reach the root logger)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    loggers = [logging.getLogger(name) for name in ("uvicorn.error", "uvicorn", "rerankit", "asyncio", "")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    yield records
+    for logger in loggers:
+        logger.removeHandler(handler)

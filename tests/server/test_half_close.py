@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import socket
 import time
 
@@ -71,20 +70,6 @@ def base(request):
     backend = RecordingBackend()
     with live_server(Slowed(create_app(backend, CONFIG)), CONFIG, protocol=request.param) as url:
         yield url, backend
-
-
-@pytest.fixture
-def errors():
-    """Records of warning and above from the server's loggers (uvicorn's do not reach the root logger)."""
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append  # type: ignore[method-assign]
-    loggers = [logging.getLogger(name) for name in ("uvicorn.error", "uvicorn", "rerankit", "asyncio", "")]
-    for logger in loggers:
-        logger.addHandler(handler)
-    yield records
-    for logger in loggers:
-        logger.removeHandler(handler)
 
 
 def half_closed(base: str, sent: bytes) -> tuple[bytes, float]:

@@ -9,6 +9,7 @@ first request's header deadline counts from its accept: the handshake and those 
 connection the server closes itself is let go ``TLS_CLOSE_WAIT_S`` after its close_notify at the most, answered or
 not (``_release_soon``). A newcomer over the limit makes one connection give way at the most: an HTTPS connection's
 room is found once, as its socket is accepted, and a connection that has given way no longer counts (``gave_way``).
+Every request of a connection that is lost, pipelined ones too, is one whose client left (``gone.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from rerankit.errors import TooManyConnections
 from rerankit.server.app import path_error_response
+from rerankit.server.gone import GoneWithItsRequests
 from rerankit.server.routes import ROUTES
 from rerankit.server.limits import ServerConfig
 from rerankit.server.request_ids import RequestIds
@@ -267,12 +269,13 @@ def close_longest_waiting(waiting: dict[Any, None], newest: Any, closing: dict[A
 
 def guarded_protocol(config: ServerConfig, base: type[asyncio.Protocol] = AutoHTTPProtocol,
                      metrics: Any = None) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol ``base`` with ``config``'s connection limit and request-header deadline; ``metrics``
-    (the server's ``Metrics``) counts the 503s of connections over the limit."""
+    """uvicorn's HTTP protocol ``base`` with ``config``'s connection limit and request-header deadline, whose
+    requests all go with a connection that is lost (``gone.py``); ``metrics`` (the server's ``Metrics``) counts the
+    503s of connections over the limit."""
     attributes = {"max_connections": config.max_connections, "header_timeout_s": config.header_timeout_s,
                   "over_capacity": staticmethod(over_capacity_app(config, metrics)), "waiting": {},
                   "handshakes": set(), "closing": {}, "gave_way": set()}
-    return type(f"Guarded{base.__name__}", (_ConnectionGuard, base), attributes)
+    return type(f"Guarded{base.__name__}", (GoneWithItsRequests, _ConnectionGuard, base), attributes)
 
 
 def over_capacity_app(config: ServerConfig, metrics: Any = None) -> Any:

@@ -16,7 +16,8 @@ T = TypeVar("T")
 async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
     """``work``'s result, unless the client disconnects first: then ``work`` is cancelled (its chunks leave the
     queue) and ``Cancelled`` is raised. Call once the body has been read: the next ``receive()`` then returns only
-    when the connection closes (uvicorn's ``http.disconnect``)."""
+    when the connection closes (uvicorn's ``http.disconnect``; for each request on it, pipelined ones too:
+    ``gone.py``)."""
     return await unless(work, _disconnect(receive),
                         lambda: Cancelled("the client disconnected before its answer was ready"))
 
