@@ -2,10 +2,13 @@
 e4m3 round trips (per-token activation scales, per-channel weight scales: what ``dtype="fp8"`` computes) applied
 to chosen projections only, in plain torch with float32 sums, so the figures hold on any device and carry no
 kernel's own error. Each row: the largest |score - float32 score|, the mean shift, and Spearman against float32;
-the first row is the whole model in bf16, for scale.
+the first row is the whole model in bf16, for scale. Two rows change the rounding, not the projections: bf16 round
+trips on every projection (the same places rounded to 8 significant bits instead of e4m3's 4), and e4m3 with the
+finest scales in use (DeepSeek-V3's blocks: one scale per 128 inputs of a token, per 128 x 128 weights).
 
     PYTHONPATH=src python benchmarks/fp8_ablation.py --shape 0.6b --docs 12     # ~10 minutes on a 2-core CPU
     PYTHONPATH=src python benchmarks/fp8_ablation.py --shape minilm            # real weights: the packaged MiniLM
+    PYTHONPATH=src python benchmarks/fp8_ablation.py --rows "bf16,block"       # only the rows naming these
 
 ``--shape minilm`` scores ``examples/docs.txt`` against a few queries with the packaged all-MiniLM-L6-v2 (real
 weights; a bi-encoder, so the scores are cosine similarities), each query's Spearman taken alone and the worst
@@ -40,6 +43,22 @@ def round_trip(tensor: torch.Tensor) -> torch.Tensor:
     return dequantize_rows(*quantize_rows_reference(rows)).reshape(tensor.shape)
 
 
+def block_round_trip(tensor: torch.Tensor, block_rows: int, block_cols: int = 128) -> torch.Tensor:
+    """``tensor`` [.., d] to float8_e4m3fn and back with one scale (largest |x| / 448) per ``block_rows`` x
+    ``block_cols`` block (zero padded at the edges)."""
+    rows = tensor.reshape(-1, tensor.shape[-1]).float()
+    height, width = rows.shape
+    padded = torch.nn.functional.pad(rows, (0, -width % block_cols, 0, -height % block_rows))
+    blocks = padded.reshape(padded.shape[0] // block_rows, block_rows, padded.shape[1] // block_cols, block_cols)
+    scale = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp(min=1e-12) / 448.0
+    back = (blocks / scale).to(torch.float8_e4m3fn).float() * scale
+    return back.reshape(padded.shape)[:height, :width].reshape(tensor.shape).to(tensor.dtype)
+
+
+def bf16_round_trip(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to(torch.bfloat16).to(tensor.dtype)
+
+
 QUERIES = ("What is the capital of France?", "Which tower was built for a world's fair?", "How do cars work?",
            "What do plants do with sunlight?", "Which is the highest mountain?")
 DOCS_FILE = Path(__file__).resolve().parents[1] / "examples" / "docs.txt"
@@ -50,6 +69,8 @@ def main() -> None:
     parser.add_argument("--shape", default="0.6b", help="a Qwen3-Reranker shape of benchmarks/pairs.py, or "
                         "'minilm': the packaged all-MiniLM-L6-v2's real weights")
     parser.add_argument("--docs", type=int, default=12, help="W1 documents scored")
+    parser.add_argument("--rows", default="", help="comma-separated words: only the rows whose label holds one "
+                        "(the bf16 and float32 references always run)")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -87,14 +108,19 @@ def main() -> None:
                           "mean_shift": round(float(shift.mean()), 4), "spearman_vs_fp32": round(worst, 3),
                           "seconds": round(seconds)}), flush=True)
 
-    def run(label: str, picked: Callable[[str], bool], weights: bool = True, inputs: bool = True) -> None:
-        hooks = []
+    wanted = [word.strip() for word in args.rows.split(",") if word.strip()]
+
+    def run(label: str, picked: Callable[[str], bool], weights: bool = True, inputs: bool = True,
+            rounding: tuple[Callable, Callable] = (round_trip, round_trip)) -> None:
+        if wanted and not any(word in label for word in wanted):
+            return
+        hooks, weight_trip, input_trip = [], *rounding
         for name, module in linears.items():
             if picked(name):
                 if weights:
-                    module.weight.data = round_trip(originals[name])
+                    module.weight.data = weight_trip(originals[name])
                 if inputs:
-                    hooks.append(module.register_forward_pre_hook(lambda _, given: (round_trip(given[0]),)))
+                    hooks.append(module.register_forward_pre_hook(lambda _, given: (input_trip(given[0]),)))
         begun = time.perf_counter()
         try:
             scores = score(backend)
@@ -110,6 +136,10 @@ def main() -> None:
 
     report("bf16 (whole model)", bf16_scores, 0.0)
     run("FP8: every projection", lambda name: True)
+    run("bf16 round trips on every projection (the FP8 row's places)", lambda name: True,
+        rounding=(bf16_round_trip, bf16_round_trip))
+    run("FP8 block scales on every projection (1 x 128 inputs, 128 x 128 weights)", lambda name: True,
+        rounding=(lambda weight: block_round_trip(weight, 128), lambda given: block_round_trip(given, 1)))
     run("FP8 weights only", lambda name: True, inputs=False)
     run("FP8 inputs only", lambda name: True, weights=False)
     if args.shape == "minilm":
