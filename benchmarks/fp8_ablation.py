@@ -9,6 +9,7 @@ finest scales in use (DeepSeek-V3's blocks: one scale per 128 inputs of a token,
     PYTHONPATH=src python benchmarks/fp8_ablation.py --shape 0.6b --docs 12     # ~10 minutes on a 2-core CPU
     PYTHONPATH=src python benchmarks/fp8_ablation.py --shape minilm            # real weights: the packaged MiniLM
     PYTHONPATH=src python benchmarks/fp8_ablation.py --rows "bf16,block"       # only the rows naming these
+    PYTHONPATH=src python benchmarks/fp8_ablation.py --shape 8b --device cuda  # float32 on a GPU
 
 ``--shape minilm`` scores ``examples/docs.txt`` against a few queries with the packaged all-MiniLM-L6-v2 (real
 weights; a bi-encoder, so the scores are cosine similarities), each query's Spearman taken alone and the worst
@@ -69,6 +70,8 @@ def main() -> None:
     parser.add_argument("--shape", default="0.6b", help="a Qwen3-Reranker shape of benchmarks/pairs.py, or "
                         "'minilm': the packaged all-MiniLM-L6-v2's real weights")
     parser.add_argument("--docs", type=int, default=12, help="W1 documents scored")
+    parser.add_argument("--device", default="cpu", help="where the float32 model runs: cpu, or cuda for the 4B "
+                        "and 8B shapes (float32 sums either way: TF32 stays off)")
     parser.add_argument("--rows", default="", help="comma-separated words: only the rows whose label holds one "
                         "(the bf16 and float32 references always run)")
     args = parser.parse_args()
@@ -89,10 +92,13 @@ def main() -> None:
     def score(backend: EmbeddedBackend) -> list[torch.Tensor]:
         return [torch.tensor(response.scores, dtype=torch.float64) for response in backend.score_batch(requests)]
 
-    bf16 = EmbeddedBackend(str(folder), device="cpu", dtype="bfloat16", runner="reference", show_progress=False)
+    torch.backends.cuda.matmul.allow_tf32 = False  # a float32 reference, not TF32's 10-bit products
+    bf16 = EmbeddedBackend(str(folder), device=args.device, dtype="bfloat16", runner="reference",
+                           show_progress=False)
     bf16_scores = score(bf16)
     bf16.close()
-    backend = EmbeddedBackend(str(folder), device="cpu", dtype="float32", runner="reference", show_progress=False)
+    backend = EmbeddedBackend(str(folder), device=args.device, dtype="float32", runner="reference",
+                              show_progress=False)
     model = backend._model().model
     fp32 = score(backend)
     linears = {name: module for name, module in model.named_modules()
