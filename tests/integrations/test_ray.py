@@ -52,14 +52,22 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_serve_deployment_answers_every_route_like_rerankit_serve(cluster, tiny_bert_cross_encoder) -> None:
+def test_serve_deployment_answers_every_route_like_rerankit_serve(cluster, tiny_bert_cross_encoder,
+                                                                 monkeypatch) -> None:
     from ray import serve
+    from ray.serve._private import client as serve_client
 
+    # Serve's client asks whether the app is running, and at shutdown whether it is gone, once a second; and a
+    # replica waits 2 s for requests in flight before it stops (none here). Neither is what this test is about.
+    monkeypatch.setattr(serve_client, "CLIENT_POLLING_INTERVAL_S", 0.05, raising=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(build_app(str(tiny_bert_cross_encoder), num_replicas=1, ray_actor_options={"num_cpus": 0.5},
-                            device="cpu"), name="rerankit", route_prefix="/")
+        app = build_app(str(tiny_bert_cross_encoder), num_replicas=1, ray_actor_options={"num_cpus": 0.5},
+                        device="cpu")
+        app._bound_deployment = app._bound_deployment.options(graceful_shutdown_wait_loop_s=0.05,
+                                                              graceful_shutdown_timeout_s=1)
+        serve.run(app, name="rerankit", route_prefix="/")
         backend = EmbeddedBackend(str(tiny_bert_cross_encoder), device="cpu")
         with live_server(create_app(backend)) as local, httpx.Client(timeout=60) as client:
             for path, body in BODIES.items():
@@ -99,11 +107,12 @@ def test_score_dataset_matches_reranker_score_through_rerankit_score_ray(
     rng = random.Random(0)
     queries = [" ".join(rng.choices(WORDS, k=4)) for _ in range(30)]
     rows = [{"row": row, "query": queries[row % len(queries)], "document": " ".join(rng.choices(WORDS, k=12))}
-            for row in range(3000)]
+            for row in range(300)]
     parquet.write_table(pyarrow.Table.from_pylist(rows), tmp_path / "pairs.parquet")
 
+    # three batches, each with rows of every query
     assert main(["score", "--ray", "--input", str(tmp_path / "pairs.parquet"), "--output", str(tmp_path / "out"),
-                 "--model", str(tiny_bert_cross_encoder), "--device", "cpu", "--batch-size", "1000"]) == 0
+                 "--model", str(tiny_bert_cross_encoder), "--device", "cpu", "--batch-size", "100"]) == 0
     scored = parquet.read_table(tmp_path / "out").to_pylist()
     assert sorted(row["row"] for row in scored) == list(range(len(rows)))
     with Reranker(str(tiny_bert_cross_encoder), device="cpu") as reranker:
