@@ -1,6 +1,7 @@
 """The restart policy of data-parallel replicas: a bounded restart, failures counted within a window, a pause
 between quick restarts, a replica that is down started once more after a wait. The replicas are fakes
-(``replica_fakes.py``) that load no model, so each test takes seconds."""
+(``replica_fakes.py``, through the ``fake`` fixture of conftest.py) that load no model, so each test takes
+seconds."""
 
 from __future__ import annotations
 
@@ -11,36 +12,15 @@ from pathlib import Path
 
 import pytest
 
-import rerankit.engine.replicas as replicas_module
 import rerankit.engine.restart_policy as policy
 from rerankit.engine.replicas import DataParallelBackend
 from rerankit.engine.restart_policy import RestartHistory, backoff_s
 from rerankit.errors import ReplicaDied
 from rerankit.schema import ScoreRequest
 from rerankit.server.metrics import Metrics
-from replica_fakes import fake_replica
 
 REQUEST = ScoreRequest(query="q", items=["a", "b", "c"])
 NO_FAILURES = {"died": 0, "timed_out": 0, "failed_to_start": 0}
-
-
-@pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    """Builds a backend of ``size`` replicas whose starts (counted across them) follow ``plan``; closes it after the
-    test."""
-    monkeypatch.setattr(replicas_module, "replica_main", fake_replica)
-    monkeypatch.setattr(policy, "RESTART_BACKOFF_S", 0.05)
-    built: list[DataParallelBackend] = []
-
-    def build(*plan: str, size: int = 1) -> DataParallelBackend:
-        backend = DataParallelBackend("fake", data_parallel_size=size, device="cpu", startup_timeout_s=60,
-                                      plan=list(plan), journal=str(tmp_path / "starts"))
-        built.append(backend)
-        return backend
-
-    yield build
-    for backend in built:
-        backend.close()
 
 
 def wait_until(condition, what: str, timeout_s: float = 10.0) -> None:

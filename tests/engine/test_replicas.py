@@ -279,29 +279,39 @@ def test_a_replica_makes_no_named_semaphore_of_its_own(replicas: DataParallelBac
         assert mapped == made_here, f"replica {replica.index} made {len(mapped - made_here)} semaphore(s)"
 
 
-def test_work_whose_retry_dies_too_fails_with_replica_died(replicas: DataParallelBackend) -> None:
-    first, second = replicas._replicas
+def test_work_whose_retry_dies_too_fails_with_replica_died(fake) -> None:
+    """Fake replicas, stopped so that they hold the work they are sent (the parent's retry is what is tested; and
+    the shared replicas are left running, not restarting both in the background)."""
+    backend = fake("ready", size=2)
+    first, second = backend._replicas
+    for replica in (first, second):
+        os.kill(replica.process.pid, signal.SIGSTOP)
     outcome: dict = {}
 
     def call() -> None:
         try:
-            replicas.score_batch(REQUESTS)
+            backend.score_batch(REQUESTS)
         except ReplicaDied as error:
             outcome["error"] = error
 
     caller = threading.Thread(target=call)
     caller.start()
-    deadline = time.monotonic() + 30
-    while not first.tasks:
-        assert time.monotonic() < deadline and caller.is_alive()
-        time.sleep(0.005)
-    os.kill(first.process.pid, signal.SIGKILL)
-    while not any(task.retried for task in second.tasks.values()):  # replica 1 now holds replica 0's work
-        assert time.monotonic() < deadline and caller.is_alive()
-        time.sleep(0.005)
-    os.kill(second.process.pid, signal.SIGKILL)
-    caller.join(60)
-    assert not caller.is_alive() and "already been retried once" in str(outcome["error"])
+    try:
+        deadline = time.monotonic() + 30
+        while not first.tasks:
+            assert time.monotonic() < deadline and caller.is_alive()
+            time.sleep(0.005)
+        os.kill(first.process.pid, signal.SIGKILL)
+        while not any(task.retried for task in second.tasks.values()):  # replica 1 now holds replica 0's work
+            assert time.monotonic() < deadline and caller.is_alive()
+            time.sleep(0.005)
+        os.kill(second.process.pid, signal.SIGKILL)
+        caller.join(60)
+        assert not caller.is_alive() and "already been retried once" in str(outcome["error"])
+    finally:
+        for replica in (first, second):
+            if replica.process.is_alive():
+                os.kill(replica.process.pid, signal.SIGCONT)
 
 
 GPU_TOLERANCE = 2e-3  # float32 on a GPU: Triton's dots take TF32 inputs, and batches differ where a request is cut
@@ -345,11 +355,12 @@ def test_gpu_replicas_on_two_devices_score_like_one_with_calls_in_flight(tiny_qw
             assert_same(got, expected, GPU_TOLERANCE)
 
 
-def test_close_stops_the_live_replicas_when_one_stays_down(monkeypatch) -> None:
+def test_close_stops_the_live_replicas_when_one_stays_down(fake, monkeypatch) -> None:
+    """Fake replicas: what is tested is the parent's close."""
     import rerankit.engine.restart_policy as restart_policy
 
     monkeypatch.setattr(restart_policy, "MAX_RESTARTS", 0)  # the first death keeps a replica down
-    backend = make_backend(None, device="cpu", data_parallel_size=2, startup_timeout_s=120)
+    backend = fake("ready", size=2)
     down, live = backend._replicas
     os.kill(down.process.pid, signal.SIGKILL)
     deadline = time.monotonic() + 30
