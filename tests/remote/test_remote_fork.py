@@ -20,6 +20,7 @@ FORKED = """
 
     class Handler(BaseHTTPRequestHandler):  # Cohere /v2/rerank; each score tells which query it answers
         protocol_version = "HTTP/1.1"  # keep-alive: the client pools its connections
+        disable_nagle_algorithm = True  # head and body are two writes: Nagle + delayed ACK held each reply ~40 ms
         def log_message(self, *args): pass
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
