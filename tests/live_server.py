@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import selectors
 import socket
 import subprocess
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
@@ -120,3 +122,33 @@ def closed_by_server(sockets: list[socket.socket], within_s: float) -> int:
                     selector.unregister(key.fileobj)
                     closed += 1
     return closed
+
+
+def server_sockets(port: int, peer: int | None = None) -> int:
+    """How many open files of this process are the server's end of a connection on ``port`` (its listener left
+    out), of the client whose port is ``peer`` (None: any): the sockets the server in this process still holds,
+    whatever the clients do with theirs."""
+    inodes = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote = int(fields[1].split(":")[1], 16), int(fields[2].split(":")[1], 16)
+        if local == port and fields[3] != "0A" and peer in (None, remote):  # 0A: LISTEN
+            inodes.add(f"socket:[{fields[9]}]")
+    held = 0
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            held += os.readlink(fd) in inodes
+        except OSError:  # closed since the listing
+            pass
+    return held
+
+
+def held_until(port: int, at_most: int, within_s: float, peer: int | None = None) -> float | None:
+    """Seconds until the server holds ``at_most`` sockets of ``port`` (of the client at port ``peer``) or fewer;
+    None if not within ``within_s``."""
+    began = time.monotonic()
+    while server_sockets(port, peer) > at_most:
+        if time.monotonic() - began > within_s:
+            return None
+        time.sleep(0.05)
+    return time.monotonic() - began

@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import json
-import os
 import signal
 import socket
 import ssl
@@ -25,7 +24,7 @@ from cryptography import x509  # noqa: E402
 from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
 from cryptography.x509.oid import NameOID  # noqa: E402
-from live_server import closed_by_server, loopback_listener, serving  # noqa: E402
+from live_server import closed_by_server, held_until, loopback_listener, server_sockets, serving  # noqa: E402
 from server_fakes import RecordingBackend  # noqa: E402
 from test_cli import CHILD_ENV, DOCUMENTS, QUERY, rerankit_cli  # noqa: E402
 
@@ -261,36 +260,6 @@ def test_the_handshake_and_the_first_requests_headers_share_one_header_timeout(p
             assert _closed_within(prompt, 2 * timeout_s)
 
 
-def _server_sockets(port: int, peer: int | None = None) -> int:
-    """How many open files of this process are the server's end of a connection on ``port`` (its listener left
-    out), of the client whose port is ``peer`` (None: any): the sockets the server in this process still holds,
-    whatever the clients do with theirs."""
-    inodes = set()
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        local, remote = int(fields[1].split(":")[1], 16), int(fields[2].split(":")[1], 16)
-        if local == port and fields[3] != "0A" and peer in (None, remote):  # 0A: LISTEN
-            inodes.add(f"socket:[{fields[9]}]")
-    held = 0
-    for fd in Path("/proc/self/fd").iterdir():
-        try:
-            held += os.readlink(fd) in inodes
-        except OSError:  # closed since the listing
-            pass
-    return held
-
-
-def _held_until(port: int, at_most: int, within_s: float, peer: int | None = None) -> float | None:
-    """Seconds until the server holds ``at_most`` sockets of ``port`` (of the client at port ``peer``) or fewer;
-    None if not within ``within_s``."""
-    began = time.monotonic()
-    while _server_sockets(port, peer) > at_most:
-        if time.monotonic() - began > within_s:
-            return None
-        time.sleep(0.05)
-    return time.monotonic() - began
-
-
 def _tls_server(pki: Path, loop: str, config: ServerConfig) -> tuple[DrainingServer, socket.socket]:
     if loop == "uvloop":
         pytest.importorskip("uvloop")
@@ -330,9 +299,9 @@ def test_tls_connections_past_their_header_deadline_free_their_sockets_though_th
     with serving(server, listener):
         silent = _silent(port, context, count)
         try:
-            assert _server_sockets(port) == count
-            took = _held_until(port, 0, within_s=timeout_s + 4)
-            assert took is not None, f"{_server_sockets(port)} of {count} sockets still held {timeout_s + 4} s on"
+            assert server_sockets(port) == count
+            took = held_until(port, 0, within_s=timeout_s + 4)
+            assert took is not None, f"{server_sockets(port)} of {count} sockets still held {timeout_s + 4} s on"
             assert all(_sent_close_notify(sock) for sock in silent[:5])
         finally:
             for sock in silent:
@@ -366,9 +335,9 @@ def test_silent_tls_connections_closed_to_make_room_idle_or_at_shutdown_free_the
                 answer += chunk
             assert answer.startswith(b"HTTP/1.1 200"), answer  # answered; then it neither reads nor closes
             client_port = idle.getsockname()[1]
-            assert _server_sockets(port, client_port) == 1
-            assert _held_until(port, limit, within_s=4) is not None, f"{_server_sockets(port)} sockets held"
-            assert _held_until(port, 0, within_s=4, peer=client_port) is not None, "the idle socket is still held"
+            assert server_sockets(port, client_port) == 1
+            assert held_until(port, limit, within_s=4) is not None, f"{server_sockets(port)} sockets held"
+            assert held_until(port, 0, within_s=4, peer=client_port) is not None, "the idle socket is still held"
             assert _sent_close_notify(idle)
             idle.close()
             with context.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=10),
@@ -379,7 +348,7 @@ def test_silent_tls_connections_closed_to_make_room_idle_or_at_shutdown_free_the
                     answer += chunk
                 assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"status":"ok"}'), answer
                 client.unwrap()  # its own close_notify: a clean close both ways
-            assert _held_until(port, limit, within_s=4) is not None
+            assert held_until(port, limit, within_s=4) is not None
             stopping = time.monotonic()
             server.should_exit = True
             thread.join(10)
