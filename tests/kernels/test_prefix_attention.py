@@ -152,12 +152,12 @@ READ_CASES = [(PLAIN, True, 4, 2, 16), (MIS_RAGGED, True, 6, 2, 16), (LONG_PREFI
                          ids=["plain", "mis-group3", "long-prefix-mha-d32", "bidirectional-group4"])
 def test_read_rows_equal_the_full_kernels_rows(layout, causal, q_heads, kv_heads, head_dim, config):
     """``reads=``: each read token's rows alone (one program each, its sequence found by binary search) equal the
-    whole pack's rows there: each sequence's first and last token and every third one, in a shuffled order (the
+    whole pack's rows there: each sequence's first and last token and every sixth one, in a shuffled order (the
     interpreter runs a program a read), then a repeated few, as graphs pad reads."""
     (q, k, v), meta = make_pack(layout, q_heads, kv_heads, head_dim, seed=4)
     whole = prefix_attention(q, k, v, **meta, causal=causal, config=config)
     bounds = meta["cu_seqlens"].tolist()
-    tokens = sorted(set(range(0, q.shape[0], 3)) | set(bounds[:-1]) | {end - 1 for end in bounds[1:]})
+    tokens = sorted(set(range(0, q.shape[0], 6)) | set(bounds[:-1]) | {end - 1 for end in bounds[1:]})
     shuffled = torch.tensor(tokens)[torch.randperm(len(tokens), generator=torch.Generator().manual_seed(0))]
     for reads in (shuffled, torch.tensor([0, 0, 5])):
         got = prefix_attention(q, k, v, **meta, causal=causal, config=config, reads=reads)
