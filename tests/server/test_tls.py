@@ -28,6 +28,7 @@ from live_server import closed_by_server, held_until, loopback_listener, server_
 from server_fakes import RecordingBackend  # noqa: E402
 from test_cli import CHILD_ENV, DOCUMENTS, QUERY, rerankit_cli  # noqa: E402
 
+from rerankit.server import connections  # noqa: E402
 from rerankit.server.app import create_app  # noqa: E402
 from rerankit.server.connections import uvicorn_config  # noqa: E402
 from rerankit.server.limits import ServerConfig  # noqa: E402
@@ -288,10 +289,13 @@ def _sent_close_notify(sock: ssl.SSLSocket) -> bool:
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="counts sockets in /proc")
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-def test_tls_connections_past_their_header_deadline_free_their_sockets_though_the_client_never_answers(pki, loop):
+def test_tls_connections_past_their_header_deadline_free_their_sockets_though_the_client_never_answers(pki, loop,
+                                                                                                      monkeypatch):
     """The header deadline closes a silent TLS connection with a close_notify, and the server lets its socket go
     about a second later though the client never answers it (the TLS layer's own wait: 30 s; with
-    benchmarks/tls_silent.py, 200 sockets on either loop were let go 30.0 s past their deadline, now 1.0 s)."""
+    benchmarks/tls_silent.py, 200 sockets on either loop were let go 30.0 s past their deadline, now 1.0 s).
+    Here the server waits 0.3 s, not TLS_CLOSE_WAIT_S's 1 s, for the answer that never comes."""
+    monkeypatch.setattr(connections, "TLS_CLOSE_WAIT_S", 0.3)
     timeout_s, count = 0.5, 40
     server, listener = _tls_server(pki, loop, ServerConfig(header_timeout_s=timeout_s, warm_up=False))
     port = listener.getsockname()[1]
@@ -310,12 +314,14 @@ def test_tls_connections_past_their_header_deadline_free_their_sockets_though_th
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="counts sockets in /proc")
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-def test_silent_tls_connections_closed_to_make_room_idle_or_at_shutdown_free_their_sockets(pki, loop):
+def test_silent_tls_connections_closed_to_make_room_idle_or_at_shutdown_free_their_sockets(pki, loop, monkeypatch):
     """Over --max-connections, the silent TLS connections closed to make room give way to a newcomer at once (it
     was answered 503 while they waited for their close_notify, 30 s) and let their sockets go within seconds, as
     does a client idle past the keep-alive timeout after its answer (both were held 30 s); a client that reads is
     answered and gets a clean close (close_notify both ways); stopping the server with silent TLS connections open
-    takes about a second (was uvicorn's whole graceful-shutdown timeout)."""
+    takes about a second (was uvicorn's whole graceful-shutdown timeout). Here the server waits 0.5 s, not
+    TLS_CLOSE_WAIT_S's 1 s, for a close_notify (the client that reads answers its own at once)."""
+    monkeypatch.setattr(connections, "TLS_CLOSE_WAIT_S", 0.5)
     limit, count = 4, 12
     server, listener = _tls_server(pki, loop, ServerConfig(max_connections=limit, header_timeout_s=60,
                                                            keep_alive_timeout_s=0.5, warm_up=False))
