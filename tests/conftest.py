@@ -25,6 +25,11 @@ from interpreter_speedup import install as _install_interpreter_speedup  # noqa:
 
 _install_interpreter_speedup()
 
+# httpx clients share the default SSL context instead of loading the CA bundle each (see httpx_speedup.py).
+from httpx_speedup import install as _install_httpx_speedup  # noqa: E402
+
+_install_httpx_speedup()
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if _cuda_available():
