@@ -49,10 +49,8 @@ def test_a_restarting_replica_takes_no_work_while_another_is_ready(fake) -> None
         time.sleep(0.01)
     begun = time.monotonic()
     # two requests: cut across spare replicas before the fix, one of them waiting for the restart (for ever here:
-    # the call gives up after 10 s and fails the test)
+    # the call gives up after 10 s, raising Cancelled, which fails the test; no wall-clock bound needed)
     backend.score_batch([REQUEST, REQUEST], should_stop=lambda: time.monotonic() > begun + 10)
-    took = time.monotonic() - begun
-    assert took < 1.0, f"the call waited {took:.1f} s for the restarting replica"
     assert victim.state == "starting", "the restart ended before the call: the test proves nothing"
     assert backend.problem() is None  # degraded, not down: the other replica serves
     os.kill(victim.process.pid, signal.SIGKILL)  # it dies again before it is ready
