@@ -132,16 +132,21 @@ def _folder_files(filesystem: Any, root: str, name: str,
                   extensions: tuple[str, ...] | None) -> list[tuple[str, Any]]:
     """The files of the folder ``root`` (``name`` as given), as Ray's reader lists them: at any depth but those
     under a name beginning with ``.`` or ``_``, ending in one of ``extensions`` (None: every file), by path."""
+    return [(os.path.join(name, relative), info) for relative, info in _listing(filesystem, root, recursive=True)
+            if info.is_file and not relative.startswith(HIDDEN)
+            and (extensions is None or info.path.lower().endswith(extensions))]
+
+
+def _listing(filesystem: Any, root: str, recursive: bool, allow_not_found: bool = False) -> list[tuple[str, Any]]:
+    """The entries of the folder ``root`` on ``filesystem`` (its sub-folders' too where ``recursive``), by path, each
+    as (its path relative to ``root``, its ``FileInfo``)."""
     import pyarrow.fs
 
-    base, files = root.rstrip("/"), []
-    for info in sorted(filesystem.get_file_info(pyarrow.fs.FileSelector(root, recursive=True)),
-                       key=lambda info: info.path):
-        relative = info.path[len(base):].lstrip("/")
-        if info.is_file and info.path.startswith(base) and not relative.startswith(HIDDEN) and (
-                extensions is None or info.path.lower().endswith(extensions)):
-            files.append((os.path.join(name, relative), info))
-    return files
+    base = root.rstrip("/")
+    selector = pyarrow.fs.FileSelector(root, allow_not_found=allow_not_found, recursive=recursive)
+    return [(info.path[len(base):].lstrip("/"), info)
+            for info in sorted(filesystem.get_file_info(selector), key=lambda info: info.path)
+            if info.path.startswith(base)]
 
 
 def _located(input_path: str) -> tuple[Any, str, str]:
@@ -165,17 +170,10 @@ def _matches(filesystem: Any, root: str, rest: str, prefix: str) -> list[tuple[s
     """The files and folders that the glob ``rest`` matches within the folder ``root`` on ``filesystem`` (given as
     ``prefix``, ``data/``), each as (its name for an error, its ``FileInfo``), by path: ``*`` and ``?`` within a name,
     ``**`` across folders, ``[...]`` a character of a set; none under a name beginning with ``.`` or ``_``."""
-    import pyarrow.fs
-
-    base = root.rstrip("/")
     regex = re.compile(_glob_regex(rest))
-    selector = pyarrow.fs.FileSelector(root, allow_not_found=True, recursive="/" in rest or "**" in rest)
-    matches = []
-    for info in sorted(filesystem.get_file_info(selector), key=lambda info: info.path):
-        relative = info.path[len(base):].lstrip("/")
-        if regex.fullmatch(relative) and not any(part.startswith(HIDDEN) for part in relative.split("/")):
-            matches.append((prefix + relative, info))
-    return matches
+    listed = _listing(filesystem, root, recursive="/" in rest or "**" in rest, allow_not_found=True)
+    return [(prefix + relative, info) for relative, info in listed
+            if regex.fullmatch(relative) and not any(part.startswith(HIDDEN) for part in relative.split("/"))]
 
 
 def _glob_regex(pattern: str) -> str:

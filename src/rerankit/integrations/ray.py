@@ -354,32 +354,36 @@ def _check_output(output_path: str) -> None:
     """``InvalidRequest`` naming ``--output`` where ``output_path`` (local or a URI such as ``s3://bucket/out``) is
     a file, or a folder that holds anything: Ray adds its files beside those there, so a second run would repeat
     every row. A path that cannot be listed here (no credentials yet) is left to Ray."""
-    import pyarrow
     import pyarrow.fs
 
-    try:
-        filesystem, folder = filesystem_of(output_path)
-        kind = filesystem.get_file_info(folder).type
-        held = kind == pyarrow.fs.FileType.Directory and bool(
-            filesystem.get_file_info(pyarrow.fs.FileSelector(folder, recursive=False)))
-    except (OSError, ValueError, pyarrow.ArrowException):
+    listed = _output_listing(output_path, recursive=False)
+    if listed is None:
         return
+    kind, entries = listed
     if kind == pyarrow.fs.FileType.File:
         raise InvalidRequest("--output", f"{output_path} is a file: with --ray it names a folder of Parquet files")
-    if held:
+    if entries:
         raise InvalidRequest("--output", f"{output_path} is a folder that is not empty: give a new one")
 
 
 def _holds_files(output_path: str) -> bool:
     """Whether the folder ``output_path`` exists and holds a file (True where it cannot be told from here: Ray has
     written it)."""
+    listed = _output_listing(output_path, recursive=True)
+    return listed is None or any(info.is_file for info in listed[1])
+
+
+def _output_listing(output_path: str, recursive: bool) -> tuple[Any, list[Any]] | None:
+    """What ``output_path`` (local or a URI) is (a pyarrow ``FileType``) and, for a folder, its entries (its
+    sub-folders' too where ``recursive``); None where it cannot be listed from here (no credentials yet)."""
     import pyarrow
     import pyarrow.fs
 
     try:
         filesystem, folder = filesystem_of(output_path)
-        if filesystem.get_file_info(folder).type != pyarrow.fs.FileType.Directory:
-            return False
-        return any(info.is_file for info in filesystem.get_file_info(pyarrow.fs.FileSelector(folder, recursive=True)))
+        kind = filesystem.get_file_info(folder).type
+        if kind != pyarrow.fs.FileType.Directory:
+            return kind, []
+        return kind, filesystem.get_file_info(pyarrow.fs.FileSelector(folder, recursive=recursive))
     except (OSError, ValueError, pyarrow.ArrowException):
-        return True
+        return None
